@@ -1,0 +1,81 @@
+"""Pool wiring under CP shared KV (extends ``ModelRunnerKVCacheMixin._init_pools``).
+
+The NSA device pool stays *physical*: profiled and sized per rank exactly as upstream does.
+The target worker's allocator becomes the *logical* owner-lane allocator over that pool,
+and ``max_total_num_tokens`` becomes logical (physical x cp_size), which is what the
+scheduler, radix cache and req_to_token see. ``memory_pool_config`` keeps the physical size,
+so draft pools built from it later stay physical and reuse the target's logical allocator.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from sglang_cp_hicache.server_args import CLI_FLAG, CpSharedKVConfigError, is_cp_shared_kv_enabled
+
+logger = logging.getLogger(__name__)
+
+
+def _cp_rank_and_size() -> tuple[int, int]:
+    from sglang.srt.layers.dp_attention import get_attention_cp_rank, get_attention_cp_size
+
+    return get_attention_cp_rank(), get_attention_cp_size()
+
+
+def install_cp_shared_allocator(model_runner: Any, cp_rank: int, cp_size: int) -> None:
+    """Swap the target worker's physical allocator for the logical owner-lane allocator."""
+    from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseNSATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+
+    from sglang_cp_hicache.mem_cache.cp_shared_allocator import (
+        CPSharedPagedTokenToKVPoolAllocator,
+    )
+
+    pool = model_runner.token_to_kv_pool
+    if not isinstance(pool, NSATokenToKVPool) or isinstance(pool, HiSparseNSATokenToKVPool):
+        raise CpSharedKVConfigError(
+            f"{CLI_FLAG} needs an NSA KV pool (DeepSeek-V3.2 / GLM-5 sparse attention); "
+            f"this model built {type(pool).__name__}"
+        )
+    if cp_size < 2:
+        raise CpSharedKVConfigError(
+            f"{CLI_FLAG} needs an attention CP group of 2 or more ranks, got {cp_size}"
+        )
+    old_allocator = model_runner.token_to_kv_pool_allocator
+    physical_size = pool.size
+    model_runner.token_to_kv_pool_allocator = CPSharedPagedTokenToKVPoolAllocator(
+        physical_size,
+        page_size=model_runner.page_size,
+        dtype=model_runner.kv_cache_dtype,
+        device=model_runner.device,
+        kvcache=pool,
+        need_sort=getattr(old_allocator, "need_sort", False),
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        split_mode=model_runner.server_args.nsa_prefill_cp_mode,
+    )
+    model_runner.max_total_num_tokens = model_runner.token_to_kv_pool_allocator.size
+    logger.info(
+        "CP shared KV: rank %d/%d holds %d physical KV tokens; logical capacity %d tokens",
+        cp_rank,
+        cp_size,
+        physical_size,
+        model_runner.max_total_num_tokens,
+    )
+
+
+def init_pools_around(original: Callable, self: Any, *args, **kwargs) -> Any:
+    is_target = (
+        is_cp_shared_kv_enabled(self.server_args)
+        and not getattr(self, "is_draft_worker", False)
+        and self.token_to_kv_pool_allocator is None
+    )
+    result = original(self, *args, **kwargs)
+    if is_target:
+        from sglang_cp_hicache.plugin import verify_hooks_installed
+
+        verify_hooks_installed()
+        cp_rank, cp_size = _cp_rank_and_size()
+        install_cp_shared_allocator(self, cp_rank, cp_size)
+    return result

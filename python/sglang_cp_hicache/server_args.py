@@ -1,0 +1,146 @@
+"""The ``--enable-nsa-prefill-cp-shared-kv`` flag: CLI, ``Engine(**kw)``, pickling, validation.
+
+Extends ``sglang.srt.server_args.ServerArgs`` through hooks (no class replacement):
+
+* ``add_cli_args`` (AFTER) adds the option; parsing it verifies every plugin hook is installed;
+* ``from_cli_args`` (AROUND) carries the parsed value into ``__init__``, which copies only
+  dataclass fields;
+* ``__init__`` (AROUND) accepts the keyword and stores it as an instance attribute before the
+  dataclass ``__init__`` runs, so ``__post_init__`` and pickling (spawned schedulers) see it;
+* ``__post_init__`` (AFTER) rejects every unsupported combination with one clear message;
+* ``check_server_args`` (AFTER) stops a real launch while the attention read path is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextvars
+import os
+from typing import Any, Callable, List
+
+FLAG = "enable_nsa_prefill_cp_shared_kv"
+CLI_FLAG = "--enable-nsa-prefill-cp-shared-kv"
+
+# from_cli_args -> __init__ carrier; a context variable keeps concurrent parsers apart.
+_cli_value: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "cp_shared_kv_cli_value", default=False
+)
+
+
+class CpSharedKVConfigError(ValueError):
+    """An unsupported server configuration together with CP shared KV."""
+
+
+def is_cp_shared_kv_enabled(server_args: Any) -> bool:
+    """True when ``server_args`` asks for CP shared KV (any object, missing attr = off)."""
+    return bool(getattr(server_args, FLAG, False))
+
+
+class _EnableAction(argparse.Action):
+    """``store_true`` that first proves the plugin is fully installed in this process."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from sglang_cp_hicache.plugin import verify_hooks_installed
+
+        verify_hooks_installed()
+        setattr(namespace, self.dest, True)
+
+
+def add_cli_args_after(result: Any, parser: argparse.ArgumentParser) -> None:
+    if any(CLI_FLAG in action.option_strings for action in parser._actions):
+        return None
+    parser.add_argument(
+        CLI_FLAG,
+        dest=FLAG,
+        action=_EnableAction,
+        help=(
+            "NSA prefill context parallel: each CP rank stores only the KV pages it owns "
+            "(owner = logical page %% cp_size), multiplying KV capacity by cp_size; HiCache "
+            "backs up and loads only owned shards. Requires "
+            "--enable-nsa-prefill-context-parallel. (sglang-cp-hicache plugin)"
+        ),
+    )
+    return None
+
+
+def from_cli_args_around(original: Callable, cls: type, args: argparse.Namespace):
+    token = _cli_value.set(bool(getattr(args, FLAG, False)))
+    try:
+        return original(cls, args)
+    finally:
+        _cli_value.reset(token)
+
+
+def init_around(original: Callable, self: Any, *args, **kwargs) -> None:
+    enabled = kwargs.pop(FLAG, None)
+    if enabled is None:
+        enabled = _cli_value.get()
+    elif enabled:
+        from sglang_cp_hicache.plugin import verify_hooks_installed
+
+        verify_hooks_installed()
+    # Set before the dataclass __init__ so __post_init__ (and its hooks) can read it.
+    setattr(self, FLAG, bool(enabled))
+    original(self, *args, **kwargs)
+
+
+def unsupported_combinations(server_args: Any) -> List[str]:
+    """Every reason ``server_args`` cannot run with CP shared KV (empty when it can)."""
+    problems: List[str] = []
+    if not getattr(server_args, "enable_nsa_prefill_context_parallel", False):
+        problems.append(
+            f"{CLI_FLAG} requires --enable-nsa-prefill-context-parallel "
+            "(shared KV shards pages over the NSA prefill CP group)"
+        )
+    if getattr(server_args, "hicache_storage_backend", None) is not None:
+        problems.append(
+            f"{CLI_FLAG} does not support --hicache-storage-backend "
+            f"(got {server_args.hicache_storage_backend!r}): storage keys assume full, "
+            "contiguous host pages, not CP-owned shards"
+        )
+    if getattr(server_args, "enable_hisparse", False):
+        problems.append(f"{CLI_FLAG} does not support --enable-hisparse")
+    if getattr(server_args, "disaggregation_mode", "null") == "decode":
+        problems.append(
+            f"{CLI_FLAG} does not support --disaggregation-mode decode: the decode side "
+            "receives full KV and must not shard it"
+        )
+    if getattr(server_args, "use_ray", False):
+        problems.append(
+            f"{CLI_FLAG} does not support --use-ray: SGLang does not load plugins in Ray "
+            "scheduler actors, so shared KV would silently be off there"
+        )
+    if getattr(server_args, "enable_hierarchical_cache", False):
+        for env in ("SGLANG_ENABLE_UNIFIED_RADIX_TREE", "SGLANG_EXPERIMENTAL_CPP_RADIX_TREE"):
+            if os.environ.get(env, "").lower() in ("1", "true", "yes", "on"):
+                problems.append(
+                    f"{CLI_FLAG} with --enable-hierarchical-cache requires HiRadixCache; "
+                    f"unset {env}"
+                )
+    return problems
+
+
+def validate_cp_shared_kv_args(server_args: Any) -> None:
+    """Raise :class:`CpSharedKVConfigError` naming the first offending flag, if any."""
+    if not is_cp_shared_kv_enabled(server_args):
+        return
+    problems = unsupported_combinations(server_args)
+    if problems:
+        raise CpSharedKVConfigError(problems[0])
+
+
+def post_init_after(result: Any, self: Any) -> None:
+    validate_cp_shared_kv_args(self)
+    return None
+
+
+def check_server_args_after(result: Any, self: Any) -> None:
+    validate_cp_shared_kv_args(self)
+    if is_cp_shared_kv_enabled(self):
+        from sglang_cp_hicache.layers.attention import require_shared_kv_read_path
+
+        require_shared_kv_read_path()
+    return None

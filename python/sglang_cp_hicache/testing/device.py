@@ -1,0 +1,132 @@
+"""A CPU stand-in for ``torch.cuda``'s stream/event surface used by SGLang's cache controllers.
+
+Transfers on CPU run synchronously, so an event is complete once recorded. Tests that need
+in-flight states (a backup whose ack has not arrived) hold events open with
+:func:`CpuDeviceModule.hold_events`; held events report ``query() == False`` until released.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator, List, Optional
+
+
+class CpuEvent:
+    """Event whose completion a test can delay; otherwise complete when recorded."""
+
+    def __init__(self, module: "CpuDeviceModule", enable_timing: bool = False, **_: object):
+        self._module = module
+        self._recorded = False
+        self._held = False
+
+    def record(self, stream: Optional["CpuStream"] = None) -> None:
+        self._recorded = True
+        self._held = self._module._register_if_holding(self)
+
+    def query(self) -> bool:
+        return not self._held
+
+    def synchronize(self) -> None:
+        if self._held:
+            raise RuntimeError(
+                "synchronize() on a held CPU event would deadlock: release the hold first"
+            )
+
+    def wait(self, stream: Optional["CpuStream"] = None) -> None:
+        return None
+
+    def _release(self) -> None:
+        self._held = False
+
+
+class CpuStream:
+    """No-op stream: CPU work is ordered by program order."""
+
+    def __init__(self, *_, **__):
+        pass
+
+    def wait_event(self, event: CpuEvent) -> None:
+        return None
+
+    def wait_stream(self, stream: "CpuStream") -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class CpuDeviceModule:
+    """Module-like object exposing ``Event``, ``Stream``, ``stream``, ``current_stream``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holding = 0
+        self._held: List[CpuEvent] = []
+        self._current = CpuStream()
+
+    def Event(self, *args, **kwargs) -> CpuEvent:  # noqa: N802 - mirrors torch API
+        return CpuEvent(self, *args, **kwargs)
+
+    def Stream(self, *args, **kwargs) -> CpuStream:  # noqa: N802 - mirrors torch API
+        return CpuStream(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def stream(self, stream: Optional[CpuStream]) -> Iterator[None]:
+        yield
+
+    def current_stream(self, device: object = None) -> CpuStream:
+        return self._current
+
+    def synchronize(self, device: object = None) -> None:
+        return None
+
+    def is_available(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str):
+        # Anything beyond streams/events behaves like torch.cpu.
+        import torch
+
+        return getattr(torch.cpu, name)
+
+    def _register_if_holding(self, event: CpuEvent) -> bool:
+        with self._lock:
+            if self._holding:
+                self._held.append(event)
+                return True
+            return False
+
+    def hold_events(self) -> "_EventHold":
+        """Events recorded until ``release()`` stay incomplete (in-flight transfers)."""
+        with self._lock:
+            self._holding += 1
+        return _EventHold(self)
+
+
+class _EventHold:
+    def __init__(self, module: CpuDeviceModule) -> None:
+        self._module = module
+        self._released = False
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        with self._module._lock:
+            self._module._holding -= 1
+            events, self._module._held = self._module._held, []
+        for event in events:
+            event._release()
+
+    def __enter__(self) -> "_EventHold":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+CPU_DEVICE_MODULE = CpuDeviceModule()

@@ -1,0 +1,652 @@
+"""Pure-torch reference of the ``sgl_kernel.kvcacheio`` transfer ops, for machines without a GPU.
+
+The CPU runtime (:mod:`sglang_cp_hicache.testing`) registers this module as
+``sgl_kernel.kvcacheio`` when the real kernel package cannot load. Signatures match the
+Python wrappers of sglang-kernel 0.4.x; semantics follow ``csrc/kvcacheio/transfer.cu``.
+
+Two families of ops:
+
+* **kernel** ops copy ``item_size``-byte items. An item is addressed in bytes from a base
+  pointer, ignoring the tensor's shape and strides exactly as the CUDA kernel does:
+
+  - layer_first (lf):  ``base + index * item_size``
+  - page_first  (pf):  ``base + index * layout_dim + layer_id * item_size``
+  - page_head   (ph):  item split into ``head_num`` heads of ``item_size / head_num`` bytes;
+    head ``h`` of token ``p`` lives at ``base + (p // page_size) * page_size * layout_dim
+    + h * (layout_dim / head_num) * page_size + (p % page_size) * (layout_dim / head_num)
+    + layer_id * item_size / head_num``
+  - pointer table (tbl): lf addressing from ``table[layer_id]``, a raw address held in a
+    uint64 tensor (the all-layer ops).
+
+  Items whose source or destination index is negative are skipped (except page_head, which
+  the CUDA kernel does not guard). Tensor bases are bounds-checked against the bytes the
+  tensor spans; pointer-table bases cannot be and are trusted like the kernel trusts them.
+
+* **direct** ops copy whole rows along dim 0 with ``Tensor.copy_`` over maximal runs of
+  consecutive indices, like ``transfer_page_direct`` in the C++ source.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import List, Sequence, Tuple, Union
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def is_hip() -> bool:
+    """Whether torch was built for ROCm (kept for parity with the real module)."""
+    return torch.version.hip is not None
+
+
+_is_hip = is_hip()
+
+# Upper bound for index checks that only need to reject negative indices.
+_ANY_ROW = 1 << 62
+
+
+# --------------------------------------------------------------------------------------
+# Item views: a byte-addressed set of equally sized items, gathered/scattered by index.
+# --------------------------------------------------------------------------------------
+
+
+class _StridedItems:
+    """Items as rows of a 2-D uint8 view: row ``i`` starts at ``start + i * stride``."""
+
+    def __init__(self, rows: Tensor, what: str):
+        self.rows = rows
+        self.what = what
+
+    def gather(self, idx: Tensor) -> Tensor:
+        _check_bounds(idx, self.rows.shape[0], self.what)
+        return self.rows.index_select(0, idx.to(self.rows.device))
+
+    def scatter(self, idx: Tensor, values: Tensor) -> None:
+        _check_bounds(idx, self.rows.shape[0], self.what)
+        self.rows.index_copy_(0, idx.to(self.rows.device), values.to(self.rows.device))
+
+
+class _PageHeadItems:
+    """Items in page_head layout: a uint8 view ``[page, slot, head, head_bytes]`` of one layer."""
+
+    def __init__(self, pages: Tensor, what: str):
+        self.pages = pages
+        self.what = what
+
+    def _locate(self, idx: Tensor) -> Tuple[Tensor, Tensor]:
+        page_size = self.pages.shape[1]
+        _check_bounds(idx, self.pages.shape[0] * page_size, self.what)
+        idx = idx.to(self.pages.device)
+        return torch.div(idx, page_size, rounding_mode="floor"), idx % page_size
+
+    def gather(self, idx: Tensor) -> Tensor:
+        page, slot = self._locate(idx)
+        return self.pages[page, slot].reshape(idx.numel(), -1)
+
+    def scatter(self, idx: Tensor, values: Tensor) -> None:
+        page, slot = self._locate(idx)
+        heads = values.to(self.pages.device).view(idx.numel(), *self.pages.shape[2:])
+        self.pages[page, slot] = heads
+
+
+def _check_bounds(idx: Tensor, limit: int, what: str) -> None:
+    """Raise ``IndexError`` unless every index lies in ``[0, limit)``."""
+    if idx.numel() == 0:
+        return
+    low, high = int(idx.min()), int(idx.max())
+    if low < 0 or high >= limit:
+        raise IndexError(f"{what}: index range [{low}, {high}] outside [0, {limit})")
+
+
+def _byte_span(t: Tensor) -> Tensor:
+    """1-D uint8 alias of the bytes reachable from ``t.data_ptr()`` through ``t``'s strides."""
+    if t.numel() == 0:
+        extent = 0
+    else:
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        extent = (last + 1) * t.element_size()
+    span = torch.empty(0, dtype=torch.uint8, device=t.device)
+    return span.set_(t.untyped_storage(), t.storage_offset() * t.element_size(), (extent,), (1,))
+
+
+def _strided_view(
+    span: Tensor, offset: int, inner_sizes: Sequence[int], inner_strides: Sequence[int], stride: int
+) -> Tensor:
+    """View ``[count, *inner_sizes]`` of ``span`` with outer byte ``stride`` starting at byte
+    ``offset``; ``count`` is the largest number of outer steps that stays inside ``span``."""
+    inner_extent = 1 + sum((n - 1) * s for n, s in zip(inner_sizes, inner_strides))
+    room = span.numel() - offset - inner_extent
+    count = room // stride + 1 if room >= 0 else 0
+    # as_strided's storage_offset is absolute in the storage, not relative to ``span``.
+    return span.as_strided(
+        (count, *inner_sizes), (stride, *inner_strides), span.storage_offset() + offset
+    )
+
+
+def _lf_items(t: Tensor, item_size: int, what: str) -> _StridedItems:
+    """layer_first item ``i`` of one layer: ``t.data_ptr() + i * item_size``."""
+    return _StridedItems(_strided_view(_byte_span(t), 0, (item_size,), (1,), item_size), what)
+
+
+def _pf_items(
+    t: Tensor, layer_id: int, item_size: int, layout_dim: int, what: str
+) -> _StridedItems:
+    """page_first item ``i``: ``t.data_ptr() + i * layout_dim + layer_id * item_size``."""
+    view = _strided_view(_byte_span(t), layer_id * item_size, (item_size,), (1,), layout_dim)
+    return _StridedItems(view, what)
+
+
+def _ph_items(
+    t: Tensor,
+    layer_id: int,
+    item_size: int,
+    layout_dim: int,
+    page_size: int,
+    head_num: int,
+    what: str,
+) -> _PageHeadItems:
+    """page_head items of ``layer_id`` in a ``[page, head, slot, layer, head_bytes]`` buffer."""
+    if item_size % head_num or layout_dim % head_num:
+        raise ValueError(f"{what}: item_size and layout_dim must divide by head_num={head_num}")
+    head_bytes = item_size // head_num
+    if head_bytes % 8:
+        # The CUDA kernel copies whole 8-byte words per head and would drop the tail.
+        raise ValueError(f"{what}: per-head size {head_bytes} bytes is not a multiple of 8")
+    slot_stride = layout_dim // head_num
+    view = _strided_view(
+        _byte_span(t),
+        layer_id * head_bytes,
+        (page_size, head_num, head_bytes),
+        (slot_stride, slot_stride * page_size, 1),
+        page_size * layout_dim,
+    )
+    return _PageHeadItems(view, what)
+
+
+def _table_addresses(table: Tensor, num_layers: int, what: str) -> List[int]:
+    """Per-layer base addresses from a uint64 pointer table (host memory only)."""
+    if table.device.type != "cpu":
+        raise RuntimeError(f"{what}: the CPU reference cannot dereference {table.device} pointers")
+    addresses = [int(a) for a in table.reshape(-1).tolist()]
+    if len(addresses) < num_layers:
+        raise ValueError(f"{what}: pointer table has {len(addresses)} entries, need {num_layers}")
+    if any(a == 0 for a in addresses[:num_layers]):
+        raise ValueError(f"{what}: null layer pointer")
+    return addresses[:num_layers]
+
+
+def _table_items(address: int, item_size: int, idx: Tensor, what: str) -> _StridedItems:
+    """layer_first items at a raw address; spans exactly the rows ``idx`` reaches, since a
+    bare pointer carries no size to check against."""
+    _check_bounds(idx, _ANY_ROW, what)  # negative rows would address memory before the base
+    num_rows = int(idx.max()) + 1
+    raw = (ctypes.c_uint8 * (num_rows * item_size)).from_address(address)
+    rows = torch.frombuffer(raw, dtype=torch.uint8).view(num_rows, item_size)
+    return _StridedItems(rows, what)
+
+
+def _kernel_indices(
+    src_indices: Tensor, dst_indices: Tensor, item_size: int, skip_negative: bool = True
+) -> Tuple[Tensor, Tensor]:
+    """Validate kernel-op indices as the launcher does; drop items with a negative index."""
+    if src_indices.dtype != torch.long or dst_indices.dtype != torch.long:
+        raise TypeError("Source and destination indices must be of type long")
+    if src_indices.numel() != dst_indices.numel():
+        raise ValueError("Source and destination indices must have the same length")
+    if item_size % 8:
+        raise ValueError("Item byte size must be divisible by 8")
+    src, dst = src_indices.reshape(-1).cpu(), dst_indices.reshape(-1).cpu()
+    if skip_negative:
+        keep = (src >= 0) & (dst >= 0)
+        if not bool(keep.all()):
+            src, dst = src[keep], dst[keep]
+    return src, dst
+
+
+_Items = Union[_StridedItems, _PageHeadItems]
+
+
+def _copy_items(src: _Items, dst: _Items, src_idx: Tensor, dst_idx: Tensor) -> None:
+    """``dst[dst_idx[i]] = src[src_idx[i]]`` item-wise (gather first, so overlap is safe)."""
+    dst.scatter(dst_idx, src.gather(src_idx))
+
+
+def _check_num_layers(table: Tensor, num_layers: int, what: str) -> None:
+    if table.shape[0] != num_layers:
+        raise ValueError(f"Number of layers in {what} does not match num_layers")
+
+
+# --------------------------------------------------------------------------------------
+# Kernel ops, one layer
+# --------------------------------------------------------------------------------------
+
+
+def transfer_kv_per_layer(
+    src_k: Tensor,
+    dst_k: Tensor,
+    src_v: Tensor,
+    dst_v: Tensor,
+    src_indices: Tensor,
+    dst_indices: Tensor,
+    item_size: int,
+    block_quota: int = 2,
+    num_warps_per_block: int = 16 if _is_hip else 32,
+) -> None:
+    """K and V, lf -> lf: item ``i`` at ``base + i * item_size`` on both sides."""
+    src_idx, dst_idx = _kernel_indices(src_indices, dst_indices, item_size)
+    if src_idx.numel() == 0:
+        return
+    for name, src, dst in (("k", src_k, dst_k), ("v", src_v, dst_v)):
+        _copy_items(
+            _lf_items(src, item_size, f"transfer_kv_per_layer src_{name}"),
+            _lf_items(dst, item_size, f"transfer_kv_per_layer dst_{name}"),
+            src_idx,
+            dst_idx,
+        )
+
+
+def transfer_kv_per_layer_pf_lf(
+    src_k: Tensor,
+    dst_k: Tensor,
+    src_v: Tensor,
+    dst_v: Tensor,
+    src_indices: Tensor,
+    dst_indices: Tensor,
+    layer_id: int,
+    item_size: int,
+    src_layout_dim: int,
+    block_quota: int = 2,
+    num_warps_per_block: int = 16 if _is_hip else 32,
+) -> None:
+    """K and V, pf -> lf: src ``base + i * src_layout_dim + layer_id * item_size``,
+    dst ``base + i * item_size`` (dst is the one layer's buffer)."""
+    src_idx, dst_idx = _kernel_indices(src_indices, dst_indices, item_size)
+    if src_idx.numel() == 0:
+        return
+    for name, src, dst in (("k", src_k, dst_k), ("v", src_v, dst_v)):
+        what = f"transfer_kv_per_layer_pf_lf {{}}_{name}"
+        _copy_items(
+            _pf_items(src, layer_id, item_size, src_layout_dim, what.format("src")),
+            _lf_items(dst, item_size, what.format("dst")),
+            src_idx,
+            dst_idx,
+        )
+
+
+def transfer_kv_per_layer_ph_lf(
+    src_k: Tensor,
+    dst_k: Tensor,
+    src_v: Tensor,
+    dst_v: Tensor,
+    src_indices: Tensor,
+    dst_indices: Tensor,
+    layer_id: int,
+    item_size: int,
+    src_layout_dim: int,
+    page_size: int,
+    head_num: int,
+    block_quota: int = 2,
+    num_warps_per_block: int = 16 if _is_hip else 32,
+) -> None:
+    """K and V, ph -> lf: src heads of token ``i`` in page_head layout for ``layer_id``,
+    dst ``base + i * item_size`` with heads contiguous."""
+    # The page-head CUDA kernel has no negative-index guard; bounds checks catch them here.
+    src_idx, dst_idx = _kernel_indices(src_indices, dst_indices, item_size, skip_negative=False)
+    if src_idx.numel() == 0:
+        return
+    for name, src, dst in (("k", src_k, dst_k), ("v", src_v, dst_v)):
+        what = f"transfer_kv_per_layer_ph_lf {{}}_{name}"
+        _copy_items(
+            _ph_items(
+                src, layer_id, item_size, src_layout_dim, page_size, head_num, what.format("src")
+            ),
+            _lf_items(dst, item_size, what.format("dst")),
+            src_idx,
+            dst_idx,
+        )
+
+
+def transfer_kv_per_layer_mla(
+    src: Tensor,
+    dst: Tensor,
+    src_indices: Tensor,
+    dst_indices: Tensor,
+    item_size: int,
+    block_quota: int = 2,
+    num_warps_per_block: int = 16 if _is_hip else 32,
+) -> None:
+    """One buffer, lf -> lf: item ``i`` at ``base + i * item_size`` on both sides."""
+    src_idx, dst_idx = _kernel_indices(src_indices, dst_indices, item_size)
+    if src_idx.numel() == 0:
+        return
+    _copy_items(
+        _lf_items(src, item_size, "transfer_kv_per_layer_mla src"),
+        _lf_items(dst, item_size, "transfer_kv_per_layer_mla dst"),
+        src_idx,
+        dst_idx,
+    )
+
+
+def transfer_kv_per_layer_mla_pf_lf(
+    src: Tensor,
+    dst: Tensor,
+    src_indices: Tensor,
+    dst_indices: Tensor,
+    layer_id: int,
+    item_size: int,
+    src_layout_dim: int,
+    block_quota: int = 2,
+    num_warps_per_block: int = 16 if _is_hip else 32,
+) -> None:
+    """One buffer, pf -> lf: src ``base + i * src_layout_dim + layer_id * item_size``,
+    dst ``base + i * item_size``."""
+    src_idx, dst_idx = _kernel_indices(src_indices, dst_indices, item_size)
+    if src_idx.numel() == 0:
+        return
+    _copy_items(
+        _pf_items(src, layer_id, item_size, src_layout_dim, "transfer_kv_per_layer_mla_pf_lf src"),
+        _lf_items(dst, item_size, "transfer_kv_per_layer_mla_pf_lf dst"),
+        src_idx,
+        dst_idx,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Kernel ops, all layers (source layers given as a uint64 pointer table)
+# --------------------------------------------------------------------------------------
+
+
+def transfer_kv_all_layer(
+    src_k_layers: Tensor,
+    dst_k_layers: Tensor,
+    src_v_layers: Tensor,
+    dst_v_layers: Tensor,
+    src_indices: Tensor,
+    dst_indices: Tensor,
+    item_size: int,
+    num_layers: int,
+    block_quota: int = 2,
+    num_warps_per_block: int = 16 if _is_hip else 32,
+) -> None:
+    """K and V, tbl -> tbl: for each layer ``l``, ``table[l] + i * item_size`` on both sides."""
+    _check_num_layers(src_k_layers, num_layers, "source k tensor")
+    src_idx, dst_idx = _kernel_indices(src_indices, dst_indices, item_size)
+    if src_idx.numel() == 0:
+        return
+    tables = (("k", src_k_layers, dst_k_layers), ("v", src_v_layers, dst_v_layers))
+    for name, src_tbl, dst_tbl in tables:
+        what = f"transfer_kv_all_layer {{}}_{name}_layers"
+        src_addrs = _table_addresses(src_tbl, num_layers, what.format("src"))
+        dst_addrs = _table_addresses(dst_tbl, num_layers, what.format("dst"))
+        for src_addr, dst_addr in zip(src_addrs, dst_addrs):
+            _copy_items(
+                _table_items(src_addr, item_size, src_idx, what.format("src")),
+                _table_items(dst_addr, item_size, dst_idx, what.format("dst")),
+                src_idx,
+                dst_idx,
+            )
+
+
+def transfer_kv_all_layer_lf_pf(
+    src_k_layers: Tensor,
+    dst_k: Tensor,
+    src_v_layers: Tensor,
+    dst_v: Tensor,
+    src_indices: Tensor,
+    dst_indices: Tensor,
+    item_size: int,
+    dst_layout_dim: int,
+    num_layers: int,
+    block_quota: int = 2,
+    num_warps_per_block: int = 16 if _is_hip else 32,
+) -> None:
+    """K and V, tbl -> pf: src ``table[l] + i * item_size``,
+    dst ``base + i * dst_layout_dim + l * item_size``."""
+    _check_num_layers(src_k_layers, num_layers, "source k tensor")
+    src_idx, dst_idx = _kernel_indices(src_indices, dst_indices, item_size)
+    if src_idx.numel() == 0:
+        return
+    for name, src_tbl, dst in (("k", src_k_layers, dst_k), ("v", src_v_layers, dst_v)):
+        what = f"transfer_kv_all_layer_lf_pf {{}}_{name}"
+        src_addrs = _table_addresses(src_tbl, num_layers, what.format("src"))
+        for layer_id, src_addr in enumerate(src_addrs):
+            _copy_items(
+                _table_items(src_addr, item_size, src_idx, what.format("src")),
+                _pf_items(dst, layer_id, item_size, dst_layout_dim, what.format("dst")),
+                src_idx,
+                dst_idx,
+            )
+
+
+def transfer_kv_all_layer_lf_ph(
+    src_k_layers: Tensor,
+    dst_k: Tensor,
+    src_v_layers: Tensor,
+    dst_v: Tensor,
+    src_indices: Tensor,
+    dst_indices: Tensor,
+    item_size: int,
+    dst_layout_dim: int,
+    num_layers: int,
+    page_size: int,
+    head_num: int,
+    block_quota: int = 2,
+    num_warps_per_block: int = 16 if _is_hip else 32,
+) -> None:
+    """K and V, tbl -> ph: src ``table[l] + i * item_size`` (heads contiguous),
+    dst heads of token ``i`` in page_head layout for layer ``l``."""
+    _check_num_layers(src_k_layers, num_layers, "source k tensor")
+    src_idx, dst_idx = _kernel_indices(src_indices, dst_indices, item_size, skip_negative=False)
+    if src_idx.numel() == 0:
+        return
+    for name, src_tbl, dst in (("k", src_k_layers, dst_k), ("v", src_v_layers, dst_v)):
+        what = f"transfer_kv_all_layer_lf_ph {{}}_{name}"
+        src_addrs = _table_addresses(src_tbl, num_layers, what.format("src"))
+        for layer_id, src_addr in enumerate(src_addrs):
+            _copy_items(
+                _table_items(src_addr, item_size, src_idx, what.format("src")),
+                _ph_items(
+                    dst,
+                    layer_id,
+                    item_size,
+                    dst_layout_dim,
+                    page_size,
+                    head_num,
+                    what.format("dst"),
+                ),
+                src_idx,
+                dst_idx,
+            )
+
+
+def transfer_kv_all_layer_mla(
+    src_layers: Tensor,
+    dst_layers: Tensor,
+    src_indices: Tensor,
+    dst_indices: Tensor,
+    item_size: int,
+    num_layers: int,
+    block_quota: int = 2,
+    num_warps_per_block: int = 16 if _is_hip else 32,
+) -> None:
+    """One buffer per layer, tbl -> tbl: ``table[l] + i * item_size`` on both sides."""
+    _check_num_layers(src_layers, num_layers, "source tensor")
+    src_idx, dst_idx = _kernel_indices(src_indices, dst_indices, item_size)
+    if src_idx.numel() == 0:
+        return
+    what = "transfer_kv_all_layer_mla {}_layers"
+    src_addrs = _table_addresses(src_layers, num_layers, what.format("src"))
+    dst_addrs = _table_addresses(dst_layers, num_layers, what.format("dst"))
+    for src_addr, dst_addr in zip(src_addrs, dst_addrs):
+        _copy_items(
+            _table_items(src_addr, item_size, src_idx, what.format("src")),
+            _table_items(dst_addr, item_size, dst_idx, what.format("dst")),
+            src_idx,
+            dst_idx,
+        )
+
+
+def transfer_kv_all_layer_mla_lf_pf(
+    src_layers: Tensor,
+    dst: Tensor,
+    src_indices: Tensor,
+    dst_indices: Tensor,
+    item_size: int,
+    dst_layout_dim: int,
+    num_layers: int,
+    block_quota: int = 2,
+    num_warps_per_block: int = 16 if _is_hip else 32,
+) -> None:
+    """One buffer, tbl -> pf: src ``table[l] + i * item_size``,
+    dst ``base + i * dst_layout_dim + l * item_size``."""
+    _check_num_layers(src_layers, num_layers, "source tensor")
+    src_idx, dst_idx = _kernel_indices(src_indices, dst_indices, item_size)
+    if src_idx.numel() == 0:
+        return
+    what = "transfer_kv_all_layer_mla_lf_pf {}"
+    src_addrs = _table_addresses(src_layers, num_layers, what.format("src_layers"))
+    for layer_id, src_addr in enumerate(src_addrs):
+        _copy_items(
+            _table_items(src_addr, item_size, src_idx, what.format("src_layers")),
+            _pf_items(dst, layer_id, item_size, dst_layout_dim, what.format("dst")),
+            src_idx,
+            dst_idx,
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Direct ops: Tensor.copy_ of dim-0 row runs
+# --------------------------------------------------------------------------------------
+
+
+def _direct_indices(
+    src_indices: Tensor, dst_indices: Tensor, page_size: int
+) -> Tuple[Tensor, Tensor]:
+    """Validate direct-op indices as the C++ does; return them as int64 on the CPU."""
+    if src_indices.numel() != dst_indices.numel():
+        raise ValueError("Source and destination indices must have the same length")
+    if page_size <= 0:
+        raise ValueError("Page size must be positive")
+    if src_indices.numel() % page_size:
+        raise ValueError("Source indices size must be divisible by page size")
+    src = src_indices.reshape(-1).cpu().long()
+    dst = dst_indices.reshape(-1).cpu().long()
+    # A negative start would wrap around in slicing; refuse it instead.
+    _check_bounds(src, _ANY_ROW, "direct transfer src_indices")
+    _check_bounds(dst, _ANY_ROW, "direct transfer dst_indices")
+    return src, dst
+
+
+def _runs(src: Tensor, dst: Tensor, src_step: int, dst_step: int) -> List[Tuple[int, int, int]]:
+    """Maximal runs ``(src_start, dst_start, count)`` over which ``src`` advances by
+    ``src_step`` and ``dst`` by ``dst_step`` per element."""
+    n = src.numel()
+    if n == 0:
+        return []
+    breaks = ((src[1:] - src[:-1]) != src_step) | ((dst[1:] - dst[:-1]) != dst_step)
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), breaks.nonzero().reshape(-1) + 1])
+    counts = torch.diff(starts, append=torch.tensor([n]))
+    return list(zip(src[starts].tolist(), dst[starts].tolist(), counts.tolist()))
+
+
+def _copy_rows(src: Tensor, dst: Tensor) -> None:
+    """``dst.copy_(src)`` after checking the row counts match: slicing clips a run that
+    overruns a buffer, and copy_ would then broadcast a single row or fail obscurely."""
+    if src.shape[0] != dst.shape[0]:
+        raise IndexError(f"direct transfer: run of {src.shape[0]} rows vs {dst.shape[0]} rows")
+    dst.copy_(src, non_blocking=True)
+
+
+def transfer_kv_direct(
+    src_layers: List[Tensor],
+    dst_layers: List[Tensor],
+    src_indices: Tensor,
+    dst_indices: Tensor,
+    page_size: int,
+) -> None:
+    """For every layer ``j``: ``dst_layers[j][d] = src_layers[j][s]`` row-wise along dim 0,
+    copied as runs where both index lists are consecutive."""
+    if len(src_layers) != len(dst_layers):
+        raise ValueError("Source and destination layers must have the same number of layers")
+    src, dst = _direct_indices(src_indices, dst_indices, page_size)
+    for s, d, n in _runs(src, dst, 1, 1):
+        for src_layer, dst_layer in zip(src_layers, dst_layers):
+            _copy_rows(src_layer[s : s + n], dst_layer[d : d + n])
+
+
+def transfer_kv_per_layer_direct_pf_lf(
+    src_ptrs: List[Tensor],
+    dst_ptrs: List[Tensor],
+    src_indices: Tensor,
+    dst_indices: Tensor,
+    layer_id: int,
+    page_size: int,
+) -> None:
+    """page_first_direct -> lf. ``src_ptrs`` is ``[kv]`` (MLA) or ``[k, v]``, each
+    ``[page, layer, page_size, ...]``; ``dst_ptrs`` is ``[layer_0..]`` or ``[k_0.., v_0..]``.
+    Per page ``i``: ``dst[j][d : d + page_size] = src[src_indices[i*ps] // ps][layer_id + j]``
+    with ``d = dst_indices[i*ps]``."""
+    src, dst = _direct_indices(src_indices, dst_indices, page_size)
+    is_mla = len(src_ptrs) == 1
+    num_layers = len(dst_ptrs) if is_mla else len(dst_ptrs) // 2
+    src_pages = torch.div(src[::page_size], page_size, rounding_mode="floor")
+    # Consecutive source pages landing on consecutive destination pages merge into one copy.
+    for s, d, k in _runs(src_pages, dst[::page_size], 1, page_size):
+        for j in range(num_layers):
+            for part in range(1 if is_mla else 2):
+                pages = src_ptrs[part][s : s + k].select(1, layer_id + j)[:, :page_size]
+                rows = dst_ptrs[j + part * num_layers][d : d + k * page_size]
+                _copy_rows(pages, _split_rows(rows, k, page_size))
+
+
+def transfer_kv_all_layer_direct_lf_pf(
+    src_ptrs: List[Tensor],
+    dst_ptrs: List[Tensor],
+    src_indices: Tensor,
+    dst_indices: Tensor,
+    page_size: int,
+) -> None:
+    """lf -> page_first_direct for all layers. ``src_ptrs`` is ``[layer_0..]`` (MLA) or
+    ``[k_0.., v_0..]``; ``dst_ptrs`` is ``[kv]`` or ``[k, v]``, each
+    ``[page, layer, page_size, ...]``.
+    Per page ``i``: ``dst[dst_indices[i*ps] // ps][j][:page_size] = src[j][s : s + page_size]``
+    with ``s = src_indices[i*ps]``."""
+    src, dst = _direct_indices(src_indices, dst_indices, page_size)
+    is_mla = len(dst_ptrs) == 1
+    num_layers = len(src_ptrs) if is_mla else len(src_ptrs) // 2
+    dst_pages = torch.div(dst[::page_size], page_size, rounding_mode="floor")
+    for s, d, k in _runs(src[::page_size], dst_pages, page_size, 1):
+        for j in range(num_layers):
+            for part in range(1 if is_mla else 2):
+                rows = src_ptrs[j + part * num_layers][s : s + k * page_size]
+                pages = dst_ptrs[part][d : d + k].select(1, j)[:, :page_size]
+                _copy_rows(_split_rows(rows, k, page_size), pages)
+
+
+def _split_rows(rows: Tensor, num_pages: int, page_size: int) -> Tensor:
+    """View ``num_pages * page_size`` rows as ``[num_pages, page_size, ...]``."""
+    if rows.shape[0] != num_pages * page_size:
+        raise IndexError(
+            f"direct transfer: run of {num_pages * page_size} rows clipped to {rows.shape[0]}"
+        )
+    return rows.unflatten(0, (num_pages, page_size))
+
+
+__all__ = [
+    "is_hip",
+    "transfer_kv_all_layer",
+    "transfer_kv_all_layer_direct_lf_pf",
+    "transfer_kv_all_layer_lf_pf",
+    "transfer_kv_all_layer_lf_ph",
+    "transfer_kv_all_layer_mla",
+    "transfer_kv_all_layer_mla_lf_pf",
+    "transfer_kv_direct",
+    "transfer_kv_per_layer",
+    "transfer_kv_per_layer_direct_pf_lf",
+    "transfer_kv_per_layer_mla",
+    "transfer_kv_per_layer_mla_pf_lf",
+    "transfer_kv_per_layer_pf_lf",
+    "transfer_kv_per_layer_ph_lf",
+]

@@ -1,0 +1,233 @@
+"""Builds what one scheduler rank builds for an NSA model with HiCache, on the CPU runtime.
+
+Real SGLang classes throughout: ``NSATokenToKVPool`` (physical, per rank), the allocator
+(logical owner-lane allocator in CP mode, upstream ``PagedTokenToKVPoolAllocator`` for the
+non-CP baseline), ``ReqToTokenPool``, host pools and the HiRadixCache with its controller.
+Also provides a deterministic KV pattern: "prefill" writes values that are a function of
+(token id, position, layer) into this rank's owned physical slots, so any rank can check
+what a cache hit returns.
+"""
+
+from __future__ import annotations
+
+import atexit
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+KV_LORA_RANK = 512
+QK_ROPE_HEAD_DIM = 64
+INDEX_HEAD_DIM = 128
+INDEX_BYTES_PER_TOKEN = INDEX_HEAD_DIM + 4  # fp8 K + fp32 scale, per NSATokenToKVPool
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    cp_size: int = 2
+    layer_num: int = 2
+    physical_tokens: int = 64 * 32  # per-rank device pool
+    page_size: int = 64
+    hicache_ratio: float = 2.0
+    hicache_size: int = 0
+    io_backend: str = "direct"
+    mem_layout: str = "layer_first"
+    split_mode: str = "round-robin-split"
+    req_pool_size: int = 64
+    max_context_len: int = 8192
+    write_policy: str = "write_through"
+
+
+@dataclass
+class RankStack:
+    """One rank's cache stack."""
+
+    cache: Any
+    allocator: Any
+    kv_pool: Any
+    req_to_token_pool: Any
+    layout: Any  # CpSharedKVLayout, or None for the upstream baseline
+
+    def close(self) -> None:
+        atexit.unregister(self.cache.shutdown)
+
+
+def _server_args(cfg: StackConfig):
+    from sglang.srt.server_args import ServerArgs
+
+    server_args = ServerArgs(
+        model_path="dummy",
+        page_size=cfg.page_size,
+        enable_hierarchical_cache=True,
+        hicache_ratio=cfg.hicache_ratio,
+        hicache_size=cfg.hicache_size,
+        hicache_write_policy=cfg.write_policy,
+        hicache_io_backend=cfg.io_backend,
+        hicache_mem_layout=cfg.mem_layout,
+    )
+    # model_path="dummy" returns from __post_init__ early; apply the real normalisation.
+    server_args._handle_hicache()
+    return server_args
+
+
+def build_kv_pool(cfg: StackConfig):
+    from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+
+    return NSATokenToKVPool(
+        cfg.physical_tokens,
+        page_size=cfg.page_size,
+        kv_lora_rank=KV_LORA_RANK,
+        dtype=torch.bfloat16,
+        qk_rope_head_dim=QK_ROPE_HEAD_DIM,
+        layer_num=cfg.layer_num,
+        device="cpu",
+        index_head_dim=INDEX_HEAD_DIM,
+        enable_memory_saver=False,
+        kv_cache_dim=KV_LORA_RANK + QK_ROPE_HEAD_DIM,
+    )
+
+
+def build_rank_stack(
+    cfg: StackConfig,
+    cp_rank: int,
+    cp_group: Any,
+    attn_tp_group: Any,
+    shared_kv: bool = True,
+    cache_cls: Optional[type] = None,
+) -> RankStack:
+    """One scheduler rank's stack; ``shared_kv=False`` builds upstream non-CP HiCache.
+
+    ``cache_cls`` overrides the HiRadixCache class (e.g. whatever SGLang's module exports
+    after plugins load, as the scheduler would construct it).
+    """
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    from sglang_cp_hicache.mem_cache.cp_shared_allocator import (
+        CPSharedPagedTokenToKVPoolAllocator,
+    )
+    from sglang_cp_hicache.mem_cache.hiradix_cache import _UPSTREAM, CpHiRadixCache
+
+    kv_pool = build_kv_pool(cfg)
+    if shared_kv:
+        allocator = CPSharedPagedTokenToKVPoolAllocator(
+            cfg.physical_tokens,
+            page_size=cfg.page_size,
+            dtype=torch.bfloat16,
+            device="cpu",
+            kvcache=kv_pool,
+            need_sort=False,
+            cp_size=cfg.cp_size,
+            cp_rank=cp_rank,
+            split_mode=cfg.split_mode,
+        )
+        default_cls = CpHiRadixCache
+        layout = allocator.layout
+    else:
+        allocator = PagedTokenToKVPoolAllocator(
+            cfg.physical_tokens,
+            page_size=cfg.page_size,
+            dtype=torch.bfloat16,
+            device="cpu",
+            kvcache=kv_pool,
+            need_sort=False,
+        )
+        default_cls = _UPSTREAM["HiRadixCache"]
+        layout = None
+    req_to_token_pool = ReqToTokenPool(
+        cfg.req_pool_size, cfg.max_context_len, device="cpu", enable_memory_saver=False
+    )
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=req_to_token_pool,
+        token_to_kv_pool_allocator=allocator,
+        page_size=cfg.page_size,
+        tp_cache_group=attn_tp_group,
+        attn_cp_cache_group=cp_group if shared_kv else None,
+        attn_tp_cache_group=attn_tp_group,
+        eviction_policy="lru",
+    )
+    cache = (cache_cls or default_cls)(params=params, server_args=_server_args(cfg))
+    return RankStack(cache, allocator, kv_pool, req_to_token_pool, layout)
+
+
+# --------------------------------------------------------------------- KV pattern
+def expected_kv_rows(token_ids: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
+    """MLA latent rows [n, 1, 576] (bf16-exact small integers) for the given tokens."""
+    dim = KV_LORA_RANK + QK_ROPE_HEAD_DIM
+    base = (token_ids.to(torch.int64) * 31 + positions.to(torch.int64) * 17 + layer * 7) % 97
+    values = (base.unsqueeze(1) + torch.arange(dim)) % 251 - 125
+    return values.to(torch.bfloat16).unsqueeze(1)
+
+
+def expected_index_bytes(token_ids: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
+    """Indexer K (128 B) + scale (4 B) per token, uint8 [n, 132]."""
+    base = (token_ids.to(torch.int64) * 13 + positions.to(torch.int64) * 7 + layer * 3) % 256
+    return ((base.unsqueeze(1) + torch.arange(INDEX_BYTES_PER_TOKEN)) % 256).to(torch.uint8)
+
+
+def _index_byte_offsets(physical_locs: torch.Tensor, page_size: int) -> tuple:
+    """(page, [132 byte offsets]) of each token in NSA's paged index-K buffer."""
+    pages = physical_locs // page_size
+    offsets = physical_locs % page_size
+    k_cols = offsets.unsqueeze(1) * INDEX_HEAD_DIM + torch.arange(INDEX_HEAD_DIM)
+    scale_cols = page_size * INDEX_HEAD_DIM + offsets.unsqueeze(1) * 4 + torch.arange(4)
+    return pages, torch.cat([k_cols, scale_cols], dim=1)
+
+
+def owned_physical(stack: RankStack, logical_locs: torch.Tensor):
+    """(positions into ``logical_locs`` this rank stores, their physical locs)."""
+    if stack.layout is None:
+        return torch.arange(len(logical_locs)), logical_locs.to(torch.int64)
+    positions = stack.layout.owned_positions(logical_locs.to(torch.int64))
+    return positions, stack.layout.logical_locs_to_physical(logical_locs[positions].to(torch.int64))
+
+
+def write_prefill_kv(
+    stack: RankStack, logical_locs: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """What a forward pass stores: owned tokens only, MLA KV and indexer K/scale."""
+    owned, physical_locs = owned_physical(stack, logical_locs)
+    if len(owned) == 0:
+        return
+    pages, cols = _index_byte_offsets(physical_locs, stack.kv_pool.page_size)
+    for layer in range(stack.kv_pool.layer_num):
+        stack.kv_pool.kv_buffer[layer][physical_locs] = expected_kv_rows(
+            token_ids[owned], positions[owned], layer
+        )
+        index_buf = stack.kv_pool.index_k_with_scale_buffer[layer]
+        index_buf[pages.unsqueeze(1), cols] = expected_index_bytes(
+            token_ids[owned], positions[owned], layer
+        )
+
+
+def count_kv_mismatches(
+    stack: RankStack, logical_locs: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor
+) -> int:
+    """Owned tokens whose KV or indexer bytes differ from the pattern (this rank)."""
+    owned, physical_locs = owned_physical(stack, logical_locs)
+    if len(owned) == 0:
+        return 0
+    pages, cols = _index_byte_offsets(physical_locs, stack.kv_pool.page_size)
+    bad = torch.zeros(len(owned), dtype=torch.bool)
+    for layer in range(stack.kv_pool.layer_num):
+        kv = stack.kv_pool.kv_buffer[layer][physical_locs]
+        expected = expected_kv_rows(token_ids[owned], positions[owned], layer)
+        bad |= (kv != expected).reshape(len(owned), -1).any(dim=1)
+        index_bytes = stack.kv_pool.index_k_with_scale_buffer[layer][pages.unsqueeze(1), cols]
+        bad |= (index_bytes != expected_index_bytes(token_ids[owned], positions[owned], layer)).any(dim=1)
+    return int(bad.sum())
+
+
+def wipe_device_kv(stack: RankStack) -> None:
+    """Zero the whole device pool, so only a real load-back can restore bytes."""
+    for layer in range(stack.kv_pool.layer_num):
+        stack.kv_pool.kv_buffer[layer].zero_()
+        stack.kv_pool.index_k_with_scale_buffer[layer].zero_()
+
+
+def radix_key(token_ids: list, extra_key: Optional[str] = None):
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    return RadixKey(list(token_ids), extra_key)

@@ -1,0 +1,218 @@
+"""The plugin as SGLang loads it: entry point, hooks, the flag, validation, flag-off parity."""
+
+import copy
+import hashlib
+import pickle
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_cp_hicache import plugin
+from sglang_cp_hicache.layers.attention import SharedKVReadPathMissing
+from sglang_cp_hicache.server_args import (
+    CLI_FLAG,
+    FLAG,
+    CpSharedKVConfigError,
+    check_server_args_after,
+)
+from sglang_cp_hicache.testing.dist import run_ranks
+
+CP_ARGS = ["--model-path", "dummy", CLI_FLAG, "--enable-nsa-prefill-context-parallel"]
+
+
+@pytest.fixture(scope="module")
+def plugins_loaded():
+    import sglang.srt.plugins as sglang_plugins
+
+    sglang_plugins._plugins_loaded = False  # guard is process-global
+    sglang_plugins.load_plugins()
+    yield
+
+
+def test_entry_point_is_discoverable():
+    eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "cp_hicache"]
+    assert len(eps) == 1
+    assert eps[0].value == "sglang_cp_hicache.plugin:register"
+    assert eps[0].load() is plugin.register
+
+
+def test_load_plugins_installs_every_hook(plugins_loaded):
+    from sglang.srt.mem_cache import hiradix_cache
+
+    assert plugin.missing_hooks() == []
+    assert hiradix_cache.HiRadixCache.__name__ == "CpHiRadixCache"
+
+
+def test_missing_hook_stops_startup(plugins_loaded, monkeypatch):
+    unapplied = plugin.HookSpec(
+        "sglang.srt.server_args.ServerArgs.url", lambda result, self: None, "AFTER"
+    )
+    typo = plugin.HookSpec("sglang.srt.server_args.ServerArgs.no_such_method", print, "AFTER")
+    assert plugin.missing_hooks([unapplied]) == [unapplied.target]
+    assert plugin.missing_hooks([typo])[0].startswith(typo.target)
+    monkeypatch.setattr(plugin, "HOOKS", plugin.HOOKS + (unapplied,))
+    with pytest.raises(plugin.PluginNotInstalledError, match="ServerArgs.url"):
+        plugin.verify_hooks_installed()
+    # Turning the flag on is where the check runs.
+    from sglang.srt.server_args import prepare_server_args
+
+    with pytest.raises(plugin.PluginNotInstalledError):
+        prepare_server_args(CP_ARGS)
+    with pytest.raises(plugin.PluginNotInstalledError):
+        from sglang.srt.server_args import ServerArgs
+
+        ServerArgs(model_path="dummy", **{FLAG: True})
+
+
+def test_cli_parsing_with_and_without_flag(plugins_loaded):
+    from sglang.srt.server_args import prepare_server_args
+
+    on = prepare_server_args(CP_ARGS)
+    off = prepare_server_args(["--model-path", "dummy"])
+    assert getattr(on, FLAG) is True
+    assert getattr(off, FLAG) is False
+
+
+def test_engine_style_kwargs_and_pickling(plugins_loaded):
+    from sglang.srt.server_args import ServerArgs
+
+    # Engine(**kw) builds ServerArgs(**kw) (its server_args_class); the engine module
+    # itself needs the serving stack (uvloop, fastapi) that the CPU venv leaves out.
+    args = ServerArgs(model_path="dummy", enable_nsa_prefill_context_parallel=True, **{FLAG: True})
+    assert getattr(args, FLAG) is True
+    assert getattr(pickle.loads(pickle.dumps(args)), FLAG) is True
+    assert getattr(copy.deepcopy(args), FLAG) is True
+    assert getattr(ServerArgs(model_path="dummy"), FLAG) is False
+
+
+@pytest.mark.parametrize(
+    "extra, offending",
+    [
+        ({}, "--enable-nsa-prefill-context-parallel"),
+        ({"hicache_storage_backend": "file"}, "--hicache-storage-backend"),
+        ({"enable_hisparse": True}, "--enable-hisparse"),
+        ({"disaggregation_mode": "decode"}, "--disaggregation-mode decode"),
+        ({"use_ray": True}, "--use-ray"),
+    ],
+)
+def test_unsupported_combinations_fail_fast(plugins_loaded, extra, offending):
+    from sglang.srt.server_args import ServerArgs
+
+    kwargs = {"enable_nsa_prefill_context_parallel": True, **extra}
+    if offending == "--enable-nsa-prefill-context-parallel":
+        kwargs = {}
+    with pytest.raises(CpSharedKVConfigError) as excinfo:
+        ServerArgs(model_path="dummy", **{FLAG: True}, **kwargs)
+    assert offending in str(excinfo.value)
+    assert CLI_FLAG in str(excinfo.value)
+    # The same combination without the flag is none of our business.
+    if offending != "--disaggregation-mode decode":
+        ServerArgs(model_path="dummy", **kwargs)
+
+
+def test_unified_radix_tree_env_is_refused(plugins_loaded, monkeypatch):
+    from sglang.srt.server_args import ServerArgs
+
+    monkeypatch.setenv("SGLANG_ENABLE_UNIFIED_RADIX_TREE", "1")
+    with pytest.raises(CpSharedKVConfigError, match="SGLANG_ENABLE_UNIFIED_RADIX_TREE"):
+        ServerArgs(
+            model_path="dummy",
+            enable_nsa_prefill_context_parallel=True,
+            enable_hierarchical_cache=True,
+            **{FLAG: True},
+        )
+
+
+def test_cli_storage_backend_fails_at_parse(plugins_loaded):
+    from sglang.srt.server_args import prepare_server_args
+
+    with pytest.raises(CpSharedKVConfigError, match="--hicache-storage-backend"):
+        prepare_server_args(CP_ARGS + ["--hicache-storage-backend", "file"])
+
+
+def test_real_launch_refused_until_read_path_exists(plugins_loaded):
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path="dummy", enable_nsa_prefill_context_parallel=True, **{FLAG: True})
+    with pytest.raises(SharedKVReadPathMissing, match="materialisation"):
+        check_server_args_after(None, args)
+    check_server_args_after(None, ServerArgs(model_path="dummy"))
+
+
+def test_flag_in_launch_server_help():
+    # The CPU runtime stands in for the GPU stack; the rest is SGLang's own launcher.
+    code = (
+        "import sys, runpy\n"
+        "from sglang_cp_hicache.testing import install\n"
+        "install()\n"
+        "sys.argv = ['launch_server', '--help']\n"
+        "runpy.run_module('sglang.launch_server', run_name='__main__')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert CLI_FLAG in out.stdout
+
+
+# ------------------------------------------------------------- flag off: parity
+def _upstream_round_trip(ctx, with_plugin: bool):
+    """Write-through, device eviction, host hit, load back on upstream non-CP HiCache."""
+    from sglang.srt.mem_cache import hiradix_cache
+    from sglang.srt.mem_cache.base_prefix_cache import (
+        EvictParams,
+        InitLoadBackParams,
+        InsertParams,
+        MatchPrefixParams,
+    )
+
+    from sglang_cp_hicache.testing import nsa_stack
+
+    if with_plugin:
+        import sglang.srt.plugins as sglang_plugins
+
+        sglang_plugins.load_plugins()
+    cache_cls = hiradix_cache.HiRadixCache
+    cfg = nsa_stack.StackConfig(cp_size=1)
+    # Built through the class the scheduler would see after load_plugins().
+    stack = nsa_stack.build_rank_stack(
+        cfg, 0, None, ctx.attn_tp_group, shared_kv=False, cache_cls=cache_cls
+    )
+    tokens = list(range(500, 500 + 64 * 4))
+    locs = stack.allocator.alloc(len(tokens))
+    ids, pos = torch.tensor(tokens), torch.arange(len(tokens))
+    nsa_stack.write_prefill_kv(stack, locs, ids, pos)
+    stack.cache.insert(InsertParams(key=nsa_stack.radix_key(tokens), value=locs))
+    stack.cache.check_hicache_events()
+    stack.cache.evict(EvictParams(num_tokens=len(tokens)))
+    nsa_stack.wipe_device_kv(stack)
+    match = stack.cache.match_prefix(MatchPrefixParams(key=nsa_stack.radix_key(tokens)))
+    loaded, _ = stack.cache.init_load_back(
+        InitLoadBackParams(best_match_node=match.best_match_node, host_hit_length=match.host_hit_length)
+    )
+    stack.cache.ready_to_load_host_cache()
+    stack.cache.check_hicache_events()
+    digest = hashlib.sha256()
+    for layer in range(cfg.layer_num):
+        digest.update(stack.kv_pool.kv_buffer[layer].view(torch.uint8).numpy().tobytes())
+        digest.update(stack.kv_pool.index_k_with_scale_buffer[layer].numpy().tobytes())
+    return {
+        "cache_class": cache_cls.__name__,
+        "host_hit": match.host_hit_length,
+        "loaded": loaded.tolist(),
+        "mismatches": nsa_stack.count_kv_mismatches(stack, loaded, ids, pos),
+        "device_bytes": digest.hexdigest(),
+    }
+
+
+def test_flag_off_round_trip_is_unchanged_by_plugin():
+    without, with_ = (run_ranks(1, _upstream_round_trip, flag)[0] for flag in (False, True))
+    assert without["cache_class"] == "HiRadixCache"
+    assert with_["cache_class"] == "CpHiRadixCache"
+    assert without["host_hit"] == 64 * 4 and without["mismatches"] == 0
+    for key in ("host_hit", "loaded", "mismatches", "device_bytes"):
+        assert with_[key] == without[key], key
