@@ -1,0 +1,472 @@
+"""Owner-lane paged allocator for NSA prefill CP shared KV.
+
+The allocator hands out *logical* locs (identical on every CP rank) while each rank's
+physical pool (``get_kvcache()``) stores only the pages it owns (see
+:class:`CpSharedKVLayout`). Free logical pages are kept in one lane per owner rank:
+lane ``r`` holds the logical pages ``p`` with ``p % cp_size == r``, i.e. physical pages
+``1 .. num_physical_pages`` of rank ``r`` (physical page 0 is the padding page).
+
+Lane choice per entry point (never depends on ``cp_rank``, so every rank driven by the
+same call sequence returns the same locs):
+
+* ``alloc_extend``: each new page comes from the lane of its *compute owner*
+  (:func:`build_page_compute_owners`), so the rank that computes a page's KV stores it.
+* ``alloc_pages_with_owners``: the caller's exact per-page owner sequence.
+* ``alloc_decode`` / ``alloc``: lane balancing (the lanes with the most free pages first,
+  ties to the lower lane). Decode is not CP-split, every rank computes the decode token,
+  so any owner is correct and balancing keeps the lanes from running dry unevenly.
+
+A lane never lends pages to another lane. A call that cannot be served returns ``None``,
+leaves every free list unchanged and records the per-lane page deficit in
+``last_lane_deficit``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+
+from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
+
+logger = logging.getLogger(__name__)
+
+IN_SEQ_SPLIT = "in-seq-split"
+ROUND_ROBIN_SPLIT = "round-robin-split"
+CP_SPLIT_MODES = (IN_SEQ_SPLIT, ROUND_ROBIN_SPLIT)
+
+IntArrayLike = Union[torch.Tensor, np.ndarray, Sequence[int]]
+LaneState = Tuple[Tuple[torch.Tensor, ...], Tuple[torch.Tensor, ...]]
+
+
+def _host_int64(values: IntArrayLike) -> np.ndarray:
+    """Host int64 view/copy of CPU lens or owners (a CPU tensor is viewed, not copied)."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+def _ceil_div(values: np.ndarray, divisor: int) -> np.ndarray:
+    return (values + divisor - 1) // divisor
+
+
+def _segment_offsets(counts: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """For segments of the given lengths: (segment id, index within segment) per element."""
+    segment_ids = np.repeat(np.arange(len(counts)), counts)
+    starts = np.cumsum(counts) - counts
+    return segment_ids, np.arange(len(segment_ids)) - starts[segment_ids]
+
+
+# ------------------------------------------------------------------ compute owners
+# Planning runs in NumPy on the CPU lens: page-granular arrays are small, and NumPy's
+# per-op overhead is a fraction of torch's, which dominates at this size.
+def build_batch_page_compute_owners(
+    prefix_lens_cpu: IntArrayLike,
+    seq_lens_cpu: IntArrayLike,
+    page_size: int,
+    cp_size: int,
+    split_mode: str,
+) -> torch.LongTensor:
+    """Owner lane of every new page of an extend batch, request-major (CPU int64).
+
+    New pages of a request are the pages ``ceil(prefix/ps) .. ceil(seq/ps) - 1`` of its
+    sequence; the page continuing a partially filled prefix page is not new.
+
+    * ``in-seq-split``: SGLang's zigzag split of the request's extend tokens into
+      ``2 * cp_size`` chunks (remainder one token each to the first chunks), chunk ``c``
+      computed by rank ``c`` if ``c < cp_size`` else ``2 * cp_size - 1 - c``. A page is
+      owned by the rank computing its *first extend token*: chunks are token-granular, so
+      a page can straddle a chunk boundary and some rank must take it; the first token
+      is a pure function of (prefix, seq) and exact whenever boundaries are page-aligned.
+    * ``round-robin-split``: SGLang splits tokens round-robin, so every rank computes part
+      of every page; pages are balanced by their page index in the sequence mod cp_size.
+    """
+    if split_mode not in CP_SPLIT_MODES:
+        raise ValueError(f"split_mode must be one of {CP_SPLIT_MODES}, got {split_mode!r}")
+    prefix_lens = _host_int64(prefix_lens_cpu)
+    seq_lens = _host_int64(seq_lens_cpu)
+    first_new_page = _ceil_div(prefix_lens, page_size)
+    num_new_pages = _ceil_div(seq_lens, page_size) - first_new_page
+    request_ids, page_in_request = _segment_offsets(num_new_pages)
+    seq_page = first_new_page[request_ids] + page_in_request
+    if split_mode == ROUND_ROBIN_SPLIT:
+        return torch.from_numpy(seq_page % cp_size)
+
+    num_chunks = 2 * cp_size
+    first_extend_token = seq_page * page_size - prefix_lens[request_ids]
+    extend_lens = (seq_lens - prefix_lens)[request_ids]
+    small_chunk = extend_lens // num_chunks
+    large_chunk = small_chunk + 1
+    tokens_in_large_chunks = (extend_lens % num_chunks) * large_chunk
+    # maximum(.., 1): small_chunk is 0 only when every extend token is in a large chunk.
+    chunk = np.where(
+        first_extend_token < tokens_in_large_chunks,
+        first_extend_token // large_chunk,
+        extend_lens % num_chunks
+        + (first_extend_token - tokens_in_large_chunks) // np.maximum(small_chunk, 1),
+    )
+    return torch.from_numpy(np.where(chunk < cp_size, chunk, num_chunks - 1 - chunk))
+
+
+def build_page_compute_owners(
+    prefix_len: int, seq_len: int, page_size: int, cp_size: int, split_mode: str
+) -> torch.LongTensor:
+    """Owner lane of each new page of one request (see :func:`build_batch_page_compute_owners`)."""
+    return build_batch_page_compute_owners(
+        torch.tensor([prefix_len]), torch.tensor([seq_len]), page_size, cp_size, split_mode
+    )
+
+
+def _lane_balancing_owners(lane_available: List[int], num_pages: int) -> Optional[torch.Tensor]:
+    """Owner lanes for ``num_pages`` pages leaving the lanes' free counts as even as
+    possible (ties to the lower lane), grouped by lane; ``None`` if the total is short."""
+    if num_pages > sum(lane_available):
+        return None
+    # Smallest level L whose excess sum(max(a - L, 0)) fits into num_pages.
+    low, high = 0, max(lane_available, default=0)
+    while low < high:
+        mid = (low + high) // 2
+        if sum(max(a - mid, 0) for a in lane_available) <= num_pages:
+            high = mid
+        else:
+            low = mid + 1
+    counts = [max(a - low, 0) for a in lane_available]
+    leftover = num_pages - sum(counts)
+    # The lanes with available >= low all keep exactly `low` pages now; leftover is less
+    # than their number (level low - 1 would overshoot), and 0 when low == 0.
+    for lane, available in enumerate(lane_available):
+        if leftover == 0:
+            break
+        if available >= low:
+            counts[lane] += 1
+            leftover -= 1
+    return torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+
+
+def _extend_token_locs(
+    prefix_lens_cpu: torch.Tensor,
+    seq_lens_cpu: torch.Tensor,
+    last_loc: torch.Tensor,
+    new_pages: torch.Tensor,
+    page_size: int,
+    extend_num_tokens: int,
+) -> torch.Tensor:
+    """Token locs of an extend batch, the layout of upstream ``alloc_extend_naive``.
+
+    Per request: first the tokens continuing the partially filled prefix page
+    (``last_loc + 1 + i``), then the request's new pages in order, the last one possibly
+    partial. The plan is built per *row* (one continuation row or one new page) on CPU
+    from the CPU lens, so the device expands rows to tokens without a host sync.
+    """
+    prefix_lens = _host_int64(prefix_lens_cpu)
+    seq_lens = _host_int64(seq_lens_cpu)
+    batch_size = len(prefix_lens)
+    first_new_page = _ceil_div(prefix_lens, page_size)
+    num_new_pages = _ceil_div(seq_lens, page_size) - first_new_page
+    num_continued = np.minimum(seq_lens, first_new_page * page_size) - prefix_lens
+    continues = (num_continued > 0).astype(np.int64)
+
+    request_ids, row_in_request = _segment_offsets(continues + num_new_pages)
+    is_continuation_row = row_in_request < continues[request_ids]
+    page_in_request = row_in_request - continues[request_ids]
+    first_page_slot = batch_size + np.cumsum(num_new_pages) - num_new_pages
+    # Slots index `bases` below: request i's continuation at i, new pages after the batch.
+    row_slots = np.where(
+        is_continuation_row, request_ids, first_page_slot[request_ids] + page_in_request
+    )
+    new_page_tokens = (seq_lens - prefix_lens - num_continued)[request_ids]
+    row_tokens = np.where(
+        is_continuation_row,
+        num_continued[request_ids],
+        np.minimum(new_page_tokens - page_in_request * page_size, page_size),
+    )
+
+    device = new_pages.device
+    bases = torch.cat((last_loc.to(device=device, dtype=torch.int64) + 1, new_pages * page_size))
+    row_bases = bases[torch.from_numpy(row_slots).to(device)]
+    token_grid = (row_bases[:, None] + torch.arange(page_size, device=device)).reshape(-1)
+    if bool((row_tokens == page_size).all()):
+        token_locs = token_grid
+    else:
+        kept = np.flatnonzero(np.arange(page_size)[None, :] < row_tokens[:, None])
+        token_locs = token_grid[torch.from_numpy(kept).to(device)]
+    assert len(token_locs) == extend_num_tokens, (len(token_locs), extend_num_tokens)
+    return token_locs
+
+
+# ------------------------------------------------------------------------ lanes
+class OwnerLaneFreePages:
+    """Free logical pages, one lane per owner rank.
+
+    Invariants: lane ``r`` only ever holds logical pages ``p`` with ``p % cp_size == r``
+    and ``p >= cp_size`` (physical page 0 is reserved); a page is in at most one of a
+    lane's ``free_pages`` / ``release_pages`` lists. Tensors are replaced, never written in place,
+    so :meth:`snapshot` is a cheap shallow copy.
+    """
+
+    def __init__(
+        self,
+        cp_size: int,
+        num_physical_pages: int,
+        device: Union[str, torch.device],
+        need_sort: bool,
+    ):
+        self.cp_size = cp_size
+        self.num_physical_pages = num_physical_pages
+        self.device = device
+        self.need_sort = need_sort
+        self.free_pages: List[torch.Tensor] = []
+        self.release_pages: List[torch.Tensor] = []
+        self.reset()
+
+    def reset(self) -> None:
+        physical_pages = torch.arange(
+            1, self.num_physical_pages + 1, dtype=torch.int64, device=self.device
+        )
+        self.free_pages = [physical_pages * self.cp_size + lane for lane in range(self.cp_size)]
+        self.release_pages = [
+            torch.empty((0,), dtype=torch.int64, device=self.device) for _ in range(self.cp_size)
+        ]
+
+    def available_pages(self) -> torch.Tensor:
+        """Free pages per lane (int64 CPU tensor [cp_size]); tensor lengths, no host sync."""
+        return torch.tensor(
+            [
+                len(free) + len(release)
+                for free, release in zip(self.free_pages, self.release_pages)
+            ],
+            dtype=torch.int64,
+        )
+
+    def deficit(self, page_owners_cpu: torch.Tensor) -> torch.Tensor:
+        """Pages per lane missing to serve ``page_owners_cpu`` (int64 CPU tensor [cp_size])."""
+        wanted = torch.bincount(page_owners_cpu, minlength=self.cp_size)
+        return (wanted - self.available_pages()).clamp(min=0)
+
+    def take(self, page_owners_cpu: torch.Tensor) -> torch.Tensor:
+        """Pop one page per entry from the entry's lane; pages follow the input order.
+
+        The caller must have checked :meth:`deficit` is all zero.
+        """
+        owners = page_owners_cpu.numpy()
+        taken = []
+        for lane, count in enumerate(np.bincount(owners, minlength=self.cp_size).tolist()):
+            if count > len(self.free_pages[lane]):
+                self._merge_lane(lane)
+            taken.append(self.free_pages[lane][:count])
+            self.free_pages[lane] = self.free_pages[lane][count:]
+        pages_by_lane = torch.cat(taken)
+        # pages_by_lane is grouped by lane; the stable sort of the owners maps each
+        # input position to its slot in that grouping.
+        lane_order = np.argsort(owners, kind="stable")
+        input_to_grouped = np.empty_like(lane_order)
+        input_to_grouped[lane_order] = np.arange(len(lane_order))
+        return pages_by_lane[torch.from_numpy(input_to_grouped).to(pages_by_lane.device)]
+
+    def put(self, logical_pages: torch.Tensor) -> None:
+        """Return unique logical pages to their owner lanes (prepended, like upstream)."""
+        lanes = logical_pages % self.cp_size
+        # One stable sort and one count read-back instead of a masked select per lane
+        # (each of which would be a host sync on a device tensor).
+        pages_by_lane = logical_pages[torch.argsort(lanes, stable=True)]
+        counts = torch.bincount(lanes, minlength=self.cp_size).tolist()
+        target = self.release_pages if self.need_sort else self.free_pages
+        for lane, pages in enumerate(torch.split(pages_by_lane, counts)):
+            target[lane] = torch.cat((pages, target[lane]))
+
+    def merge_and_sort(self) -> None:
+        for lane in range(self.cp_size):
+            self._merge_lane(lane)
+
+    def snapshot(self) -> LaneState:
+        return tuple(self.free_pages), tuple(self.release_pages)
+
+    def restore(self, state: LaneState) -> None:
+        free, release = state
+        self.free_pages, self.release_pages = list(free), list(release)
+
+    def _merge_lane(self, lane: int) -> None:
+        if len(self.release_pages[lane]) == 0:
+            return
+        self.free_pages[lane], _ = torch.sort(
+            torch.cat((self.free_pages[lane], self.release_pages[lane]))
+        )
+        self.release_pages[lane] = self.release_pages[lane][:0]
+
+
+# -------------------------------------------------------------------- allocator
+class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
+    """Paged allocator over the logical loc space of a CP group with owner lanes.
+
+    ``size`` (logical tokens) is ``physical_size * cp_size``; ``available_size()`` is the
+    logical free token count summed over lanes, matching upstream semantics so the
+    scheduler's ``available + evictable == max_total_num_tokens`` check holds. Upstream's
+    single ``free_pages``/``release_pages`` lists are ``None``: state lives in ``lanes``.
+    """
+
+    def __init__(
+        self,
+        physical_size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: Union[str, torch.device],
+        kvcache,
+        need_sort: bool,
+        cp_size: int,
+        cp_rank: int,
+        split_mode: str,
+    ):
+        if split_mode not in CP_SPLIT_MODES:
+            raise ValueError(f"split_mode must be one of {CP_SPLIT_MODES}, got {split_mode!r}")
+        self.layout = CpSharedKVLayout(cp_size=cp_size, cp_rank=cp_rank, page_size=page_size)
+        self.cp_size = cp_size
+        self.cp_rank = cp_rank
+        self.split_mode = split_mode
+        self.physical_size = physical_size
+        self.lanes = OwnerLaneFreePages(cp_size, physical_size // page_size, device, need_sort)
+        self.last_lane_deficit = torch.zeros(cp_size, dtype=torch.int64)
+        # Upstream __init__ calls clear(), which resets the lanes built above.
+        super().__init__(physical_size * cp_size, page_size, dtype, device, kvcache, need_sort)
+
+    # ------------------------------------------------------------ accounting
+    def available_size(self) -> int:
+        return int(self.lanes.available_pages().sum()) * self.page_size
+
+    def lane_available_pages(self) -> torch.Tensor:
+        """Free pages per owner lane (int64 CPU tensor [cp_size])."""
+        return self.lanes.available_pages()
+
+    def lane_deficit(self, page_owners: IntArrayLike) -> torch.Tensor:
+        """Pages per lane missing to allocate ``page_owners``, without allocating."""
+        return self.lanes.deficit(self._owners_on_cpu(page_owners))
+
+    # ------------------------------------------------------------ allocation
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        """Page-aligned locs of ``need_size // page_size`` lane-balanced pages."""
+        num_pages = need_size // self.page_size
+        page_owners = _lane_balancing_owners(self.lanes.available_pages().tolist(), num_pages)
+        if page_owners is None:
+            self._record_total_shortfall(num_pages)
+            return None
+        return self._pages_to_token_locs(self._take_pages(page_owners))
+
+    def alloc_pages_with_owners(self, page_owners: IntArrayLike) -> Optional[torch.Tensor]:
+        """Page-contiguous locs (``len(page_owners) * page_size``) whose page ``i`` is
+        owned by ``page_owners[i]``; ``None`` if any lane is short."""
+        pages = self._take_pages(self._owners_on_cpu(page_owners))
+        if pages is None:
+            return None
+        return self._pages_to_token_locs(pages)
+
+    def alloc_extend(
+        self,
+        prefix_lens: torch.Tensor,
+        prefix_lens_cpu: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        last_loc: torch.Tensor,
+        extend_num_tokens: int,
+        num_new_pages: Optional[int] = None,
+    ) -> Optional[torch.Tensor]:
+        """Upstream ``alloc_extend`` layout; each new page from its compute owner's lane.
+
+        Only the ``*_cpu`` lens are read (``prefix_lens``/``seq_lens`` are kept for the
+        upstream signature); ``num_new_pages``, when given, must match them.
+        """
+        page_owners = build_batch_page_compute_owners(
+            prefix_lens_cpu, seq_lens_cpu, self.page_size, self.cp_size, self.split_mode
+        )
+        if num_new_pages is not None and num_new_pages != len(page_owners):
+            raise ValueError(
+                f"num_new_pages={num_new_pages} but the lens need {len(page_owners)} new pages"
+            )
+        new_pages = self._take_pages(page_owners)
+        if new_pages is None:
+            return None
+        return _extend_token_locs(
+            prefix_lens_cpu, seq_lens_cpu, last_loc, new_pages, self.page_size, extend_num_tokens
+        )
+
+    def alloc_decode(
+        self,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        last_loc: torch.Tensor,
+    ) -> Optional[torch.Tensor]:
+        """One loc per request: ``last_loc + 1``, or the first loc of a lane-balanced new
+        page when the token starts a page."""
+        starts_page_cpu = (seq_lens_cpu.to(torch.int64) - 1) % self.page_size == 0
+        num_new_pages = int(starts_page_cpu.sum())
+        page_owners = _lane_balancing_owners(self.lanes.available_pages().tolist(), num_new_pages)
+        if page_owners is None:
+            self._record_total_shortfall(num_new_pages)
+            return None
+        new_pages = self._take_pages(page_owners)
+        token_locs = last_loc.to(torch.int64) + 1
+        rows = torch.nonzero(starts_page_cpu, as_tuple=True)[0].to(token_locs.device)
+        token_locs[rows] = new_pages * self.page_size
+        return token_locs
+
+    # --------------------------------------------------------------- release
+    def free(self, free_index: torch.Tensor) -> None:
+        """Return the pages of logical locs ``free_index`` to their owner lanes."""
+        if free_index.numel() == 0:
+            return
+        if not self.is_not_in_free_group:
+            self.free_group.append(free_index)
+            return
+        self.lanes.put(torch.unique(free_index // self.page_size))
+
+    def merge_and_sort_free(self) -> None:
+        self.lanes.merge_and_sort()
+
+    def clear(self) -> None:
+        self.lanes.reset()
+        self.last_lane_deficit = torch.zeros(self.cp_size, dtype=torch.int64)
+        self.is_not_in_free_group = True
+        self.free_group = []
+
+    def backup_state(self) -> LaneState:
+        return self.lanes.snapshot()
+
+    def restore_state(self, state: LaneState) -> None:
+        self.lanes.restore(state)
+
+    # --------------------------------------------------------------- helpers
+    def _take_pages(self, page_owners_cpu: torch.Tensor) -> Optional[torch.Tensor]:
+        """Pages for ``page_owners_cpu`` or ``None`` (lists untouched, deficit recorded)."""
+        deficit = self.lanes.deficit(page_owners_cpu)
+        self.last_lane_deficit = deficit
+        if bool(deficit.any()):
+            logger.debug(
+                "CP shared KV owner lanes exhausted, page deficit per lane: %s", deficit.tolist()
+            )
+            return None
+        return self.lanes.take(page_owners_cpu)
+
+    def _record_total_shortfall(self, num_pages: int) -> None:
+        # Lane-balanced calls fail only when all lanes together are short; freeing this
+        # balanced split of the shortfall makes the same call succeed.
+        shortfall = num_pages - int(self.lanes.available_pages().sum())
+        lanes = torch.arange(self.cp_size)
+        self.last_lane_deficit = (
+            shortfall // self.cp_size + (lanes < shortfall % self.cp_size).long()
+        )
+        logger.debug("CP shared KV allocator short by %d pages", shortfall)
+
+    def _owners_on_cpu(self, page_owners: IntArrayLike) -> torch.Tensor:
+        owners = torch.from_numpy(_host_int64(page_owners))
+        if len(owners) and (int(owners.min()) < 0 or int(owners.max()) >= self.cp_size):
+            raise ValueError(
+                f"page owners must be in [0, {self.cp_size}), got min {int(owners.min())} "
+                f"max {int(owners.max())}"
+            )
+        return owners
+
+    def _pages_to_token_locs(self, pages: torch.Tensor) -> torch.Tensor:
+        return (
+            pages[:, None] * self.page_size + torch.arange(self.page_size, device=pages.device)
+        ).reshape(-1)

@@ -1,0 +1,262 @@
+"""CP HiCache on N gloo ranks: each rank a real scheduler-side cache over its own shards.
+
+Every scenario checks bytes (MLA KV and indexer K/scale) on every rank and that ranks made
+identical decisions (same tree, same ack ids) without any collective beyond upstream's.
+"""
+
+import hashlib
+
+import pytest
+import torch
+
+from sglang_cp_hicache.testing.dist import run_ranks
+
+PS = 64
+
+
+def _stack(ctx, **overrides):
+    from sglang_cp_hicache.testing import nsa_stack
+
+    cfg = dict(cp_size=ctx.world_size, physical_tokens=PS * 16)
+    cfg.update(overrides)
+    return nsa_stack.build_rank_stack(
+        nsa_stack.StackConfig(**cfg), ctx.rank, ctx.cp_group, ctx.attn_tp_group
+    )
+
+
+def _tree_digest(cache) -> str:
+    """Structure, node ids, residency and logical host lengths: identical on all ranks."""
+    digest = hashlib.sha256()
+    stack = [cache.root_node]
+    while stack:
+        node = stack.pop()
+        host_len = -1 if node.host_value is None else len(node.host_value)
+        digest.update(repr((node.id, tuple(node.key.token_ids), node.evicted, host_len)).encode())
+        stack.extend(sorted(node.children.values(), key=lambda n: n.id))
+    return digest.hexdigest()
+
+
+class Driver:
+    """Scheduler-like calls on one rank: prefill (alloc, write owned KV, insert), load back."""
+
+    def __init__(self, stack):
+        from sglang_cp_hicache.testing import nsa_stack
+
+        self.stack, self.ns = stack, nsa_stack
+        self.written = {}
+
+    def prefill(self, tokens, locs=None):
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+        locs = self.stack.allocator.alloc(len(tokens)) if locs is None else locs
+        ids, pos = torch.tensor(tokens), torch.arange(len(tokens))
+        self.ns.write_prefill_kv(self.stack, locs, ids, pos)
+        self.stack.cache.insert(InsertParams(key=self.ns.radix_key(tokens), value=locs))
+        self.stack.cache.check_hicache_events()
+        return locs
+
+    def evict_all_device(self):
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        self.stack.cache.evict(EvictParams(num_tokens=10**9))
+        self.ns.wipe_device_kv(self.stack)  # only a real load-back can restore bytes
+
+    def load_back(self, tokens):
+        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
+
+        cache = self.stack.cache
+        match = cache.match_prefix(MatchPrefixParams(key=self.ns.radix_key(tokens)))
+        loaded, _ = cache.init_load_back(
+            InitLoadBackParams(best_match_node=match.best_match_node, host_hit_length=match.host_hit_length)
+        )
+        cache.ready_to_load_host_cache()
+        cache.check_hicache_events()
+        prefix = torch.cat([match.device_indices, loaded]) if len(loaded) else match.device_indices
+        n = len(prefix)
+        mismatches = self.ns.count_kv_mismatches(
+            self.stack, prefix, torch.tensor(tokens[:n]), torch.arange(n)
+        )
+        return {"host_hit": match.host_hit_length, "loaded": len(loaded), "mismatches": mismatches}
+
+
+# ------------------------------------------------------------------ scenarios
+def _round_trip(ctx):
+    stack = _stack(ctx)
+    drv = Driver(stack)
+    tokens = list(range(1000, 1000 + 7 * PS))
+    drv.prefill(tokens)
+    drv.evict_all_device()
+    result = drv.load_back(tokens)
+    result.update(
+        digest=_tree_digest(stack.cache),
+        physical_host_slots=stack.cache.cp_host_usage()["physical_slots"],
+        logical_host_tokens=stack.cache.cp_host_usage()["logical_tokens"],
+    )
+    return result
+
+
+def _zero_owned_node(ctx):
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+    stack = _stack(ctx)
+    drv = Driver(stack)
+    # Pages owned only by the last rank: every other rank owns nothing in this node.
+    owners = torch.full((3,), ctx.world_size - 1)
+    locs = stack.allocator.alloc_pages_with_owners(owners)
+    tokens = list(range(5000, 5000 + 3 * PS))
+    acked = []
+    real_dec = stack.cache.dec_lock_ref
+    drv.prefill(tokens, locs)
+    node = stack.cache.match_prefix.__self__.root_node.children[drv.ns.radix_key(tokens).child_key(PS)]
+    written = stack.cache.node_host_metadata(node).owned_len
+    drv.evict_all_device()
+    result = drv.load_back(tokens)
+    result.update(owned=written, digest=_tree_digest(stack.cache), pending=len(stack.cache.ongoing_load_back))
+    return result
+
+
+def _host_full_retry(ctx):
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    stack = _stack(ctx, hicache_ratio=1.25)
+    drv = Driver(stack)
+    table = stack.cache.cache_controller.host_table
+    prompts = [list(range(i * 10000, i * 10000 + 4 * PS)) for i in range(table.physical_host_pages + 2)]
+    backed = []
+    for prompt in prompts:  # host pressure: older host nodes get evicted to admit new ones
+        drv.prefill(prompt)
+        node = stack.cache.root_node.children[drv.ns.radix_key(prompt).child_key(PS)]
+        backed.append(node.backuped)
+        stack.cache.evict(EvictParams(num_tokens=4 * PS))
+    retried = drv.load_back(prompts[-1])
+    # Clean failure: every host node is protected (host_ref_counter > 0, as an in-use
+    # prefetch would hold it), so a write needing room is refused on every rank and the
+    # new node simply stays without a host copy.
+    drv.evict_all_device()
+    protected = [n for n in stack.cache.evictable_host_leaves]
+    for node in protected:
+        node.protect_host()
+    fresh = list(range(800000, 800000 + 4 * PS))
+    while not bool((table.lane_free_pages() < 2).any()):  # leave no lane room for `fresh`
+        filler = list(range(len(backed) * 7919 + 900000, len(backed) * 7919 + 900000 + 4 * PS))
+        backed.append(True)
+        drv.prefill(filler)
+        stack.cache.evict(EvictParams(num_tokens=4 * PS))
+        for node in stack.cache.evictable_host_leaves:
+            if node.host_ref_counter == 0:
+                node.protect_host()
+                protected.append(node)
+    host_free = stack.cache.token_to_kv_pool_host.available_size()
+    drv.prefill(fresh)
+    refused = stack.cache.root_node.children[drv.ns.radix_key(fresh).child_key(PS)]
+    for node in protected:
+        node.release_host()
+    return {
+        "all_backed": all(backed),
+        "retry": retried,
+        "refused_backed": refused.backuped,
+        "host_free_unchanged": stack.cache.token_to_kv_pool_host.available_size() == host_free,
+        "digest": _tree_digest(stack.cache),
+    }
+
+
+def _split_then_load_each_half(ctx):
+    stack = _stack(ctx)
+    drv = Driver(stack)
+    tokens = list(range(2000, 2000 + 6 * PS))
+    drv.prefill(tokens)
+    drv.evict_all_device()
+    branch = tokens[: 2 * PS] + list(range(70000, 70000 + 2 * PS))
+    drv.prefill(branch)  # splits the evicted node at 2 pages; first half revived on device
+    drv.evict_all_device()
+    first = drv.load_back(tokens[: 2 * PS])
+    drv.evict_all_device()
+    whole = drv.load_back(tokens)
+    return {"first": first, "whole": whole, "digest": _tree_digest(stack.cache)}
+
+
+def _lane_exhaustion_recovered(ctx):
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+    stack = _stack(ctx)
+    drv = Driver(stack)
+    allocator = stack.allocator
+    target = list(range(3000, 3000 + 4 * PS))
+    drv.prefill(target)
+    drv.evict_all_device()
+    # Least recently used: cache on the *other* lane. Upstream's scalar retry
+    # (evict len(host_indices) tokens) frees exactly this and still cannot load.
+    old_tokens = list(range(300000, 300000 + 4 * PS))
+    drv.prefill(old_tokens, allocator.alloc_pages_with_owners(torch.ones(4, dtype=torch.int64)))
+    # Then lane 0 full of evictable cache; other lanes roomy but mostly in use, so only
+    # evicting lane-0 cache can make the load fit.
+    lane0_free = int(allocator.lane_available_pages()[0])
+    hog = allocator.alloc_pages_with_owners(torch.zeros(lane0_free, dtype=torch.int64))
+    hog_tokens = list(range(400000, 400000 + len(hog)))
+    drv.prefill(hog_tokens, hog)
+    spare = 2  # the target has 2 pages on each lane
+    others = torch.arange(1, ctx.world_size).repeat_interleave(
+        (allocator.lane_available_pages()[1:] - spare).clamp(min=0)
+    )
+    busy = allocator.alloc_pages_with_owners(others) if len(others) else None
+    before = allocator.lane_available_pages().tolist()
+    result = drv.load_back(target)
+    children = stack.cache.root_node.children
+    result.update(
+        lane0_before=before[0],
+        old_evicted=children[drv.ns.radix_key(old_tokens).child_key(PS)].evicted,
+        hog_evicted=children[drv.ns.radix_key(hog_tokens).child_key(PS)].evicted,
+        digest=_tree_digest(stack.cache),
+    )
+    if busy is not None:
+        allocator.free(busy)
+    return result
+
+
+# --------------------------------------------------------------------- tests
+@pytest.mark.parametrize("cp_size", [2, 3, 4])
+def test_write_evict_load_back_bytes_on_every_rank(cp_size):
+    results = run_ranks(cp_size, _round_trip)
+    assert len({r["digest"] for r in results}) == 1
+    for r in results:
+        assert r["host_hit"] == 7 * PS and r["loaded"] == 7 * PS and r["mismatches"] == 0
+        assert r["logical_host_tokens"] == 7 * PS
+    # Each rank holds only its shard; together exactly the logical pages.
+    assert sum(r["physical_host_slots"] for r in results) == 7 * PS
+    assert max(r["physical_host_slots"] for r in results) < 7 * PS
+
+
+def test_rank_owning_nothing_in_a_node_still_acks():
+    results = run_ranks(2, _zero_owned_node)
+    assert [r["owned"] for r in results] == [0, 3 * PS]
+    assert len({r["digest"] for r in results}) == 1
+    for r in results:
+        assert r["host_hit"] == r["loaded"] == 3 * PS and r["mismatches"] == 0
+        assert r["pending"] == 0  # the load ack arrived on the zero-owned rank too
+
+
+def test_host_full_retry_succeeds_and_refusal_is_clean():
+    results = run_ranks(2, _host_full_retry)
+    assert len({r["digest"] for r in results}) == 1
+    for r in results:
+        assert r["all_backed"]  # each write admitted after evicting host victims
+        assert r["retry"]["host_hit"] == 4 * PS and r["retry"]["mismatches"] == 0
+        assert not r["refused_backed"] and r["host_free_unchanged"]
+
+
+def test_split_backed_up_node_then_load_each_half():
+    results = run_ranks(2, _split_then_load_each_half)
+    assert len({r["digest"] for r in results}) == 1
+    for r in results:
+        assert r["first"]["loaded"] == 2 * PS and r["first"]["mismatches"] == 0
+        assert r["whole"]["host_hit"] + r["whole"]["loaded"] >= 4 * PS
+        assert r["whole"]["mismatches"] == 0
+
+
+def test_owner_lane_exhaustion_during_load_back_recovered_by_targeted_eviction():
+    results = run_ranks(2, _lane_exhaustion_recovered)
+    assert len({r["digest"] for r in results}) == 1
+    for r in results:
+        assert r["lane0_before"] == 0
+        assert r["loaded"] == 4 * PS and r["mismatches"] == 0
+        assert r["old_evicted"] and r["hog_evicted"]

@@ -1,0 +1,191 @@
+"""CpHybridCacheController write/load mapping on the real NSA HiCache stack (seed 000 cases 2-3).
+
+Each test builds rank ``r`` of a CP group in this process: its decisions need no peer.
+"""
+
+import pytest
+import torch
+
+from sglang_cp_hicache.mem_cache.cp_hicache_metadata import pages_to_token_locs
+from sglang_cp_hicache.testing import nsa_stack
+
+PS = 64
+
+
+@pytest.fixture
+def rank_stack(gloo_world1, request):
+    cp_size, cp_rank = getattr(request, "param", (2, 0))
+    cfg = nsa_stack.StackConfig(cp_size=cp_size, physical_tokens=PS * 16)
+    stack = nsa_stack.build_rank_stack(cfg, cp_rank, None, gloo_world1)
+    yield stack
+    stack.close()
+
+
+class TransferSpy:
+    """Records the physical indices the host pool group is asked to move (and moves them)."""
+
+    def __init__(self, monkeypatch, host_group):
+        self.backups, self.loads = [], []
+        real_backup = host_group.backup_from_device_all_layer
+        real_load = host_group.load_to_device_per_layer
+
+        def backup(device_pool, host_indices, device_indices, io_backend, pool_transfers=None):
+            self.backups.append((host_indices.clone(), device_indices.clone(), pool_transfers))
+            return real_backup(device_pool, host_indices, device_indices, io_backend, pool_transfers)
+
+        def load(device_pool, host_indices, device_indices, layer_id, io_backend, pool_transfers=None):
+            self.loads.append((host_indices.clone(), device_indices.clone(), pool_transfers))
+            return real_load(device_pool, host_indices, device_indices, layer_id, io_backend, pool_transfers)
+
+        monkeypatch.setattr(host_group, "backup_from_device_all_layer", backup)
+        monkeypatch.setattr(host_group, "load_to_device_per_layer", load)
+
+
+def _sorted(t):
+    return torch.sort(t.to(torch.int64)).values
+
+
+def _write_node(stack, page_owners, node_id=5):
+    logical_locs = stack.allocator.alloc_pages_with_owners(torch.tensor(page_owners))
+    ids = torch.arange(len(logical_locs)) + 1000
+    pos = torch.arange(len(logical_locs))
+    nsa_stack.write_prefill_kv(stack, logical_locs, ids, pos)
+    controller = stack.cache.cache_controller
+    host_locs = controller.write(logical_locs, node_id=node_id, **stack.cache._get_extra_pools())
+    return logical_locs, host_locs, ids, pos
+
+
+def test_write_allocates_host_slots_for_owned_pages_only(rank_stack, monkeypatch):
+    host = rank_stack.cache.token_to_kv_pool_host
+    spy = TransferSpy(monkeypatch, host)
+    free_before = host.available_size()
+    logical_locs, host_locs, _, _ = _write_node(rank_stack, [0, 1, 1, 0, 1])
+    assert len(host_locs) == len(logical_locs)  # logical host locs for the radix tree
+    assert free_before - host.available_size() == 2 * PS
+    assert rank_stack.cache.cache_controller.host_usage()["physical_slots"] == 2 * PS
+
+
+def test_write_transfers_layout_physical_device_indices_kv_and_indexer(rank_stack, monkeypatch):
+    spy = TransferSpy(monkeypatch, rank_stack.cache.token_to_kv_pool_host)
+    logical_locs, _, _, _ = _write_node(rank_stack, [0, 1, 1, 0, 1])
+    layout = rank_stack.layout
+    owned = logical_locs[layout.owned_mask(logical_locs)]
+    (host_idx, device_idx, transfers), = spy.backups
+    assert torch.equal(_sorted(device_idx), _sorted(layout.logical_locs_to_physical(owned)))
+    (indexer,) = transfers  # the NSA indexer sidecar travels with the same physical indices
+    assert torch.equal(indexer.device_indices, device_idx)
+    assert torch.equal(indexer.host_indices, host_idx)
+    # The bytes really moved: host KV rows equal device rows at the paired slots.
+    kv_host = rank_stack.cache.full_kv_pool_host
+    for layer in range(rank_stack.kv_pool.layer_num):
+        device_rows = rank_stack.kv_pool.kv_buffer[layer][device_idx]
+        assert torch.equal(kv_host.kv_buffer[layer][host_idx].view(device_rows.shape), device_rows)
+
+
+def test_zero_owned_write_returns_logical_locs_without_host_slots(rank_stack, monkeypatch):
+    host = rank_stack.cache.token_to_kv_pool_host
+    spy = TransferSpy(monkeypatch, host)
+    free_before = host.available_size()
+    logical_locs, host_locs, _, _ = _write_node(rank_stack, [1, 1, 1])  # rank 0 owns none
+    assert len(host_locs) == len(logical_locs) == 3 * PS
+    assert host.available_size() == free_before
+    assert spy.backups == []
+    meta = rank_stack.cache.cache_controller.host_table.node_metadata(host_locs, node_id=5)
+    assert meta.owned_len == 0 and meta.page_owners.tolist() == [1, 1, 1]
+
+
+def test_zero_owned_write_still_acks_once(rank_stack):
+    controller = rank_stack.cache.cache_controller
+    _write_node(rank_stack, [1, 1], node_id=21)
+    _write_node(rank_stack, [0, 1], node_id=22)
+    _write_node(rank_stack, [1], node_id=23)
+    acks = [(ack.finish_event.query(), list(ack.node_ids)) for ack in controller.ack_write_queue]
+    assert acks == [(True, [21]), (True, [22]), (True, [23])]
+
+
+def test_load_allocates_full_logical_locs_with_write_time_owner_pattern(rank_stack, monkeypatch):
+    owners = [0, 1, 1, 0, 1]
+    _, host_locs, ids, pos = _write_node(rank_stack, owners)
+    nsa_stack.wipe_device_kv(rank_stack)
+    spy = TransferSpy(monkeypatch, rank_stack.cache.token_to_kv_pool_host)
+    controller = rank_stack.cache.cache_controller
+    new_locs = controller.load(host_locs, node_id=9, **rank_stack.cache._get_extra_pools())
+    assert len(new_locs) == len(host_locs)
+    assert rank_stack.layout.page_owners_of_locs(new_locs).tolist() == owners
+    controller.start_loading()
+    layout = rank_stack.layout
+    owned_new = new_locs[layout.owned_mask(new_locs)]
+    host_idx, device_idx, _ = spy.loads[0]
+    assert torch.equal(_sorted(device_idx), _sorted(layout.logical_locs_to_physical(owned_new)))
+    assert len(spy.loads) == rank_stack.kv_pool.layer_num
+    assert nsa_stack.count_kv_mismatches(rank_stack, new_locs, ids, pos) == 0
+
+
+def test_zero_owned_load_skips_transfer_returns_full_logical_locs_and_acks(rank_stack, monkeypatch):
+    _, host_locs, _, _ = _write_node(rank_stack, [1, 1, 1])
+    spy = TransferSpy(monkeypatch, rank_stack.cache.token_to_kv_pool_host)
+    controller = rank_stack.cache.cache_controller
+    producer_before = controller.layer_done_counter.producer_index
+    new_locs = controller.load(host_locs, node_id=31, **rank_stack.cache._get_extra_pools())
+    assert len(new_locs) == 3 * PS
+    assert rank_stack.layout.page_owners_of_locs(new_locs).tolist() == [1, 1, 1]
+    producer = controller.start_loading()
+    assert spy.loads == []
+    assert producer == (producer_before + 1) % controller.layer_done_counter.num_counters
+    (ack,) = controller.ack_load_queue
+    assert ack.finish_event.query() and list(ack.node_ids) == [31]
+
+
+def test_mixed_loads_ack_every_node_in_one_producer(rank_stack):
+    controller = rank_stack.cache.cache_controller
+    _, zero_owned, _, _ = _write_node(rank_stack, [1, 1])
+    _, owned, _, _ = _write_node(rank_stack, [0, 1])
+    extra = rank_stack.cache._get_extra_pools
+    controller.load(zero_owned, node_id=41, **extra())
+    controller.load(owned, node_id=42, **extra())
+    controller.start_loading()
+    (ack,) = controller.ack_load_queue
+    assert list(ack.node_ids) == [41, 42]
+
+
+def test_valid_tail_load_exposes_only_valid_tokens(rank_stack):
+    controller = rank_stack.cache.cache_controller
+    full = rank_stack.allocator.alloc_pages_with_owners(torch.tensor([0, 1, 0]))
+    valid = full[: 2 * PS + 10]  # tail page holds 10 valid tokens
+    ids, pos = torch.arange(len(full)) + 7, torch.arange(len(full))
+    nsa_stack.write_prefill_kv(rank_stack, full, ids, pos)
+    host_locs = controller.write(valid, node_id=3, **rank_stack.cache._get_extra_pools())
+    assert len(host_locs) == 2 * PS + 10
+    nsa_stack.wipe_device_kv(rank_stack)
+    new_locs = controller.load(host_locs, node_id=3, **rank_stack.cache._get_extra_pools())
+    controller.start_loading()
+    assert len(new_locs) == 2 * PS + 10
+    assert torch.equal(new_locs % PS, valid % PS)
+    assert nsa_stack.count_kv_mismatches(rank_stack, new_locs, ids[: len(valid)], pos[: len(valid)]) == 0
+    # The padded tail page was allocated whole; freeing the valid locs returns it.
+    free_before = rank_stack.allocator.available_size()
+    rank_stack.allocator.free(new_locs)
+    assert rank_stack.allocator.available_size() == free_before + 3 * PS
+
+
+def test_host_full_write_is_refused_identically_with_lane_deficit(gloo_world1):
+    cfg = nsa_stack.StackConfig(cp_size=2, physical_tokens=PS * 8, hicache_ratio=1.5)
+    stacks = [nsa_stack.build_rank_stack(cfg, r, None, gloo_world1) for r in range(2)]
+    lane_pages = stacks[0].cache.cache_controller.host_table.physical_host_pages
+    outcomes = []
+    for stack in stacks:
+        controller = stack.cache.cache_controller
+        extra = stack.cache._get_extra_pools
+        # Fill lane 0's host pages exactly (re-backing-up device pages 2, 4, ..., 16),
+        # then ask for one more lane-0 page.
+        remaining = lane_pages
+        while remaining:
+            chunk = min(remaining, 8)
+            fill = pages_to_token_locs(torch.arange(chunk) * 2 + 2, PS)
+            assert controller.write(fill, node_id=1, **extra()) is not None
+            remaining -= chunk
+        assert controller.host_table.lane_free_pages().tolist() == [0, lane_pages]
+        refused = controller.write(pages_to_token_locs(torch.tensor([2]), PS), node_id=2, **extra())
+        outcomes.append((refused is None, controller.last_host_deficit.tolist()))
+        stack.close()
+    assert outcomes == [(True, [1, 0]), (True, [1, 0])]

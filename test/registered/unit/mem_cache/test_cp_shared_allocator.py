@@ -1,0 +1,587 @@
+"""Tests of CPSharedPagedTokenToKVPoolAllocator: owner lanes, upstream parity, recovery."""
+
+import sglang_cp_hicache.testing
+
+sglang_cp_hicache.testing.install()
+
+from dataclasses import dataclass, field  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+from typing import List, Optional  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from sglang.srt.layers.attention.nsa import utils as nsa_utils  # noqa: E402
+from sglang.srt.layers.utils import cp_utils  # noqa: E402
+from sglang.srt.mem_cache import allocator as upstream_allocator  # noqa: E402
+from sglang.srt.mem_cache.allocator import (  # noqa: E402
+    PagedTokenToKVPoolAllocator,
+    alloc_extend_naive,
+)
+
+from sglang_cp_hicache.mem_cache.cp_shared_allocator import (  # noqa: E402
+    CP_SPLIT_MODES,
+    IN_SEQ_SPLIT,
+    ROUND_ROBIN_SPLIT,
+    CPSharedPagedTokenToKVPoolAllocator,
+    build_batch_page_compute_owners,
+    build_page_compute_owners,
+)
+
+CP_SIZES = (1, 2, 3, 4, 8)
+PAGE_SIZES = (1, 16, 64)
+
+
+def make_allocator(
+    cp_size: int,
+    page_size: int,
+    pages_per_lane: int,
+    cp_rank: int = 0,
+    split_mode: str = IN_SEQ_SPLIT,
+    need_sort: bool = False,
+) -> CPSharedPagedTokenToKVPoolAllocator:
+    return CPSharedPagedTokenToKVPoolAllocator(
+        physical_size=pages_per_lane * page_size,
+        page_size=page_size,
+        dtype=torch.bfloat16,
+        device="cpu",
+        kvcache=None,
+        need_sort=need_sort,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        split_mode=split_mode,
+    )
+
+
+def lane_lists(allocator: CPSharedPagedTokenToKVPoolAllocator) -> List[List[int]]:
+    return [t.tolist() for t in allocator.lanes.free_pages + allocator.lanes.release_pages]
+
+
+def extend_args(prefix_lens: List[int], seq_lens: List[int], last_locs: List[int]):
+    prefix = torch.tensor(prefix_lens, dtype=torch.int64)
+    seq = torch.tensor(seq_lens, dtype=torch.int64)
+    last_loc = torch.tensor(last_locs, dtype=torch.int64)
+    return prefix, prefix.clone(), seq, seq.clone(), last_loc, int((seq - prefix).sum())
+
+
+def pages_in_order(token_locs: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Distinct pages of ``token_locs`` in first-appearance order."""
+    pages = (token_locs // page_size).numpy()
+    _, first = np.unique(pages, return_index=True)
+    return torch.from_numpy(pages[np.sort(first)])
+
+
+def same_page_labels(token_locs: torch.Tensor, page_size: int) -> np.ndarray:
+    """Index of the first token sharing each token's page: the page grouping, label-free."""
+    _, first, inverse = np.unique(
+        (token_locs // page_size).numpy(), return_index=True, return_inverse=True
+    )
+    return first[inverse]
+
+
+# ---------------------------------------------------------------- construction
+@pytest.mark.parametrize("cp_size", CP_SIZES)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_sizes_and_lanes_after_construction(cp_size, page_size):
+    allocator = make_allocator(cp_size, page_size, pages_per_lane=5, cp_rank=cp_size - 1)
+
+    assert allocator.physical_size == 5 * page_size
+    assert allocator.size == 5 * page_size * cp_size
+    assert allocator.available_size() == allocator.size
+    assert allocator.lane_available_pages().tolist() == [5] * cp_size
+    assert allocator.layout.cp_rank == cp_size - 1 and allocator.cp_rank == cp_size - 1
+    for lane, pages in enumerate(allocator.lanes.free_pages):
+        # Physical pages 1..5 of lane `lane`; physical page 0 (logical page `lane`) is padding.
+        assert pages.tolist() == [p * cp_size + lane for p in range(1, 6)]
+
+
+def test_rejects_unknown_split_mode():
+    with pytest.raises(ValueError):
+        make_allocator(2, 16, 4, split_mode="zigzag")
+    with pytest.raises(ValueError):
+        build_page_compute_owners(0, 64, 16, 2, "zigzag")
+
+
+# -------------------------------------------------------------- compute owners
+class _TorchWithHostTensors:
+    """``torch`` for cp_utils with ``torch.tensor(device="cuda")`` kept on the host."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def tensor(data, *args, device=None, **kwargs):
+        return torch.tensor(data, *args, **kwargs)
+
+
+def sglang_in_seq_split_token_ranks(extend_len: int, seq_len: int, cp_size: int) -> np.ndarray:
+    """Rank that SGLang's in-seq-split assigns to each extend token, via SGLang itself."""
+    token_ranks = np.full(extend_len, -1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(nsa_utils, "is_nsa_enable_prefill_cp", lambda: True)
+        patch.setattr(nsa_utils, "is_nsa_prefill_cp_round_robin_split", lambda: False)
+        patch.setattr(cp_utils, "torch", _TorchWithHostTensors())
+        for rank in range(cp_size):
+            metadata = cp_utils.prepare_context_parallel_metadata(
+                extend_len, rank, cp_size, [seq_len]
+            )
+            positions = cp_utils.cp_split_and_rebuild_data(
+                SimpleNamespace(attn_cp_metadata=metadata),
+                torch.arange(extend_len).view(-1, 1),
+            )
+            assert np.all(token_ranks[positions.view(-1).numpy()] == -1)
+            token_ranks[positions.view(-1).numpy()] = rank
+    assert np.all(token_ranks >= 0)
+    return token_ranks
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from(CP_SIZES),
+    st.sampled_from(PAGE_SIZES),
+    st.integers(0, 300),
+    st.integers(1, 2000),
+)
+def test_in_seq_split_owner_is_sglang_zigzag_rank_of_first_extend_token(
+    cp_size, page_size, prefix_len, extend_len
+):
+    seq_len = prefix_len + extend_len
+    token_ranks = sglang_in_seq_split_token_ranks(extend_len, seq_len, cp_size)
+
+    owners = build_page_compute_owners(prefix_len, seq_len, page_size, cp_size, IN_SEQ_SPLIT)
+
+    first_new_page = -(-prefix_len // page_size)
+    page_starts = np.arange(first_new_page, -(-seq_len // page_size)) * page_size
+    np.testing.assert_array_equal(owners.numpy(), token_ranks[page_starts - prefix_len])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from(CP_SIZES),
+    st.sampled_from(PAGE_SIZES),
+    st.integers(0, 500),
+    st.integers(1, 3000),
+)
+def test_round_robin_owners_are_page_index_mod_cp(cp_size, page_size, prefix_len, extend_len):
+    seq_len = prefix_len + extend_len
+    owners = build_page_compute_owners(prefix_len, seq_len, page_size, cp_size, ROUND_ROBIN_SPLIT)
+
+    seq_pages = torch.arange(-(-prefix_len // page_size), -(-seq_len // page_size))
+    assert torch.equal(owners, seq_pages % cp_size)
+    counts = torch.bincount(owners, minlength=cp_size)
+    assert int(counts.max() - counts.min()) <= 1
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.sampled_from(CP_SPLIT_MODES),
+    st.sampled_from(CP_SIZES),
+    st.sampled_from(PAGE_SIZES),
+    st.lists(st.tuples(st.integers(0, 400), st.integers(0, 400)), min_size=1, max_size=4),
+)
+def test_batch_owners_are_per_request_owners_concatenated(split_mode, cp_size, page_size, requests):
+    prefix_lens = [p for p, _ in requests]
+    seq_lens = [p + e for p, e in requests]
+
+    batch = build_batch_page_compute_owners(
+        torch.tensor(prefix_lens), torch.tensor(seq_lens), page_size, cp_size, split_mode
+    )
+
+    expected = [
+        build_page_compute_owners(p, s, page_size, cp_size, split_mode)
+        for p, s in zip(prefix_lens, seq_lens)
+    ]
+    assert torch.equal(batch, torch.cat(expected))
+    assert batch.dtype == torch.int64
+
+
+# ------------------------------------------------------ alloc_extend vs upstream
+class _NaiveExtendLaunch:
+    """Stands in for ``alloc_extend_kernel[grid]``: upstream's pure-torch reference."""
+
+    def __getitem__(self, grid):
+        def launch(prefix_lens, seq_lens, last_loc, free_pages, out_indices, _bs_upper, page_size):
+            alloc_extend_naive(
+                prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size, "cpu"
+            )
+
+        return launch
+
+
+def upstream_alloc_extend(
+    allocator: PagedTokenToKVPoolAllocator, prefix_lens, seq_lens, last_locs
+) -> torch.Tensor:
+    """Upstream ``alloc_extend`` itself, its Triton launch replaced by the naive reference."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(upstream_allocator, "alloc_extend_kernel", _NaiveExtendLaunch())
+        return allocator.alloc_extend(*extend_args(prefix_lens, seq_lens, last_locs))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from(CP_SPLIT_MODES),
+    st.sampled_from(CP_SIZES),
+    st.sampled_from(PAGE_SIZES),
+    st.lists(st.tuples(st.integers(0, 200), st.integers(1, 300)), min_size=1, max_size=3),
+)
+def test_alloc_extend_matches_upstream_layout_and_compute_owners(
+    split_mode, cp_size, page_size, requests
+):
+    # Room for every page of the batch in any single lane.
+    ours = make_allocator(
+        cp_size, page_size, pages_per_lane=1500 // page_size + 8, split_mode=split_mode
+    )
+    upstream = PagedTokenToKVPoolAllocator(ours.size, page_size, torch.bfloat16, "cpu", None, False)
+    prefix_lens = [p for p, _ in requests]
+    seq_lens = [p + e for p, e in requests]
+
+    # Materialise each request's prefix first so last_loc is real on both allocators.
+    our_last, upstream_last = [], []
+    for prefix_len in prefix_lens:
+        if prefix_len == 0:
+            our_last.append(-1)
+            upstream_last.append(-1)
+            continue
+        our_prefix = ours.alloc_extend(*extend_args([0], [prefix_len], [-1]))
+        our_last.append(int(our_prefix[-1]))
+        upstream_last.append(int(upstream_alloc_extend(upstream, [0], [prefix_len], [-1])[-1]))
+
+    our_locs = ours.alloc_extend(*extend_args(prefix_lens, seq_lens, our_last))
+    upstream_locs = upstream_alloc_extend(upstream, prefix_lens, seq_lens, upstream_last)
+
+    # Same offsets within pages and the same grouping of tokens into pages.
+    assert torch.equal(our_locs % page_size, upstream_locs % page_size)
+    np.testing.assert_array_equal(
+        same_page_labels(our_locs, page_size), same_page_labels(upstream_locs, page_size)
+    )
+    # Exactly upstream's reference fed with the pages we picked.
+    continued_pages = {last // page_size for last, p in zip(our_last, prefix_lens) if p % page_size}
+    new_pages = torch.tensor(
+        [p for p in pages_in_order(our_locs, page_size).tolist() if p not in continued_pages],
+        dtype=torch.int64,
+    )
+    reference = torch.empty_like(our_locs)
+    prefix, _, seq, _, last_loc, _ = extend_args(prefix_lens, seq_lens, our_last)
+    alloc_extend_naive(prefix, seq, last_loc, new_pages, reference, page_size, "cpu")
+    assert torch.equal(our_locs, reference)
+    # Each new page sits in its compute owner's lane.
+    expected_owners = build_batch_page_compute_owners(
+        torch.tensor(prefix_lens), torch.tensor(seq_lens), page_size, cp_size, split_mode
+    )
+    assert torch.equal(ours.layout.owner_for_logical_pages(new_pages), expected_owners)
+
+
+def test_cpu_path_never_launches_triton(monkeypatch):
+    def no_triton(*args, **kwargs):
+        raise AssertionError("Triton kernel launched")
+
+    class _NoLaunch:
+        def __getitem__(self, grid):
+            return no_triton
+
+    monkeypatch.setattr(upstream_allocator, "alloc_extend_kernel", _NoLaunch())
+    monkeypatch.setattr(upstream_allocator, "alloc_decode_kernel", _NoLaunch())
+    allocator = make_allocator(4, 16, pages_per_lane=8)
+
+    locs = allocator.alloc_extend(*extend_args([0], [40], [-1]))
+    decoded = allocator.alloc_decode(torch.tensor([41]), torch.tensor([41]), locs[-1:])
+
+    assert decoded.tolist() == [int(locs[-1]) + 1]
+
+
+def test_num_new_pages_must_match_lens():
+    allocator = make_allocator(2, 16, pages_per_lane=8)
+    with pytest.raises(ValueError):
+        allocator.alloc_extend(*extend_args([0], [40], [-1]), num_new_pages=2)
+    assert allocator.alloc_extend(*extend_args([0], [40], [-1]), num_new_pages=3) is not None
+
+
+# ------------------------------------------------------------------ alloc_decode
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_alloc_decode_continues_pages_and_balances_new_pages(page_size):
+    cp_size = 4
+    allocator = make_allocator(cp_size, page_size, pages_per_lane=6)
+    # Four requests whose next token starts a new page, one that continues its page.
+    seq_lens = torch.tensor(
+        [1, page_size + 1, 2 * page_size + 1, 1, page_size + 2 if page_size > 1 else 1]
+    )
+    last_loc = torch.tensor([-1, 99, 199, -1, 300])
+
+    locs = allocator.alloc_decode(seq_lens, seq_lens.clone(), last_loc)
+
+    starts_page = (seq_lens - 1) % page_size == 0
+    assert torch.equal(locs[~starts_page], last_loc[~starts_page] + 1)
+    new_pages = locs[starts_page] // page_size
+    assert torch.equal(locs[starts_page] % page_size, torch.zeros_like(new_pages))
+    lane_counts = torch.bincount(new_pages % cp_size, minlength=cp_size)
+    assert int(lane_counts.max() - lane_counts.min()) <= 1
+
+
+def test_alloc_decode_uses_the_fullest_lane():
+    allocator = make_allocator(2, 16, pages_per_lane=4)
+    assert allocator.alloc_pages_with_owners([0, 0, 0]) is not None
+
+    locs = allocator.alloc_decode(torch.tensor([17]), torch.tensor([17]), torch.tensor([15]))
+
+    assert int(locs[0]) // 16 % 2 == 1
+
+
+# ------------------------------------------------------------------- plain alloc
+@pytest.mark.parametrize("cp_size", CP_SIZES)
+def test_alloc_balances_lanes_and_uses_all_capacity(cp_size):
+    allocator = make_allocator(cp_size, 16, pages_per_lane=3)
+    first = allocator.alloc(16 * (cp_size + 1))
+    lanes = allocator.lane_available_pages()
+    assert int(lanes.max() - lanes.min()) <= 1
+
+    rest = allocator.alloc(allocator.available_size())
+
+    assert first is not None and rest is not None
+    assert allocator.available_size() == 0
+    pages = torch.cat([first, rest]) // 16
+    assert len(torch.unique(pages)) == 3 * cp_size
+    assert allocator.alloc(16) is None
+    assert allocator.last_lane_deficit.sum() == 1
+
+
+# ---------------------------------------------------------- exhaustion and recovery
+@pytest.mark.parametrize("need_sort", [False, True])
+@pytest.mark.parametrize("split_mode", CP_SPLIT_MODES)
+def test_lane_exhaustion_is_recoverable_by_targeted_free(need_sort, split_mode):
+    cp_size, page_size = 4, 16
+    allocator = make_allocator(
+        cp_size, page_size, pages_per_lane=2, split_mode=split_mode, need_sort=need_sort
+    )
+    drained = allocator.alloc_pages_with_owners([0, 0])  # lane 0 is now empty
+    before_lists, before_size = lane_lists(allocator), allocator.available_size()
+
+    request = extend_args([0], [4 * page_size], [-1])
+    assert allocator.alloc_extend(*request) is None
+
+    assert lane_lists(allocator) == before_lists
+    assert allocator.available_size() == before_size
+    assert allocator.last_lane_deficit.tolist() == [1, 0, 0, 0]
+    # Freeing a page of another lane does not help; freeing lane 0 does.
+    other = allocator.alloc_pages_with_owners([1])
+    allocator.free(other)
+    assert allocator.alloc_extend(*request) is None
+    allocator.free(drained[:page_size])
+    locs = allocator.alloc_extend(*request)
+    assert locs is not None
+    assert allocator.last_lane_deficit.tolist() == [0, 0, 0, 0]
+    expected_owners = build_page_compute_owners(0, 4 * page_size, page_size, cp_size, split_mode)
+    assert torch.equal(allocator.layout.page_owners_of_locs(locs), expected_owners)
+
+
+def test_lane_deficit_matches_failed_call_without_allocating():
+    allocator = make_allocator(3, 16, pages_per_lane=2)
+    owners = [2, 2, 2, 0, 1, 1, 1, 1]
+    before = lane_lists(allocator)
+
+    deficit = allocator.lane_deficit(owners)
+
+    assert deficit.tolist() == [0, 2, 1]
+    assert lane_lists(allocator) == before
+    assert allocator.alloc_pages_with_owners(owners) is None
+    assert torch.equal(allocator.last_lane_deficit, deficit)
+
+
+# ---------------------------------------------------------------- bookkeeping
+def test_free_groups_need_sort_and_backup_restore():
+    allocator = make_allocator(2, 16, pages_per_lane=4, need_sort=True)
+    a = allocator.alloc_pages_with_owners([0, 1])
+    b = allocator.alloc_pages_with_owners([1, 0])
+    state = allocator.backup_state()
+    size = allocator.available_size()
+
+    allocator.free_group_begin()
+    allocator.free(a)
+    allocator.free(b)
+    assert allocator.available_size() == size  # buffered until the group ends
+    allocator.free_group_end()
+    assert allocator.available_size() == size + 4 * 16
+    assert sum(len(r) for r in allocator.lanes.release_pages) == 4  # need_sort parks pages
+
+    allocator.restore_state(state)
+    assert allocator.available_size() == size
+    allocator.merge_and_sort_free()
+    allocator.clear()
+    assert allocator.available_size() == allocator.size
+    assert allocator.lane_available_pages().tolist() == [4, 4]
+
+
+def test_free_returns_each_page_to_its_owner_lane():
+    allocator = make_allocator(4, 16, pages_per_lane=3)
+    locs = allocator.alloc_pages_with_owners([3, 1, 3, 2])
+    allocator.free(locs[16 + 5 :])  # every page but the first, page 1 only partially
+
+    assert allocator.lane_available_pages().tolist() == [3, 3, 3, 2]
+    for lane, pages in enumerate(allocator.lanes.free_pages):
+        assert bool((pages % 4 == lane).all())
+
+
+# ------------------------------------------------------ random call sequences
+@dataclass
+class Held:
+    token_locs: torch.Tensor
+    seq_len: Optional[int] = None  # set for requests, None for plain blocks
+
+
+@dataclass
+class Driver:
+    """Drives allocators of different ranks with one call sequence, checking invariants."""
+
+    allocators: List[CPSharedPagedTokenToKVPoolAllocator]
+    held: List[Held] = field(default_factory=list)
+
+    @property
+    def main(self) -> CPSharedPagedTokenToKVPoolAllocator:
+        return self.allocators[0]
+
+    def call(self, method: str, *args, expected_deficit: Optional[torch.Tensor] = None):
+        before = [(lane_lists(a), a.available_size()) for a in self.allocators]
+        results = [getattr(a, method)(*args) for a in self.allocators]
+        for allocator, result, (lists, size) in zip(self.allocators, results, before):
+            assert (result is None) == (results[0] is None)
+            if result is None:
+                assert lane_lists(allocator) == lists and allocator.available_size() == size
+                assert bool(allocator.last_lane_deficit.any())
+                if expected_deficit is not None:
+                    assert torch.equal(allocator.last_lane_deficit, expected_deficit)
+            else:
+                assert torch.equal(result, results[0])  # rank-invariant locs
+        return results[0]
+
+    def requests(self) -> List[int]:
+        return [i for i, h in enumerate(self.held) if h.seq_len is not None]
+
+    def check_invariants(self) -> None:
+        allocator = self.main
+        ps, cp = allocator.page_size, allocator.cp_size
+        held_pages = [torch.unique(h.token_locs // ps) for h in self.held]
+        all_pages = torch.cat(held_pages) if held_pages else torch.empty(0, dtype=torch.int64)
+        assert len(torch.unique(all_pages)) == len(all_pages), "page handed out twice"
+        assert bool((all_pages >= cp).all()), "padding page handed out"
+        assert bool((all_pages // cp <= allocator.lanes.num_physical_pages).all())
+        held_per_lane = torch.bincount(all_pages % cp, minlength=cp)
+        for a in self.allocators:
+            assert torch.equal(
+                a.lane_available_pages() + held_per_lane,
+                torch.full((cp,), allocator.lanes.num_physical_pages),
+            )
+            assert a.available_size() + len(all_pages) * ps == a.size
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.sampled_from(CP_SIZES),
+    st.sampled_from(PAGE_SIZES),
+    st.sampled_from(CP_SPLIT_MODES),
+    st.booleans(),
+    st.integers(1, 6),
+    st.data(),
+)
+def test_random_call_sequences_conserve_pages_and_agree_across_ranks(
+    cp_size, page_size, split_mode, need_sort, pages_per_lane, data
+):
+    ranks = sorted({0, cp_size - 1})
+    driver = Driver(
+        [
+            make_allocator(cp_size, page_size, pages_per_lane, r, split_mode, need_sort)
+            for r in ranks
+        ]
+    )
+    for _ in range(data.draw(st.integers(1, 25), label="num_ops")):
+        op = data.draw(st.sampled_from(["extend", "decode", "alloc", "owners", "free"]), label="op")
+        if op == "extend":
+            run_extend(driver, data, page_size)
+        elif op == "decode":
+            run_decode(driver, data)
+        elif op == "alloc":
+            num_pages = data.draw(st.integers(0, cp_size + 2), label="alloc_pages")
+            locs = driver.call("alloc", num_pages * page_size)
+            if locs is not None:
+                assert len(locs) == num_pages * page_size
+                driver.held.append(Held(locs))
+        elif op == "owners":
+            owners = data.draw(st.lists(st.integers(0, cp_size - 1), max_size=6), label="owners")
+            deficit = driver.main.lane_deficit(owners)
+            locs = driver.call("alloc_pages_with_owners", owners, expected_deficit=deficit)
+            if locs is not None:
+                assert driver.main.layout.page_owners_of_locs(locs).tolist() == owners
+                driver.held.append(Held(locs))
+        elif op == "free" and driver.held:
+            run_free(driver, data)
+        driver.check_invariants()
+
+    for held in driver.held:
+        for allocator in driver.allocators:
+            allocator.free(held.token_locs)
+    driver.held.clear()
+    driver.check_invariants()
+
+
+def run_extend(driver: Driver, data, page_size: int) -> None:
+    continued = (
+        data.draw(
+            st.lists(st.sampled_from(driver.requests()), unique=True, max_size=2), label="continued"
+        )
+        if driver.requests()
+        else []
+    )
+    num_new = data.draw(st.integers(0 if continued else 1, 2), label="num_new_requests")
+    prefix_lens = [driver.held[i].seq_len for i in continued] + [0] * num_new
+    last_locs = [int(driver.held[i].token_locs[-1]) for i in continued] + [-1] * num_new
+    extend_lens = [
+        data.draw(st.integers(1, 3 * page_size), label="extend_len") for _ in prefix_lens
+    ]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    main = driver.main
+    owners = build_batch_page_compute_owners(
+        torch.tensor(prefix_lens), torch.tensor(seq_lens), page_size, main.cp_size, main.split_mode
+    )
+    locs = driver.call(
+        "alloc_extend",
+        *extend_args(prefix_lens, seq_lens, last_locs),
+        expected_deficit=main.lane_deficit(owners),
+    )
+    if locs is None:
+        return
+    pieces = torch.split(locs, extend_lens)
+    for index, piece, seq_len in zip(continued, pieces, seq_lens):
+        driver.held[index] = Held(torch.cat([driver.held[index].token_locs, piece]), seq_len)
+    for piece, seq_len in zip(pieces[len(continued) :], seq_lens[len(continued) :]):
+        driver.held.append(Held(piece, seq_len))
+
+
+def run_decode(driver: Driver, data) -> None:
+    if not driver.requests():
+        return
+    chosen = data.draw(
+        st.lists(st.sampled_from(driver.requests()), unique=True, min_size=1), label="decoded"
+    )
+    seq_lens = torch.tensor([driver.held[i].seq_len + 1 for i in chosen])
+    last_loc = torch.tensor([int(driver.held[i].token_locs[-1]) for i in chosen])
+    locs = driver.call("alloc_decode", seq_lens, seq_lens.clone(), last_loc)
+    if locs is None:
+        return
+    for index, loc, seq_len in zip(chosen, locs, seq_lens.tolist()):
+        driver.held[index] = Held(torch.cat([driver.held[index].token_locs, loc.view(1)]), seq_len)
+
+
+def run_free(driver: Driver, data) -> None:
+    grouped = data.draw(st.booleans(), label="free_group")
+    victims = data.draw(
+        st.lists(st.integers(0, len(driver.held) - 1), unique=True, min_size=1, max_size=2),
+        label="victims",
+    )
+    for allocator in driver.allocators:
+        if grouped:
+            allocator.free_group_begin()
+        for index in victims:
+            allocator.free(driver.held[index].token_locs)
+        if grouped:
+            allocator.free_group_end()
+    driver.held = [h for i, h in enumerate(driver.held) if i not in victims]
