@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Tuple
 
 from sglang_cp_hicache import server_args as _server_args
+from sglang_cp_hicache.mem_cache import common as _mem_common
 from sglang_cp_hicache.mem_cache.hiradix_cache import CpHiRadixCache
 from sglang_cp_hicache.model_executor import model_runner_kv_cache_mixin as _kv_mixin
 
@@ -37,6 +38,11 @@ HOOKS: Tuple[HookSpec, ...] = (
     HookSpec(
         "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin._init_pools",
         _kv_mixin.init_pools_around,
+        "AROUND",
+    ),
+    HookSpec(
+        "sglang.srt.mem_cache.common.alloc_paged_token_slots_extend",
+        _mem_common.alloc_paged_token_slots_extend_around,
         "AROUND",
     ),
     # Safe to replace: the scheduler imports HiRadixCache lazily, after hooks apply, and

@@ -343,6 +343,13 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         """Pages per lane missing to allocate ``page_owners``, without allocating."""
         return self.lanes.deficit(self._owners_on_cpu(page_owners))
 
+    def extend_lane_pages(self, prefix_lens_cpu: IntArrayLike, seq_lens_cpu: IntArrayLike) -> torch.Tensor:
+        """New pages per owner lane that ``alloc_extend`` with these lens would take."""
+        page_owners = build_batch_page_compute_owners(
+            prefix_lens_cpu, seq_lens_cpu, self.page_size, self.cp_size, self.split_mode
+        )
+        return torch.bincount(page_owners, minlength=self.cp_size)
+
     # ------------------------------------------------------------ allocation
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
         """Page-aligned locs of ``need_size // page_size`` lane-balanced pages."""

@@ -27,10 +27,11 @@ from typing import Any, Optional
 import torch
 
 from sglang.srt.mem_cache import hiradix_cache as _upstream_module
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams
+from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
+from sglang_cp_hicache.mem_cache.common import evict_for_owner_lanes
 from sglang_cp_hicache.mem_cache.cp_hicache_metadata import CpHiCacheNodeMetadata
 from sglang_cp_hicache.mem_cache.cp_shared_allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_hicache.mem_cache.hybrid_cache.cp_hybrid_cache_controller import (
@@ -160,17 +161,7 @@ class CpHiRadixCache(_UPSTREAM["HiRadixCache"]):
         return evicted_tokens
 
     def _evict_device_for_lanes(self, lane_pages_needed: torch.Tensor) -> None:
-        """Evict device cache until every owner lane has the pages a load needs."""
-        allocator: CPSharedPagedTokenToKVPoolAllocator = self.token_to_kv_pool_allocator
-        while True:
-            deficit = (lane_pages_needed - allocator.lane_available_pages()).clamp(min=0)
-            if not bool(deficit.any()):
-                return
-            # LRU leaves free pages of every lane roughly evenly; ask for enough logical
-            # tokens to cover the worst lane's deficit on its own.
-            want = int(deficit.max()) * self.layout.cp_size * self.page_size
-            if self.evict(EvictParams(num_tokens=want)).num_tokens_evicted == 0:
-                return
+        evict_for_owner_lanes(self, lane_pages_needed)
 
     # ---------------------------------------------------------------- load back
     def init_load_back(self, params: InitLoadBackParams):
