@@ -108,6 +108,14 @@ def unsupported_combinations(server_args: Any) -> List[str]:
             f"{CLI_FLAG} does not support --disaggregation-mode decode: the decode side "
             "receives full KV and must not shard it"
         )
+    for field, cli in (
+        ("enable_return_routed_experts", "--enable-return-routed-experts"),
+        ("enable_return_indexer_topk", "--enable-return-indexer-topk"),
+    ):
+        if getattr(server_args, field, False):
+            # Their capture buffers are sized by KV capacity + one page and indexed by
+            # loc; logical locs reach capacity + cp_size pages (cp reserved pad pages).
+            problems.append(f"{CLI_FLAG} does not support {cli}")
     if getattr(server_args, "use_ray", False):
         problems.append(
             f"{CLI_FLAG} does not support --use-ray: SGLang does not load plugins in Ray "

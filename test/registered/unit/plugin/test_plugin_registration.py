@@ -97,6 +97,7 @@ def test_engine_style_kwargs_and_pickling(plugins_loaded):
         ({"enable_hisparse": True}, "--enable-hisparse"),
         ({"disaggregation_mode": "decode"}, "--disaggregation-mode decode"),
         ({"use_ray": True}, "--use-ray"),
+        ({"enable_return_routed_experts": True}, "--enable-return-routed-experts"),
     ],
 )
 def test_unsupported_combinations_fail_fast(plugins_loaded, extra, offending):
