@@ -30,3 +30,12 @@ def gloo_world1():
             timeout=datetime.timedelta(seconds=60),
         )
     return dist.group.WORLD
+
+
+@pytest.fixture(scope="session")
+def plugins_loaded():
+    """SGLang's own plugin loading with this package's entry point (hooks stay applied)."""
+    import sglang.srt.plugins as sglang_plugins
+
+    sglang_plugins._plugins_loaded = False  # guard is process-global
+    sglang_plugins.load_plugins()

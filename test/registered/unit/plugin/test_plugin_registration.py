@@ -24,15 +24,6 @@ from sglang_cp_hicache.testing.dist import run_ranks
 CP_ARGS = ["--model-path", "dummy", CLI_FLAG, "--enable-nsa-prefill-context-parallel"]
 
 
-@pytest.fixture(scope="module")
-def plugins_loaded():
-    import sglang.srt.plugins as sglang_plugins
-
-    sglang_plugins._plugins_loaded = False  # guard is process-global
-    sglang_plugins.load_plugins()
-    yield
-
-
 def test_entry_point_is_discoverable():
     eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "cp_hicache"]
     assert len(eps) == 1
