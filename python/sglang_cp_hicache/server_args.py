@@ -121,6 +121,15 @@ def unsupported_combinations(server_args: Any) -> List[str]:
             f"{CLI_FLAG} does not support --use-ray: SGLang does not load plugins in Ray "
             "scheduler actors, so shared KV would silently be off there"
         )
+    if getattr(server_args, "enable_hierarchical_cache", False) and getattr(
+        server_args, "speculative_algorithm", None
+    ):
+        # Draft (MTP/NextN) KV is not backed up with the target's shards yet: cache hits
+        # would silently lose draft state and collapse acceptance.
+        problems.append(
+            f"{CLI_FLAG} with --enable-hierarchical-cache does not support "
+            f"--speculative-algorithm {server_args.speculative_algorithm} yet"
+        )
     if getattr(server_args, "enable_hierarchical_cache", False):
         for env in ("SGLANG_ENABLE_UNIFIED_RADIX_TREE", "SGLANG_EXPERIMENTAL_CPP_RADIX_TREE"):
             if os.environ.get(env, "").lower() in ("1", "true", "yes", "on"):

@@ -119,6 +119,19 @@ def test_unified_radix_tree_env_is_refused(plugins_loaded, monkeypatch):
         )
 
 
+def test_speculative_decoding_with_cp_hicache_is_refused(plugins_loaded):
+    from sglang.srt.server_args import ServerArgs
+
+    with pytest.raises(CpSharedKVConfigError, match="--speculative-algorithm"):
+        ServerArgs(
+            model_path="dummy",
+            enable_nsa_prefill_context_parallel=True,
+            enable_hierarchical_cache=True,
+            speculative_algorithm="EAGLE",
+            **{FLAG: True},
+        )
+
+
 def test_cli_storage_backend_fails_at_parse(plugins_loaded):
     from sglang.srt.server_args import prepare_server_args
 
