@@ -110,31 +110,20 @@ def build_rank_stack(
     from sglang_cp_hicache.mem_cache.hiradix_cache import _UPSTREAM, CpHiRadixCache
 
     kv_pool = build_kv_pool(cfg)
+    common = dict(page_size=cfg.page_size, dtype=torch.bfloat16, device="cpu", kvcache=kv_pool)
     if shared_kv:
         allocator = CPSharedPagedTokenToKVPoolAllocator(
             cfg.physical_tokens,
-            page_size=cfg.page_size,
-            dtype=torch.bfloat16,
-            device="cpu",
-            kvcache=kv_pool,
             need_sort=False,
             cp_size=cfg.cp_size,
             cp_rank=cp_rank,
             split_mode=cfg.split_mode,
+            **common,
         )
-        default_cls = CpHiRadixCache
-        layout = allocator.layout
+        default_cls, layout = CpHiRadixCache, allocator.layout
     else:
-        allocator = PagedTokenToKVPoolAllocator(
-            cfg.physical_tokens,
-            page_size=cfg.page_size,
-            dtype=torch.bfloat16,
-            device="cpu",
-            kvcache=kv_pool,
-            need_sort=False,
-        )
-        default_cls = _UPSTREAM["HiRadixCache"]
-        layout = None
+        allocator = PagedTokenToKVPoolAllocator(cfg.physical_tokens, need_sort=False, **common)
+        default_cls, layout = _UPSTREAM["HiRadixCache"], None
     req_to_token_pool = ReqToTokenPool(
         cfg.req_pool_size, cfg.max_context_len, device="cpu", enable_memory_saver=False
     )
