@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Tuple
 
 from sglang_cp_hicache import server_args as _server_args
+from sglang_cp_hicache.disaggregation import utils as _disagg_utils
+from sglang_cp_hicache.disaggregation.mooncake import conn as _mooncake_conn
+from sglang_cp_hicache.layers.attention import nsa_backend_hooks as _nsa_hooks
 from sglang_cp_hicache.mem_cache import common as _mem_common
 from sglang_cp_hicache.mem_cache.hiradix_cache import CpHiRadixCache
 from sglang_cp_hicache.model_executor import model_runner_kv_cache_mixin as _kv_mixin
@@ -48,6 +51,13 @@ HOOKS: Tuple[HookSpec, ...] = (
     # Safe to replace: the scheduler imports HiRadixCache lazily, after hooks apply, and
     # the subclass is upstream HiRadixCache unless the allocator is the CP one.
     HookSpec("sglang.srt.mem_cache.hiradix_cache.HiRadixCache", CpHiRadixCache, "REPLACE"),
+    # Shared-KV attention runtime: write translation, prefix materialisation, PD filter.
+    *(
+        HookSpec(target, hook, hook_type)
+        for target, hook, hook_type in (
+            _nsa_hooks.HOOK_SPECS + _disagg_utils.HOOK_SPECS + _mooncake_conn.HOOK_SPECS
+        )
+    ),
 )
 
 

@@ -139,12 +139,23 @@ def test_cli_storage_backend_fails_at_parse(plugins_loaded):
         prepare_server_args(CP_ARGS + ["--hicache-storage-backend", "file"])
 
 
-def test_real_launch_refused_until_read_path_exists(plugins_loaded):
+def test_real_launch_refuses_unsupported_serving_modes_then_missing_read_path(
+    plugins_loaded, monkeypatch
+):
     from sglang.srt.server_args import ServerArgs
 
-    args = ServerArgs(model_path="dummy", enable_nsa_prefill_context_parallel=True, **{FLAG: True})
+    colocated = ServerArgs(model_path="dummy", enable_nsa_prefill_context_parallel=True, **{FLAG: True})
+    with pytest.raises(CpSharedKVConfigError, match="--disaggregation-mode prefill"):
+        check_server_args_after(None, colocated)
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
+    prefill = ServerArgs(
+        model_path="dummy",
+        enable_nsa_prefill_context_parallel=True,
+        disaggregation_mode="prefill",
+        **{FLAG: True},
+    )
     with pytest.raises(SharedKVReadPathMissing, match="materialisation"):
-        check_server_args_after(None, args)
+        check_server_args_after(None, prefill)
     check_server_args_after(None, ServerArgs(model_path="dummy"))
 
 

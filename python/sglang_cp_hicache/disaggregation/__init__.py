@@ -1,0 +1,1 @@
+"""PD disaggregation under CP shared KV (mirrors ``sglang.srt.disaggregation``)."""

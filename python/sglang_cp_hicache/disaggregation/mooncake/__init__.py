@@ -1,0 +1,1 @@
+"""Mooncake transfer backend under CP shared KV (mirrors ``sglang.srt.disaggregation.mooncake``)."""

@@ -1,0 +1,431 @@
+"""GLM-5 PD disaggregation with CP shared KV + HiCache: launch, workloads, hit rates.
+
+For a node with 16 GPUs (prefill on 0-7, decode on 8-15; use --decode-host for a second
+node) and the zai-org/GLM-5-FP8 weights. Subcommands:
+
+* ``prefill`` / ``decode`` / ``router``: run one component in the foreground, its output
+  also in ``<log-dir>/<name>.log``; the prefill one prints hit rates every
+  ``--report-interval`` seconds; on exit the log is scanned and errors fail the script;
+* ``repeated-prefix``: launch all three (unless ``--no-launch``), send rounds of requests
+  over more distinct long prefixes than the prefill device pool holds, so revisits are
+  served by host load-back; print hit rates from the prefill server's metrics; fail on
+  request errors, errors in the logs, or no host hits;
+* ``host-pressure``: the same with a small ``--hicache-size`` so the host pool evicts too;
+* ``metrics``: print hit rates of a running prefill server.
+
+Every subcommand takes ``--dry-run``: print the commands (and the workload plan) only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence
+
+MODEL = "zai-org/GLM-5-FP8"
+ENV = {"SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1"}
+LOG_ERROR_PATTERNS = (
+    r"Traceback \(most recent call last\)",
+    r"\bERROR\b",
+    r"CUDA error",
+    r"SharedKVUnsupportedPath",
+    r"SharedKVReadPathMissing",
+    r"KVTransferError",
+    r"out of memory",
+)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    model: str = MODEL
+    host: str = "127.0.0.1"
+    decode_host: str = "127.0.0.1"
+    prefill_port: int = 30000
+    decode_port: int = 30001
+    bootstrap_port: int = 8998
+    router_port: int = 8000
+    tp: int = 8
+    decode_base_gpu: int = 8
+    hicache_ratio: float = 2.0
+    hicache_size_gb: int = 0  # per rank; 0 = use the ratio
+    ib_device: Optional[str] = None
+    log_dir: str = "glm5_pd_logs"
+
+    @property
+    def prefill_url(self) -> str:
+        return f"http://{self.host}:{self.prefill_port}"
+
+    @property
+    def decode_url(self) -> str:
+        return f"http://{self.decode_host}:{self.decode_port}"
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{self.host}:{self.router_port}"
+
+
+def prefill_command(d: Deployment) -> List[str]:
+    cmd = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", d.model, "--trust-remote-code",
+        "--tp", str(d.tp),
+        "--enable-nsa-prefill-context-parallel", "--enable-nsa-prefill-cp-shared-kv",
+        "--enable-hierarchical-cache",
+        "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mooncake",
+        "--disaggregation-bootstrap-port", str(d.bootstrap_port),
+        "--host", d.host, "--port", str(d.prefill_port),
+        "--enable-metrics", "--enable-cache-report",
+    ]
+    cmd += ["--hicache-size", str(d.hicache_size_gb)] if d.hicache_size_gb else ["--hicache-ratio", str(d.hicache_ratio)]
+    if d.ib_device:
+        cmd += ["--disaggregation-ib-device", d.ib_device]
+    return cmd
+
+
+def decode_command(d: Deployment) -> List[str]:
+    cmd = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", d.model, "--trust-remote-code",
+        "--tp", str(d.tp), "--base-gpu-id", str(d.decode_base_gpu),
+        "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake",
+        "--host", d.decode_host, "--port", str(d.decode_port), "--enable-metrics",
+    ]
+    if d.ib_device:
+        cmd += ["--disaggregation-ib-device", d.ib_device]
+    return cmd
+
+
+def router_command(d: Deployment) -> List[str]:
+    return [
+        sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+        "--prefill", d.prefill_url, str(d.bootstrap_port),
+        "--decode", d.decode_url,
+        "--host", d.host, "--port", str(d.router_port),
+    ]
+
+
+def shell_line(cmd: Sequence[str], env: Dict[str, str]) -> str:
+    return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(c) for c in cmd])
+
+
+# -------------------------------------------------------------------- workload
+@dataclass(frozen=True)
+class Workload:
+    """Rounds over distinct random-token prefixes; each request = prefix + short suffix.
+
+    ``num_prefixes * prefix_tokens`` should exceed the prefill device KV capacity so later
+    rounds find their prefix only in the host cache.
+    """
+
+    num_prefixes: int
+    prefix_tokens: int = 32768
+    suffix_tokens: int = 64
+    rounds: int = 3
+    max_new_tokens: int = 8
+    vocab_low: int = 1000
+    vocab_high: int = 100000
+    seed: int = 0
+
+    def _tokens(self, seed: int, count: int) -> List[int]:
+        rng = random.Random(seed)
+        return [rng.randrange(self.vocab_low, self.vocab_high) for _ in range(count)]
+
+    def requests(self) -> Iterator[List[int]]:
+        """Round-robin over the prefixes, so a prefix returns only after all others."""
+        for round_index in range(self.rounds):
+            for prefix_index in range(self.num_prefixes):
+                prefix = self._tokens(self.seed * 1_000_003 + prefix_index, self.prefix_tokens)
+                suffix_seed = (self.seed * 1_000_003 + prefix_index) * 101 + round_index + 1
+                yield prefix + self._tokens(-suffix_seed, self.suffix_tokens)
+
+    def describe(self) -> str:
+        total = self.num_prefixes * self.prefix_tokens
+        return (
+            f"workload: {self.rounds} rounds x {self.num_prefixes} prefixes of {self.prefix_tokens} tokens "
+            f"(+{self.suffix_tokens} suffix, {self.max_new_tokens} new tokens); {total} distinct prefix tokens"
+        )
+
+
+def auto_num_prefixes(device_tokens: float, prefix_tokens: int, factor: float) -> int:
+    """Enough distinct prefixes for ``factor`` times the device KV capacity (in tokens)."""
+    return max(2, math.ceil(factor * device_tokens / prefix_tokens))
+
+
+def send_workload(url: str, workload: Workload, timeout_s: float = 600.0) -> List[str]:
+    """POST every request to ``/generate``; return the error messages."""
+    errors = []
+    for i, input_ids in enumerate(workload.requests()):
+        body = json.dumps(
+            {"input_ids": input_ids, "sampling_params": {"max_new_tokens": workload.max_new_tokens, "temperature": 0}}
+        ).encode()
+        request = urllib.request.Request(f"{url}/generate", data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                if response.status != 200:
+                    errors.append(f"request {i}: HTTP {response.status}")
+        except Exception as exc:  # report, keep going: the hit rates are still informative
+            errors.append(f"request {i}: {type(exc).__name__}: {exc}")
+    return errors
+
+
+# --------------------------------------------------------------------- metrics
+_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)$")
+
+
+def parse_prometheus(text: str) -> List[tuple]:
+    """``(name, labels, value)`` of every sample line."""
+    samples = []
+    for line in text.splitlines():
+        match = _SAMPLE.match(line.strip())
+        if match and not line.startswith("#"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group("labels") or ""))
+            samples.append((match.group("name"), labels, float(match.group("value"))))
+    return samples
+
+
+@dataclass(frozen=True)
+class HitRates:
+    prompt_tokens: float
+    cached: Dict[str, float] = field(default_factory=dict)
+
+    def rate(self, source: str) -> float:
+        return self.cached.get(source, 0.0) / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def line(self) -> str:
+        return (
+            f"hit rates: total {self.rate('total'):.1%}, device {self.rate('device'):.1%}, "
+            f"host {self.rate('host'):.1%} (prompt tokens {self.prompt_tokens:.0f})"
+        )
+
+
+def device_capacity_tokens(metrics_text: str) -> float:
+    """``sglang:max_total_num_tokens`` (the logical capacity under shared KV), max over ranks."""
+    values = [v for name, _, v in parse_prometheus(metrics_text) if name == "sglang:max_total_num_tokens"]
+    if not values:
+        raise RuntimeError("sglang:max_total_num_tokens missing from /metrics (is --enable-metrics on?)")
+    return max(values)
+
+
+def hit_rates(metrics_text: str) -> HitRates:
+    """Prompt-token hit rates by cache source, summed over the server's ranks."""
+    prompt, cached = 0.0, {}
+    for name, labels, value in parse_prometheus(metrics_text):
+        if name == "sglang:prompt_tokens_total":
+            prompt += value
+        elif name == "sglang:cached_tokens_total":
+            source = labels.get("cache_source", "total")
+            cached[source] = cached.get(source, 0.0) + value
+    return HitRates(prompt, cached)
+
+
+def fetch_metrics(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        return response.read().decode()
+
+
+def log_errors(paths: Sequence[Path]) -> List[str]:
+    """``file:line: text`` of every log line matching an error pattern."""
+    pattern = re.compile("|".join(LOG_ERROR_PATTERNS))
+    found = []
+    for path in paths:
+        if path.exists():
+            for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                if pattern.search(line):
+                    found.append(f"{path.name}:{number}: {line.strip()[:200]}")
+    return found
+
+
+# -------------------------------------------------------------------- running
+def _wait_healthy(url: str, timeout_s: float) -> bool:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return True
+        except Exception:
+            time.sleep(5)
+    return False
+
+
+class Launched:
+    """Background components with logs; stopped (process group) on exit."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.procs: List[subprocess.Popen] = []
+        self.logs: List[Path] = []
+
+    def start(self, name: str, cmd: Sequence[str]) -> None:
+        log = self.log_dir / f"{name}.log"
+        self.logs.append(log)
+        env = {**os.environ, **ENV}
+        with open(log, "w") as out:
+            self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_component(name: str, cmd: Sequence[str], env: Dict[str, str], d: Deployment, report_interval_s: float) -> int:
+    """Foreground component: tee output to its log, report hit rates (prefill), scan the log."""
+    log_dir = Path(d.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{name}.log"
+    stop = threading.Event()
+
+    def report() -> None:
+        while not stop.wait(report_interval_s):
+            try:
+                print(hit_rates(fetch_metrics(d.prefill_url)).line(), flush=True)
+            except Exception as exc:  # server still starting or already gone
+                print(f"hit rates unavailable: {exc}", flush=True)
+
+    if name == "prefill" and report_interval_s > 0:
+        threading.Thread(target=report, daemon=True).start()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **env}, text=True)
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                out.write(line)
+        except KeyboardInterrupt:
+            proc.send_signal(signal.SIGINT)
+        rc = proc.wait()
+    stop.set()
+    errors = log_errors([log])
+    for error in errors[:20]:
+        print(f"error: {error}")
+    print(f"{'FAIL' if errors or rc else 'PASS'} {name} exited {rc}, {len(errors)} error lines in {log}")
+    return 1 if errors or rc else 0
+
+
+def run_workload(d: Deployment, workload: Workload, factor: float, launch: bool, startup_timeout_s: float) -> int:
+    log_dir = Path(d.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    launched = Launched(log_dir)
+    try:
+        if launch:
+            launched.start("prefill", prefill_command(d))
+            launched.start("decode", decode_command(d))
+            if not (_wait_healthy(d.prefill_url, startup_timeout_s) and _wait_healthy(d.decode_url, startup_timeout_s)):
+                print(f"FAIL servers not healthy after {startup_timeout_s:.0f} s; logs in {log_dir}")
+                return 1
+            launched.start("router", router_command(d))
+            if not _wait_healthy(d.router_url, 120):
+                print(f"FAIL router not healthy; logs in {log_dir}")
+                return 1
+        if workload.num_prefixes == 0:
+            capacity = device_capacity_tokens(fetch_metrics(d.prefill_url))
+            workload = dataclasses.replace(
+                workload, num_prefixes=auto_num_prefixes(capacity, workload.prefix_tokens, factor)
+            )
+            print(f"prefill device capacity {capacity:.0f} tokens; {factor}x that in distinct prefixes")
+        print(workload.describe())
+        errors = send_workload(d.router_url, workload)
+        rates = hit_rates(fetch_metrics(d.prefill_url))
+        print(rates.line())
+        errors += log_errors(launched.logs)
+        if rates.cached.get("host", 0.0) <= 0:
+            errors.append("no host cache hits: the workload did not exercise device eviction + host load-back")
+    finally:
+        launched.stop()
+    for error in errors[:20]:
+        print(f"error: {error}")
+    print(f"{'FAIL' if errors else 'PASS'} {len(errors)} errors")
+    return 1 if errors else 0
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=("prefill", "decode", "router", "repeated-prefix", "host-pressure", "metrics"))
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--model-path", default=MODEL)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--decode-host", default="127.0.0.1")
+    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--decode-base-gpu", type=int, default=8)
+    parser.add_argument("--hicache-ratio", type=float, default=2.0)
+    parser.add_argument("--hicache-size", type=int, default=0, help="GB per rank (0: use the ratio)")
+    parser.add_argument("--ib-device", default=None)
+    parser.add_argument("--log-dir", default="glm5_pd_logs")
+    parser.add_argument("--no-launch", action="store_true", help="workloads: use running servers")
+    parser.add_argument("--num-prefixes", type=int, default=0, help="0: sized from the server's capacity")
+    parser.add_argument("--prefix-tokens", type=int, default=32768)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--startup-timeout", type=float, default=1800.0)
+    parser.add_argument("--report-interval", type=float, default=300.0, help="prefill: seconds between hit-rate lines")
+    return parser.parse_args(argv)
+
+
+# Distinct prefix tokens as a multiple of the prefill device capacity: revisits must load
+# back from host; under host pressure the host pool (small --hicache-size) must evict too.
+REPEATED_PREFIX_FACTOR = 1.5
+HOST_PRESSURE_FACTOR = 3.0
+# Per rank. HiCache needs the host pool larger than the device pool; raise it if startup
+# says so. The workload then needs about three times the device pool.
+HOST_PRESSURE_HICACHE_GB = 40
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    hicache_size = args.hicache_size
+    factor = REPEATED_PREFIX_FACTOR
+    if args.command == "host-pressure":
+        hicache_size = hicache_size or HOST_PRESSURE_HICACHE_GB
+        factor = HOST_PRESSURE_FACTOR
+    d = Deployment(
+        model=args.model_path, host=args.host, decode_host=args.decode_host, tp=args.tp,
+        decode_base_gpu=args.decode_base_gpu, hicache_ratio=args.hicache_ratio,
+        hicache_size_gb=hicache_size, ib_device=args.ib_device, log_dir=args.log_dir,
+    )
+    workload = Workload(num_prefixes=args.num_prefixes, prefix_tokens=args.prefix_tokens, rounds=args.rounds)
+    single = {"prefill": prefill_command, "decode": decode_command, "router": router_command}
+    if args.command in single:
+        cmd = single[args.command](d)
+        env = ENV if args.command != "router" else {}
+        print(shell_line(cmd, env))
+        if args.dry_run:
+            return 0
+        return run_component(args.command, cmd, env, d, args.report_interval)
+    if args.command == "metrics":
+        if args.dry_run:
+            print(f"GET {d.prefill_url}/metrics")
+            return 0
+        print(hit_rates(fetch_metrics(d.prefill_url)).line())
+        return 0
+    if args.dry_run:
+        if not args.no_launch:
+            for name, builder in single.items():
+                print(f"{name}: {shell_line(builder(d), ENV if name != 'router' else {})}")
+        if workload.num_prefixes == 0:
+            print(f"prefixes: {factor}x sglang:max_total_num_tokens from {d.prefill_url}/metrics, "
+                  f"{workload.prefix_tokens} tokens each")
+        else:
+            print(workload.describe())
+        print(f"POST {d.router_url}/generate ({workload.rounds} rounds); GET {d.prefill_url}/metrics -> hit rates")
+        return 0
+    return run_workload(d, workload, factor, launch=not args.no_launch, startup_timeout_s=args.startup_timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# GLM-5-FP8 PD decode server: TP8, receives full KV from the prefill CP ranks (GPUs 8-15).
+# Options: see `python scripts/glm5/glm5_pd.py --help`; --dry-run prints the commands only.
+set -euo pipefail
+exec "${PYTHON:-python3}" "$(dirname "$0")/glm5_pd.py" decode "$@"

@@ -1,0 +1,120 @@
+"""Hook glue: targets exist with compatible signatures; scopes restore; guards fire."""
+
+import sglang_cp_hicache.testing
+
+sglang_cp_hicache.testing.install()
+
+import inspect  # noqa: E402
+import pkgutil  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from sglang_cp_hicache.disaggregation import utils as disagg_utils  # noqa: E402
+from sglang_cp_hicache.disaggregation.mooncake import conn as mooncake_conn  # noqa: E402
+from sglang_cp_hicache.layers.attention import nsa_backend_hooks as hooks  # noqa: E402
+from sglang_cp_hicache.layers.attention.cp_shared_kv_mapping import build_batch_mapping  # noqa: E402
+from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout  # noqa: E402
+
+ALL_SPECS = hooks.HOOK_SPECS + disagg_utils.HOOK_SPECS + mooncake_conn.HOOK_SPECS
+
+
+def _installed_original(target):
+    owner_path, attr = target.rsplit(".", 1)
+    owner = pkgutil.resolve_name(owner_path)
+    original = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+    return inspect.unwrap(original)
+
+
+@pytest.mark.parametrize("target,hook,hook_type", ALL_SPECS, ids=[s[0].rsplit(".", 2)[-2] + "." + s[0].rsplit(".", 1)[-1] for s in ALL_SPECS])
+def test_hook_targets_exist_and_accept_the_originals_arguments(target, hook, hook_type):
+    assert hook_type == "AROUND"
+    original = _installed_original(target)
+    params = list(inspect.signature(original).parameters.values())
+    hook_sig = inspect.signature(hook)
+    positional = [object() for p in params if p.default is inspect.Parameter.empty and p.kind == p.POSITIONAL_OR_KEYWORD]
+    hook_sig.bind(original, *positional)
+    keyword = {p.name: object() for p in params[len(positional):] if p.kind == p.POSITIONAL_OR_KEYWORD}
+    hook_sig.bind(original, *positional, **keyword)
+
+
+def test_swap_attributes_restores_on_error():
+    obj = SimpleNamespace(a=1, b=2)
+    with pytest.raises(RuntimeError):
+        with hooks.swap_attributes(obj, a=10):
+            assert obj.a == 10
+            raise RuntimeError
+    assert (obj.a, obj.b) == (1, 2)
+
+
+def _nsa_metadata(page_table):
+    from sglang.srt.layers.attention.nsa_backend import NSAMetadata
+
+    zeros = torch.zeros(2, dtype=torch.int32)
+    return NSAMetadata(
+        page_size=4, cache_seqlens_int32=zeros, max_seq_len_q=1, max_seq_len_k=8,
+        cu_seqlens_q=zeros, cu_seqlens_k=zeros, page_table_1=page_table,
+        real_page_table=page_table[:, ::4] // 4, nsa_cache_seqlens_int32=zeros,
+        nsa_cu_seqlens_q=zeros, nsa_cu_seqlens_k=zeros, nsa_extend_seq_lens_list=[1, 1],
+        nsa_seqlens_expanded=zeros, page_table_1_flattened=page_table.flatten(),
+    )
+
+
+def test_remap_nsa_metadata_rewrites_only_the_page_tables_of_sglangs_metadata():
+    mapping = build_batch_mapping(CpSharedKVLayout(2, 0, 4), [np.array([10, 3]), np.array([6])], [5, 0], "cpu")
+    page_table = torch.tensor([[40, 41, 42, 43, 12, 13, 14, 15], [24, 25, 26, 99, 99, 99, 99, 99]], dtype=torch.int32)
+    metadata = _nsa_metadata(page_table)
+    dense = hooks.remap_nsa_metadata(metadata, mapping)
+    # dense pages: prefix of owner 0 (10) -> 1, of owner 1 (3) -> 2, chunk-only 6 -> 3;
+    # page 24 (stale, loc 99) -> padding page 0
+    assert dense.page_table_1.tolist() == [[4, 5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 3, 3, 3, 3, 3]]
+    assert dense.real_page_table.tolist() == [[1, 2], [3, 0]]
+    assert dense.page_table_1_flattened.tolist() == dense.page_table_1.flatten().tolist()
+    assert dense.page_table_1.dtype == torch.int32
+    assert dense.cache_seqlens_int32 is metadata.cache_seqlens_int32
+
+
+def test_logical_capacity_view_changes_size_only():
+    pool = SimpleNamespace(size=64, page_size=4)
+    view = hooks.logical_capacity_view(pool, 256)
+    assert (view.size, view.page_size, pool.size) == (256, 4, 64)
+
+
+def _batch(mode_name):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    return SimpleNamespace(forward_mode=ForwardMode[mode_name], batch_size=2)
+
+
+def test_only_extend_batches_reach_the_read_path():
+    assert hooks._is_shared_kv_extend(_batch("EXTEND"))
+    assert not hooks._is_shared_kv_extend(_batch("IDLE"))
+    for mode in ("DECODE", "TARGET_VERIFY", "DRAFT_EXTEND", "MIXED"):
+        with pytest.raises(hooks.SharedKVUnsupportedPath, match=mode):
+            hooks._is_shared_kv_extend(_batch(mode))
+
+
+def test_hooks_pass_through_when_shared_kv_is_off():
+    backend = SimpleNamespace(**{hooks.RUNTIME_ATTR: None})
+    batch = _batch("DECODE")
+    calls = []
+    hooks.init_forward_metadata_around(lambda self, fb: calls.append("init"), backend, batch)
+    assert calls == ["init"] and not hasattr(batch, hooks.STATE_ATTR)
+    out = hooks.forward_extend_around(lambda *a, **kw: kw, None, 1, 2, 3, None, batch, save_kv_cache=False, k_rope=4)
+    assert out == {"save_kv_cache": False, "k_rope": 4}
+
+
+def test_attention_outside_the_hooked_model_forward_is_refused():
+    state = SimpleNamespace(pipeline=None)
+    batch = SimpleNamespace(**{hooks.STATE_ATTR: state})
+    with pytest.raises(hooks.SharedKVUnsupportedPath, match="outside the hooked model forward"):
+        hooks.active_state(batch)
+
+
+def test_fused_rope_cache_path_is_refused():
+    state = SimpleNamespace(pipeline=object())
+    batch = SimpleNamespace(**{hooks.STATE_ATTR: state})
+    with pytest.raises(hooks.SharedKVUnsupportedPath, match="fused rope"):
+        hooks.forward_extend_around(None, None, 1, None, None, SimpleNamespace(layer_id=0), batch)

@@ -1,0 +1,102 @@
+"""scripts/glm5: every script's --dry-run, and the metrics/log helpers the runs rely on."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[4]
+GLM5 = ROOT / "scripts" / "glm5"
+
+
+def _glm5():
+    spec = importlib.util.spec_from_file_location("glm5_pd", GLM5 / "glm5_pd.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _dry_run(script, *extra):
+    out = subprocess.run(
+        ["bash", str(GLM5 / script), "--dry-run", *extra], capture_output=True, text=True, timeout=60,
+        env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"},
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_prefill_launch_command():
+    out = _dry_run("launch_prefill.sh")
+    for flag in ("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1", "-m sglang.launch_server",
+                 "--model-path zai-org/GLM-5-FP8", "--tp 8", "--enable-nsa-prefill-context-parallel",
+                 "--enable-nsa-prefill-cp-shared-kv", "--enable-hierarchical-cache",
+                 "--disaggregation-mode prefill", "--enable-metrics"):
+        assert flag in out
+
+
+def test_decode_and_router_launch_commands():
+    decode = _dry_run("launch_decode.sh")
+    assert "--disaggregation-mode decode" in decode and "--base-gpu-id 8" in decode
+    assert "--enable-nsa-prefill-cp-shared-kv" not in decode
+    router = _dry_run("launch_router.sh")
+    assert "-m sglang_router.launch_router --pd-disaggregation" in router
+    assert "--prefill http://127.0.0.1:30000 8998 --decode http://127.0.0.1:30001" in router
+
+
+@pytest.mark.parametrize("script,needle", [("run_repeated_prefix.sh", "--hicache-ratio 2.0"),
+                                           ("run_host_pressure.sh", "--hicache-size 40")])
+def test_workload_runs_print_all_three_commands_and_the_plan(script, needle):
+    out = _dry_run(script)
+    assert out.count("sglang.launch_server") == 2 and "sglang_router" in out
+    assert needle in out
+    assert "sglang:max_total_num_tokens" in out and "hit rates" in out
+    no_launch = _dry_run(script, "--no-launch", "--num-prefixes", "4")
+    assert "launch_server" not in no_launch and "4 prefixes" in no_launch
+
+
+METRICS = """
+# HELP sglang:prompt_tokens_total Number of prefill tokens processed.
+sglang:prompt_tokens_total{model_name="m",tp_rank="0"} 1000.0
+sglang:prompt_tokens_total{model_name="m",tp_rank="1"} 1000.0
+sglang:cached_tokens_total{cache_source="device",model_name="m"} 300.0
+sglang:cached_tokens_total{cache_source="host",model_name="m"} 500.0
+sglang:cached_tokens_total{cache_source="total",model_name="m"} 800.0
+sglang:max_total_num_tokens{model_name="m"} 4096.0
+"""
+
+
+def test_hit_rates_and_capacity_from_metrics():
+    glm5 = _glm5()
+    rates = glm5.hit_rates(METRICS)
+    assert rates.rate("total") == pytest.approx(0.4) and rates.rate("host") == pytest.approx(0.25)
+    assert "host 25.0%" in rates.line()
+    assert glm5.device_capacity_tokens(METRICS) == 4096
+    assert glm5.auto_num_prefixes(4096, 1024, 1.5) == 6
+
+
+def test_log_scan_finds_errors(tmp_path):
+    glm5 = _glm5()
+    log = tmp_path / "prefill.log"
+    log.write_text("INFO ok\nTraceback (most recent call last):\nSharedKVUnsupportedPath: x\n")
+    assert len(glm5.log_errors([log, tmp_path / "missing.log"])) == 2
+
+
+def test_workload_revisits_each_prefix_after_all_others():
+    glm5 = _glm5()
+    workload = glm5.Workload(num_prefixes=3, prefix_tokens=16, suffix_tokens=2, rounds=2)
+    requests = list(workload.requests())
+    assert len(requests) == 6
+    assert [r[:16] for r in requests[:3]] == [r[:16] for r in requests[3:]]
+    assert requests[0][:16] != requests[1][:16] and requests[0][16:] != requests[3][16:]
+
+
+def test_component_run_tees_output_and_fails_on_error_lines(tmp_path, capsys):
+    glm5 = _glm5()
+    d = glm5.Deployment(log_dir=str(tmp_path))
+    ok = glm5.run_component("router", [sys.executable, "-c", "print('ready')"], {}, d, 0)
+    assert ok == 0 and (tmp_path / "router.log").read_text() == "ready\n"
+    bad = glm5.run_component("decode", [sys.executable, "-c", "print('CUDA error: x')"], {}, d, 0)
+    assert bad == 1 and "FAIL decode" in capsys.readouterr().out
