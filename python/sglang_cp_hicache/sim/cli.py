@@ -1,0 +1,139 @@
+"""Command line: ``python -m sglang_cp_hicache.sim`` / ``sglang-cp-hicache-sim``.
+
+Exit codes: 0 all checks passed, 1 a check failed (or a rank crashed), 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import List, Optional
+
+from sglang_cp_hicache.sim.config import FAULTS, SimConfig
+
+logger = logging.getLogger("sglang_cp_hicache.sim")
+
+_DEFAULTS = SimConfig()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sglang-cp-hicache-sim",
+        description="Replay a workload through CP shared KV + HiCache on N simulated CPU "
+        "ranks, verify every cache hit byte for byte, and report.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d = _DEFAULTS
+    run = p.add_argument_group("run")
+    run.add_argument("--cp-size", type=int, default=d.cp_size)
+    run.add_argument("--seed", type=int, default=d.seed)
+    run.add_argument("--json", metavar="PATH", help="write the full report as JSON")
+    run.add_argument("--plot", metavar="PATH", help="write a PNG (needs matplotlib)")
+    run.add_argument("--no-baseline", action="store_true", help="skip the cp-1 upstream replay")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    run.add_argument("--log-level", default=d.log_level)
+    run.add_argument("--timeout-s", type=float, default=d.timeout_s)
+    run.add_argument("--fault", choices=sorted(FAULTS), help=argparse.SUPPRESS)  # checker tests
+
+    work = p.add_argument_group("workload")
+    work.add_argument("--trace", metavar="JSONL", help="replay this trace instead of the generator")
+    work.add_argument("--num-requests", type=int, default=d.num_requests)
+    work.add_argument("--batch-size", type=int, default=d.batch_size)
+    work.add_argument("--num-system-prompts", type=int, default=d.num_system_prompts)
+    work.add_argument("--system-prompt-len", type=int, default=d.system_prompt_len)
+    work.add_argument("--turn-len-min", type=int, default=d.turn_len_min)
+    work.add_argument("--turn-len-max", type=int, default=d.turn_len_max)
+    work.add_argument("--reply-len", type=int, default=d.reply_len)
+    work.add_argument("--max-prompt-len", type=int, default=d.max_prompt_len)
+    work.add_argument("--max-active-sessions", type=int, default=d.max_active_sessions)
+    work.add_argument("--continue-prob", type=float, default=d.continue_prob)
+
+    stack = p.add_argument_group("per-rank stack")
+    stack.add_argument("--layer-num", type=int, default=d.layer_num)
+    stack.add_argument("--page-size", type=int, default=d.page_size)
+    stack.add_argument(
+        "--physical-tokens", type=int, default=d.physical_tokens, help="device KV pool per rank"
+    )
+    stack.add_argument("--hicache-ratio", type=float, default=d.hicache_ratio)
+    stack.add_argument("--io-backend", default=d.io_backend, choices=("direct", "kernel"))
+    stack.add_argument("--mem-layout", default=d.mem_layout)
+    stack.add_argument("--split-mode", default=d.split_mode)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(
+        cp_size=args.cp_size,
+        seed=args.seed,
+        num_requests=args.num_requests,
+        num_system_prompts=args.num_system_prompts,
+        system_prompt_len=args.system_prompt_len,
+        turn_len_min=args.turn_len_min,
+        turn_len_max=args.turn_len_max,
+        reply_len=args.reply_len,
+        max_prompt_len=args.max_prompt_len,
+        max_active_sessions=args.max_active_sessions,
+        continue_prob=args.continue_prob,
+        trace_path=args.trace,
+        batch_size=args.batch_size,
+        layer_num=args.layer_num,
+        page_size=args.page_size,
+        physical_tokens=args.physical_tokens,
+        hicache_ratio=args.hicache_ratio,
+        io_backend=args.io_backend,
+        mem_layout=args.mem_layout,
+        split_mode=args.split_mode,
+        baseline=not args.no_baseline,
+        progress=not args.no_progress,
+        timeout_s=args.timeout_s,
+        log_level=args.log_level,
+        fault=args.fault,
+    )
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))  # exits with 2
+    if args.plot:
+        from sglang_cp_hicache.sim.plot import PlotUnavailable, require_matplotlib
+
+        try:
+            require_matplotlib()
+        except PlotUnavailable as exc:
+            parser.error(str(exc))
+
+    from sglang_cp_hicache.sim.report import format_table
+    from sglang_cp_hicache.sim.simulation import run_simulation
+    from sglang_cp_hicache.sim.workload import TraceError
+    from sglang_cp_hicache.testing.dist import RankFailed
+
+    try:
+        report = run_simulation(cfg)
+    except (TraceError, ValueError, OSError) as exc:
+        parser.error(str(exc))
+    except RankFailed as exc:
+        logger.error("a simulated rank crashed:\n%s", exc)
+        return 1
+    print(format_table(report))
+    if args.json:
+        report.write_json(args.json)
+        logger.info("report written to %s", args.json)
+    if args.plot:
+        from sglang_cp_hicache.sim.plot import write_plot
+
+        write_plot(report, args.plot)
+        logger.info("plot written to %s", args.plot)
+    return 0 if report.passed else 1
+
+
+__all__ = ["main", "config_from_args"]

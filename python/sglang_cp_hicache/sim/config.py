@@ -1,0 +1,103 @@
+"""Simulator configuration: one frozen dataclass, picklable, shared by every rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+# Same values as cp_shared_allocator.CP_SPLIT_MODES; spelled out so that importing the
+# config (in the parent process) does not load SGLang.
+CP_SPLIT_MODES = ("in-seq-split", "round-robin-split")
+
+# Planted bugs that prove the checkers can fail (debug only, never on by default).
+FAULTS = {
+    "roll_load_owners": "load-back allocates device pages with rolled owners and the "
+    "layout's host-side owner guard is off (as for device tensors): silent KV corruption",
+    "drop_last_rank_loads": "the last rank acks loads without copying host -> device",
+    "hot_path_barrier": "match_prefix issues a barrier on the CP group",
+    "diverge_last_rank": "the last rank evicts one extra node half-way through the run",
+    "leak_tail": "the unaligned tail of finished requests is never freed",
+}
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Everything one simulation run needs; the defaults take about 20 s on 2 cores."""
+
+    cp_size: int = 2
+    seed: int = 0
+    # ---- workload: built-in generator (ignored when ``trace_path`` is set)
+    num_requests: int = 200
+    num_system_prompts: int = 3
+    system_prompt_len: int = 256
+    turn_len_min: int = 32
+    turn_len_max: int = 160
+    reply_len: int = 48  # model output of the previous turn, part of the next prompt
+    max_prompt_len: int = 896  # a session ends once its next prompt would be longer
+    max_active_sessions: int = 8
+    continue_prob: float = 0.75  # next request continues an active session (prefix reuse)
+    vocab_size: int = 32000
+    trace_path: Optional[str] = None  # JSONL trace instead of the generator
+    batch_size: int = 1  # requests per prefill batch (scheduler step)
+    # ---- one rank's stack (nsa_stack.StackConfig)
+    layer_num: int = 2
+    page_size: int = 64
+    physical_tokens: int = 1024  # device KV pool per rank, in tokens
+    hicache_ratio: float = 2.0  # host pool per rank = ratio x device pool per rank
+    io_backend: str = "direct"
+    mem_layout: str = "layer_first"
+    split_mode: str = "round-robin-split"
+    # ---- run
+    baseline: bool = True  # replay through upstream non-CP HiRadixCache (cp 1)
+    tree_digest_every: int = 8  # steps between full radix-tree digests in the decision log
+    progress: bool = False  # tqdm on rank 0 (stderr)
+    timeout_s: float = 300.0  # gloo / result timeout per launch
+    log_level: str = "WARNING"
+    fault: Optional[str] = None  # key of FAULTS (tests of the checkers)
+
+    def __post_init__(self) -> None:
+        def bad(message: str) -> None:
+            raise ValueError(f"SimConfig: {message}")
+
+        if self.cp_size < 1:
+            bad(f"cp_size must be >= 1, got {self.cp_size}")
+        if self.num_requests < 1 and self.trace_path is None:
+            bad("num_requests must be >= 1")
+        if not 1 <= self.turn_len_min <= self.turn_len_max:
+            bad(
+                "need 1 <= turn_len_min <= turn_len_max, got "
+                f"{self.turn_len_min}, {self.turn_len_max}"
+            )
+        if self.system_prompt_len < 0 or self.reply_len < 0 or self.num_system_prompts < 0:
+            bad("lengths and counts must be >= 0")
+        if self.max_active_sessions < 1 or self.batch_size < 1:
+            bad("max_active_sessions and batch_size must be >= 1")
+        if not 0.0 <= self.continue_prob <= 1.0:
+            bad(f"continue_prob must be in [0, 1], got {self.continue_prob}")
+        if self.physical_tokens % self.page_size or self.physical_tokens < self.page_size:
+            bad(f"physical_tokens ({self.physical_tokens}) must be a multiple of page_size")
+        if self.hicache_ratio <= 1.0:
+            bad(f"hicache_ratio must be > 1 (SGLang's rule), got {self.hicache_ratio}")
+        if self.split_mode not in CP_SPLIT_MODES:
+            bad(f"split_mode must be one of {CP_SPLIT_MODES}, got {self.split_mode!r}")
+        if self.fault is not None and self.fault not in FAULTS:
+            bad(f"fault must be one of {sorted(FAULTS)}, got {self.fault!r}")
+        if self.tree_digest_every < 1:
+            bad("tree_digest_every must be >= 1")
+
+    def stack_config(self, max_context_len: int, shared_kv: bool = True):
+        """The nsa_stack.StackConfig of one rank (cp 1 and the same pool for the baseline)."""
+        from sglang_cp_hicache.testing.nsa_stack import StackConfig
+
+        return StackConfig(
+            cp_size=self.cp_size if shared_kv else 1,
+            layer_num=self.layer_num,
+            physical_tokens=self.physical_tokens,
+            page_size=self.page_size,
+            hicache_ratio=self.hicache_ratio,
+            io_backend=self.io_backend,
+            mem_layout=self.mem_layout,
+            split_mode=self.split_mode,
+            req_pool_size=max(8, 2 * self.batch_size),
+            max_context_len=max_context_len,
+        )

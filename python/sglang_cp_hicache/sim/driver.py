@@ -1,0 +1,472 @@
+"""Drives one rank's cache exactly as SGLang's scheduler does, one prefill batch per step.
+
+Per step (``Scheduler._get_new_batch_prefill_raw`` -> ``PrefillAdder`` ->
+``alloc_for_extend`` -> forward -> ``cache_finished_req``):
+
+1. ``check_hicache_events`` (write acks: the one allowed all-reduce; load acks);
+2. per request: ``match_prefix``, then under a temporary lock ``init_load_back`` when the
+   match ended on host, then the request's own lock on its last node;
+3. ``ready_to_load_host_cache`` (starts the H2D copies);
+4. ``alloc_for_extend``: a req slot, SGLang's own ``alloc_paged_token_slots_extend``
+   (``evict_from_tree_cache`` + ``alloc_extend``, with whatever hooks the plugin put
+   around it), the ``req_to_token`` rows;
+5. "forward": pattern KV for the new tokens into owned slots; the hit is verified;
+6. ``release_kv_cache``: the cache's own ``cache_finished_req`` (insert the page-aligned
+   key, free duplicates and the unaligned tail, unlock), then the req slot.
+
+Only the cache calls are timed, with collectives counted; checks, KV writes and the
+per-step cross-rank agreement check run outside. ``cache.evict`` is timed as ``evict``
+wherever the scheduler path calls it, and that time is not counted twice in its caller.
+All ranks make identical calls, so the decision log (hashed per step) must agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+import torch
+from sglang.srt.mem_cache import common as sglang_mem_common
+from sglang.srt.mem_cache.base_prefix_cache import (
+    EvictParams,
+    InitLoadBackParams,
+    MatchPrefixParams,
+)
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from sglang_cp_hicache.sim.checks import poison_owned, tree_summary, verify_hit
+from sglang_cp_hicache.sim.collectives import CollectiveCounter
+from sglang_cp_hicache.sim.faults import FaultHooks
+from sglang_cp_hicache.sim.invariants import PoolLedger
+from sglang_cp_hicache.sim.results import OPS, RankCounters, RankResult, SeriesPoint
+from sglang_cp_hicache.sim.workload import Request
+from sglang_cp_hicache.testing.nsa_stack import RankStack, write_prefill_kv
+
+logger = logging.getLogger(__name__)
+
+_MAX_VIOLATIONS = 50
+
+
+class SimulationError(RuntimeError):
+    """The replay cannot continue (e.g. the scheduler would be out of memory)."""
+
+
+@dataclass(eq=False)
+class SimReq:
+    """The fields of SGLang's ``Req`` that the cache path reads and writes.
+
+    Prefill only: the request finishes after its forward, with its prompt as committed KV
+    (no output tokens).
+    """
+
+    request: Request
+    req_pool_idx: Optional[int] = None
+    is_chunked: int = 0
+    kv_committed_len: int = 0
+    kv_committed_freed: bool = False
+    extra_key: Optional[str] = None
+    priority: int = 0
+    prefix_indices: Optional[torch.Tensor] = None
+    last_node: Any = None
+    best_match_node: Any = None
+    host_hit_length: int = 0
+    cache_protected_len: int = 0
+    device_hit: int = 0
+    loaded: int = 0
+
+    @property
+    def token_ids(self) -> Sequence[int]:
+        return self.request.token_ids
+
+    @property
+    def origin_input_ids(self) -> List[int]:
+        return list(self.request.token_ids)
+
+    @property
+    def output_ids(self) -> List[int]:
+        return []
+
+    def pop_committed_kv_cache(self) -> int:
+        assert not self.kv_committed_freed, "committed KV freed twice"
+        self.kv_committed_freed = True
+        return self.kv_committed_len
+
+
+class RankDriver:
+    def __init__(
+        self,
+        stack: RankStack,
+        rank: int,
+        shared_kv: bool,
+        counter: CollectiveCounter,
+        agree: Callable[[int], bool],
+        hooks: FaultHooks,
+        tree_digest_every: int,
+    ) -> None:
+        self.stack = stack
+        self.cache = stack.cache
+        self.allocator = stack.allocator
+        self.req_pool = stack.req_to_token_pool
+        self.controller = self.cache.cache_controller
+        self.rank = rank
+        self.shared_kv = shared_kv
+        self.counter = counter
+        self.agree = agree
+        self.hooks = hooks
+        self.tree_digest_every = tree_digest_every
+        self.page_size = self.cache.page_size
+        self.host_pool = self.controller.mem_pool_host
+        self.bytes_per_token = sum(e.host_pool.size_per_token for e in self.host_pool.entries)
+
+        self.counters = RankCounters()
+        self.samples: Dict[str, List[float]] = {op: [] for op in OPS}
+        self.wall_samples: Dict[str, List[float]] = {op: [] for op in OPS}
+        self._pending: Dict[str, float] = defaultdict(float)
+        self._pending_wall: Dict[str, float] = defaultdict(float)
+        self._open_ops: List[List[int]] = []  # [cpu ns, wall ns] spent in nested timed ops
+        self.violations: List[str] = []
+        self.series: List[SeriesPoint] = []
+        self.decision_hash = hashlib.blake2b(b"cp-hicache-sim", digest_size=8).digest()
+        self.step_index = 0
+
+        self.ledger = PoolLedger(stack, rank, shared_kv, self._violation)
+        self.host_peak_physical = 0
+        self.host_peak_logical = 0
+        self._install_counting_wrappers()
+        self._time_evictions()
+        counter.wrap_writing_check(self.cache)
+
+    # ------------------------------------------------------------- plumbing
+    def _install_counting_wrappers(self) -> None:
+        """Count evictions and admitted transfers where the cache makes them (logical sizes)."""
+        cache, counters = self.cache, self.counters
+
+        def count(name: str, on_result: Callable[[Any, tuple], None]) -> None:
+            target = self.controller if name in ("release_host", "evict_host") else cache
+            original = getattr(target, name)
+
+            def counted(*args, **kwargs):
+                result = original(*args, **kwargs)
+                on_result(result, args)
+                return result
+
+            setattr(target, name, counted)
+
+        def demoted(result, args):
+            counters.device_evicted_nodes += 1
+            counters.device_evicted_tokens += result
+
+        def dropped(result, args):
+            demoted(result, args)
+            counters.device_dropped_tokens += result
+
+        def host_evicted(result, args):
+            counters.host_evicted_nodes += 1
+            counters.host_evicted_tokens += len(args[0])
+
+        def written(result, args):
+            counters.logical_written_tokens += result
+
+        count("_evict_backuped", demoted)
+        count("_evict_regular", dropped)
+        count("write_backup", written)
+        # CP eviction frees through release_host (evict_host calls it too); upstream
+        # frees through the controller's evict_host.
+        count("release_host" if self.shared_kv else "evict_host", host_evicted)
+
+    def _time_evictions(self) -> None:
+        """Device eviction is its own op wherever the scheduler path triggers it."""
+        evict = self.cache.evict
+
+        def timed_evict(params):
+            with self._op("evict"):
+                return evict(params)
+
+        self.cache.evict = timed_evict
+
+    @contextlib.contextmanager
+    def _op(self, op: Optional[str]) -> Iterator[None]:
+        """A cache call on the scheduler path: collectives counted, time added to ``op``.
+
+        CPU time of this (the scheduler) thread is the figure of merit: N ranks share few
+        cores here, and wall time would mostly measure who got the core. Wall time is
+        kept too; it includes waiting in the allowed all-reduce.
+        """
+        with self.counter.counting():
+            nested = [0, 0]
+            self._open_ops.append(nested)
+            start_cpu, start_wall = time.thread_time_ns(), time.perf_counter_ns()
+            try:
+                yield
+            finally:
+                cpu = time.thread_time_ns() - start_cpu
+                wall = time.perf_counter_ns() - start_wall
+                self._open_ops.pop()
+                if op is not None:
+                    # A nested timed op (evict) owns its time; the caller keeps the rest.
+                    self._pending[op] += (cpu - nested[0]) / 1000.0
+                    self._pending_wall[op] += (wall - nested[1]) / 1000.0
+                    nested = [cpu, wall]
+                if self._open_ops:
+                    self._open_ops[-1][0] += nested[0]
+                    self._open_ops[-1][1] += nested[1]
+
+    def _violation(self, message: str) -> None:
+        if len(self.violations) < _MAX_VIOLATIONS:
+            self.violations.append(f"rank {self.rank} step {self.step_index}: {message}")
+
+    # ----------------------------------------------------------------- steps
+    def run(self, steps: Sequence[Sequence[Request]], progress: Any = None) -> RankResult:
+        stopped: Optional[str] = None
+        for self.step_index, requests in enumerate(steps):
+            try:
+                records = self._step([SimReq(r) for r in requests])
+            except SimulationError as exc:
+                # Replicated decisions: every rank stops at this same step.
+                stopped = str(exc)
+                self._violation(stopped)
+                break
+            self._fold(records)
+            if self.hooks.extra_eviction_at_step == self.step_index:
+                self.cache.evict(EvictParams(num_tokens=1))
+                self._fold([("fault_extra_eviction",)])
+            if not self.agree(int.from_bytes(self.decision_hash, "little", signed=True)):
+                # Stop before the next step: diverged ranks could disagree on whether
+                # writing_check all-reduces, and hang.
+                stopped = f"decision logs diverged across ranks at step {self.step_index}"
+                self._violation(stopped)
+                break
+            if progress is not None:
+                progress.update(1)
+        self.step_index += 1
+        return self._finish_run(stopped)
+
+    def _step(self, reqs: List[SimReq]) -> List[tuple]:
+        with self._op("check_events"):
+            self.cache.check_hicache_events()
+        self.ledger.check_idle()
+        loads = 0
+        for req in reqs:
+            self._match(req)
+            loads += self._admit(req)
+        with self._op("load_back" if loads else None):
+            self.cache.ready_to_load_host_cache()
+        out_cache_loc, alloc_record = self._alloc(reqs)
+        self._forward(reqs, out_cache_loc)
+        records = [self._finish(req) for req in reqs]
+        for op, micros in self._pending.items():
+            self.samples[op].append(micros)
+            self.wall_samples[op].append(self._pending_wall[op])
+        self._pending.clear()
+        self._pending_wall.clear()
+        self._sample_series()
+        records.append(alloc_record)
+        records.append(self._state_record())
+        return records
+
+    def _match(self, req: SimReq) -> None:
+        key = RadixKey(list(req.token_ids[: len(req.token_ids) - 1]))  # SGLang: input_len - 1
+        with self._op("match_prefix"):
+            match = self.cache.match_prefix(MatchPrefixParams(key=key))
+        req.prefix_indices = match.device_indices
+        req.last_node = match.last_device_node
+        req.best_match_node = match.best_match_node
+        req.host_hit_length = match.host_hit_length
+        req.device_hit = len(req.prefix_indices)
+
+    def _admit(self, req: SimReq) -> int:
+        """PrefillAdder.add_one_req: temporary lock, load-back, the request's lock."""
+        admission_node = req.last_node
+        with self._op(None):
+            self.cache.inc_lock_ref(admission_node)
+        if req.host_hit_length > 0:
+            with self._op("load_back"):
+                new_indices, req.last_node = self.cache.init_load_back(
+                    InitLoadBackParams(
+                        best_match_node=req.best_match_node, host_hit_length=req.host_hit_length
+                    )
+                )
+            req.loaded = len(new_indices)
+            if req.loaded:
+                # The copy runs in ready_to_load_host_cache: only it can restore these bytes.
+                poison_owned(self.stack, new_indices)
+                req.prefix_indices = torch.cat([req.prefix_indices, new_indices])
+        req.cache_protected_len = len(req.prefix_indices)
+        with self._op(None):
+            self.cache.inc_lock_ref(req.last_node)
+            self.cache.dec_lock_ref(admission_node)
+        return int(req.loaded > 0)
+
+    def _alloc(self, reqs: List[SimReq]) -> tuple:
+        """alloc_for_extend: req slots, SGLang's paged extend allocation, req_to_token."""
+        prefix_lens = torch.tensor([len(r.prefix_indices) for r in reqs], dtype=torch.int64)
+        seq_lens = torch.tensor([len(r.token_ids) for r in reqs], dtype=torch.int64)
+        extend_num_tokens = int((seq_lens - prefix_lens).sum())
+        # The loc before each request's first new token; -1 without a cached prefix.
+        last_loc = torch.cat(
+            [
+                r.prefix_indices[-1:].to(torch.int64)
+                if len(r.prefix_indices)
+                else torch.tensor([-1])
+                for r in reqs
+            ]
+        )
+        available_before = self.allocator.available_size()
+        with self._op("alloc"):
+            if self.req_pool.alloc(reqs) is None:
+                raise SimulationError("req_to_token_pool is out of slots")
+            try:
+                # Looked up at call time: the plugin's hooks wrap the module attribute.
+                out_cache_loc = sglang_mem_common.alloc_paged_token_slots_extend(
+                    tree_cache=self.cache,
+                    prefix_lens=prefix_lens,
+                    prefix_lens_cpu=prefix_lens,
+                    seq_lens=seq_lens,
+                    seq_lens_cpu=seq_lens,
+                    last_loc=last_loc,
+                    extend_num_tokens=extend_num_tokens,
+                )
+            except RuntimeError as exc:  # SGLang's "Prefill out of memory"
+                lanes = ""
+                if self.shared_kv:
+                    lanes = f", free pages per owner lane {self.ledger.lanes()}"
+                raise SimulationError(
+                    f"prefill out of memory for {extend_num_tokens} tokens (prefix lens "
+                    f"{prefix_lens.tolist()}, seq lens {seq_lens.tolist()}, available "
+                    f"{self.allocator.available_size()}, evictable "
+                    f"{self.cache.evictable_size()}{lanes}): {str(exc).splitlines()[0]}"
+                ) from None
+            offset = 0
+            for req, prefix_len, seq_len in zip(reqs, prefix_lens.tolist(), seq_lens.tolist()):
+                row = self.req_pool.req_to_token[req.req_pool_idx]
+                row[:prefix_len] = req.prefix_indices
+                row[prefix_len:seq_len] = out_cache_loc[offset : offset + seq_len - prefix_len]
+                offset += seq_len - prefix_len
+                req.kv_committed_len = seq_len
+        return out_cache_loc, ("alloc", available_before, self.allocator.available_size())
+
+    def _forward(self, reqs: List[SimReq], out_cache_loc: torch.Tensor) -> None:
+        """What the model does with the batch: read the hit, write the new tokens' KV."""
+        offset = 0
+        for req in reqs:
+            tokens = torch.tensor(req.token_ids, dtype=torch.int64)
+            prefix_len, seq_len = len(req.prefix_indices), len(tokens)
+            new_locs = out_cache_loc[offset : offset + seq_len - prefix_len]
+            offset += seq_len - prefix_len
+            mismatches, checked = verify_hit(self.stack, req.prefix_indices, tokens[:prefix_len])
+            if mismatches:
+                self._violation(
+                    f"request {req.request.index}: {mismatches} of {checked} owned hit tokens "
+                    f"have wrong KV/indexer bytes"
+                )
+            new_positions = torch.arange(prefix_len, seq_len)
+            write_prefill_kv(self.stack, new_locs, tokens[prefix_len:], new_positions)
+            c = self.counters
+            c.kv_mismatches += mismatches
+            c.kv_checked_tokens += checked
+            c.requests += 1
+            c.prompt_tokens += seq_len
+            c.device_hit_tokens += req.device_hit
+            c.host_matched_tokens += req.host_hit_length
+            c.host_hit_tokens += req.loaded
+            c.logical_loaded_tokens += req.loaded
+            c.load_backs += int(req.loaded > 0)
+            c.load_back_failures += int(req.host_hit_length > 0 and req.loaded == 0)
+
+    def _finish(self, req: SimReq) -> tuple:
+        """release_kv_cache: the cache's cache_finished_req, then the req slot."""
+        with self._op("insert"):
+            self.cache.cache_finished_req(req)
+            self.req_pool.free(req)
+        return (
+            req.request.index, len(req.token_ids), req.device_hit, req.host_hit_length,
+            req.loaded, req.cache_protected_len,
+        )  # fmt: skip
+
+    # -------------------------------------------------------- invariants / log
+    def _state_record(self) -> tuple:
+        """Replicated state after a step; a full tree digest every few steps."""
+        record = (
+            "state",
+            self.allocator.available_size(),
+            self.cache.evictable_size_,
+            self.cache.protected_size_,
+            len(self.cache.ongoing_write_through),
+            len(self.cache.ongoing_load_back),
+            self.ledger.host_used_logical_tokens(),
+            self.counters.device_evicted_tokens,
+            self.counters.host_evicted_tokens,
+        )
+        if self.step_index % self.tree_digest_every == 0:
+            summary = tree_summary(self.cache)
+            self.ledger.check_tree(summary)
+            record += (summary.digest,)
+        return record
+
+    def _fold(self, records: List[tuple]) -> None:
+        self.decision_hash = hashlib.blake2b(
+            self.decision_hash + repr(records).encode(), digest_size=8
+        ).digest()
+
+    def _sample_series(self) -> None:
+        physical = self.ledger.host_used_physical_tokens() * self.bytes_per_token
+        logical = self.ledger.host_used_logical_tokens() * self.bytes_per_token
+        self.host_peak_physical = max(self.host_peak_physical, physical)
+        self.host_peak_logical = max(self.host_peak_logical, logical)
+        c = self.counters
+        hits = c.device_hit_tokens + c.host_hit_tokens
+        self.series.append(SeriesPoint(c.requests, c.prompt_tokens, hits, physical, logical))
+
+    def _finish_run(self, stopped: Optional[str]) -> RankResult:
+        leaked_device = leaked_host = leaked_req = 0
+        if stopped is None:
+            with self._op(None):
+                self.cache.check_hicache_events()
+            self.ledger.check_idle()
+            summary = tree_summary(self.cache)
+            self.ledger.check_tree(summary)
+            leaked_device, leaked_host, leaked_req = self.ledger.flush(lambda: self._op(None))
+        else:
+            # No flush: locks of the interrupted batch are held, and diverged ranks could
+            # disagree on whether writing_check all-reduces (a hang).
+            summary = tree_summary(self.cache)
+        d2h, h2d = self._transfer_bytes()
+        return RankResult(
+            rank=self.rank,
+            shared_kv=self.shared_kv,
+            counters=self.counters,
+            op_samples_us=self.samples,
+            op_wall_samples_us=self.wall_samples,
+            decision_hash=self.decision_hash.hex(),
+            tree_digest=summary.digest,
+            tree_nodes=summary.nodes,
+            violations=self.violations,
+            hot_path_collectives=dict(self.counter.hot_path),
+            allowed_collectives=self.counter.allowed,
+            bytes_per_token=self.bytes_per_token,
+            d2h_bytes=d2h,
+            h2d_bytes=h2d,
+            host_peak_physical_bytes=self.host_peak_physical,
+            host_peak_logical_bytes=self.host_peak_logical,
+            leaked_device_slots=leaked_device,
+            leaked_host_slots=leaked_host,
+            leaked_req_slots=leaked_req,
+            steps_run=self.step_index,
+            series=self.series,
+            stopped_early=stopped,
+        )
+
+    def _transfer_bytes(self) -> tuple:
+        if self.shared_kv:
+            return self.controller.bytes_written, self.controller.bytes_loaded
+        # Upstream moves every token of a node: logical == physical.
+        c = self.counters
+        return (
+            c.logical_written_tokens * self.bytes_per_token,
+            c.logical_loaded_tokens * self.bytes_per_token,
+        )

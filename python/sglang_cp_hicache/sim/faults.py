@@ -1,0 +1,93 @@
+"""Planted bugs (``SimConfig.fault``): each one must make a checker fail.
+
+They patch this rank's process only (each rank is its own process), so nothing leaks
+into other runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch.distributed as dist
+
+from sglang_cp_hicache.testing.nsa_stack import RankStack
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FaultHooks:
+    """Points inside the driver where a fault acts (off by default)."""
+
+    extra_eviction_at_step: Optional[int] = None
+
+
+def apply_fault(
+    name: Optional[str],
+    stack: RankStack,
+    rank: int,
+    world_size: int,
+    cp_group: Any,
+    num_steps: int,
+) -> FaultHooks:
+    hooks = FaultHooks()
+    if name is None:
+        return hooks
+    logger.warning("rank %d: planted fault %r is active", rank, name)
+    last_rank = rank == world_size - 1
+    if name == "roll_load_owners":
+        _roll_load_owners()
+    elif name == "drop_last_rank_loads" and last_rank:
+        # The copies vanish but start_loading still acks: device pages keep their poison.
+        stack.cache.cache_controller.mem_pool_host.load_to_device_per_layer = lambda *a, **k: None
+    elif name == "hot_path_barrier":
+        match_prefix = stack.cache.match_prefix
+
+        def match_prefix_with_barrier(params):
+            dist.barrier(group=cp_group)
+            return match_prefix(params)
+
+        stack.cache.match_prefix = match_prefix_with_barrier
+    elif name == "diverge_last_rank" and last_rank:
+        hooks.extra_eviction_at_step = num_steps // 2
+    elif name == "leak_tail":
+        _drop_partial_page_frees(stack)
+    return hooks
+
+
+def _drop_partial_page_frees(stack: RankStack) -> None:
+    """cache_finished_req's free of the unaligned tail (less than a page) is lost.
+
+    Every other free on this path (duplicates, evicted nodes) is whole pages.
+    """
+    allocator = stack.allocator
+    free = allocator.free
+
+    def free_whole_pages_only(indices):
+        if 0 < len(indices) < allocator.page_size:
+            return None
+        return free(indices)
+
+    allocator.free = free_whole_pages_only
+
+
+def _roll_load_owners() -> None:
+    """Load-back pages get the owner pattern shifted by one page.
+
+    The layout validates owners only on host-resident tensors; on GPU the locs are device
+    tensors and the guard is skipped, so the bug would corrupt KV silently. Turning the
+    guard off here reproduces that on CPU.
+    """
+    from sglang_cp_hicache.mem_cache.cp_shared_allocator import CPSharedPagedTokenToKVPoolAllocator
+    from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
+
+    original = CPSharedPagedTokenToKVPoolAllocator.alloc_pages_with_owners
+
+    def alloc_rolled(self, page_owners):
+        return original(self, np.roll(np.asarray(page_owners, dtype=np.int64), 1))
+
+    CPSharedPagedTokenToKVPoolAllocator.alloc_pages_with_owners = alloc_rolled
+    CpSharedKVLayout._raise_if_not_owned = lambda self, owners, unit: None

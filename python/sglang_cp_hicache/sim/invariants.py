@@ -1,0 +1,122 @@
+"""One rank's memory accounting: what must hold between batches, and the final flush.
+
+Starting free counts are taken when the stack is fresh; between batches (all acks in,
+since CPU copies are synchronous) and after the flush, the pools must add up again.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, ContextManager, List, Optional, Tuple
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+from sglang_cp_hicache.sim.checks import TreeSummary
+from sglang_cp_hicache.testing.nsa_stack import RankStack
+
+
+class PoolLedger:
+    """Free counts at start, current usage, and the checks built on them."""
+
+    def __init__(
+        self, stack: RankStack, rank: int, shared_kv: bool, violation: Callable[[str], None]
+    ) -> None:
+        self.cache = stack.cache
+        self.allocator = stack.allocator
+        self.req_pool = stack.req_to_token_pool
+        self.controller = self.cache.cache_controller
+        self.host_pool = self.controller.mem_pool_host
+        self.page_size = self.cache.page_size
+        self.rank = rank
+        self.shared_kv = shared_kv
+        self.violation = violation
+        self.device_capacity = self.allocator.available_size()
+        self.start_lanes = self.lanes()
+        self.start_host_free = self.host_free()
+        self.start_req_slots = self.req_pool.available_size()
+
+    # --------------------------------------------------------------- usage
+    def lanes(self) -> Optional[List[int]]:
+        return self.allocator.lane_available_pages().tolist() if self.shared_kv else None
+
+    def host_free(self) -> int:
+        return sum(entry.host_pool.available_size() for entry in self.host_pool.entries)
+
+    def host_used_physical_tokens(self) -> int:
+        return self.host_pool.size - self.host_pool.available_size()
+
+    def host_used_logical_tokens(self) -> int:
+        if self.shared_kv:
+            return self.controller.host_table.used_logical_tokens()
+        return self.host_used_physical_tokens()
+
+    # -------------------------------------------------------------- checks
+    def check_idle(self) -> None:
+        """Between batches: nothing pending or locked, and every pool adds up."""
+        cache = self.cache
+        if cache.ongoing_write_through or cache.ongoing_load_back:
+            self.violation(
+                f"{len(cache.ongoing_write_through)} writes / {len(cache.ongoing_load_back)} "
+                f"loads still pending after check_hicache_events"
+            )
+            return
+        if cache.protected_size_ != 0:
+            self.violation(f"{cache.protected_size_} tokens still locked between batches")
+        total = self.allocator.available_size() + cache.evictable_size_
+        if total != self.device_capacity:
+            self.violation(
+                f"available + evictable = {total}, device capacity is {self.device_capacity}"
+            )
+        if self.req_pool.available_size() != self.start_req_slots:
+            self.violation("req_to_token_pool slots leaked")
+        if self.shared_kv:
+            lane_used = int(self.controller.host_table.lane_used_pages[self.rank])
+            physical_used = self.start_host_free - self.host_free()
+            if lane_used * self.page_size != physical_used:
+                self.violation(
+                    f"host lane accounting says {lane_used * self.page_size} owned slots, "
+                    f"the physical host pool has {physical_used} in use"
+                )
+
+    def check_tree(self, summary: TreeSummary) -> None:
+        """The tree's device and host tokens match the pools' accounting."""
+        device_tokens = self.cache.evictable_size_ + self.cache.protected_size_
+        if summary.device_tokens != device_tokens:
+            self.violation(
+                f"tree holds {summary.device_tokens} device tokens, sizes say {device_tokens}"
+            )
+        host_tokens = self.host_used_logical_tokens()
+        if summary.host_tokens != host_tokens:
+            self.violation(
+                f"tree holds {summary.host_tokens} host tokens, host accounting says {host_tokens}"
+            )
+
+    # --------------------------------------------------------------- flush
+    def flush(self, cache_call: Callable[[], ContextManager]) -> Tuple[int, int, int]:
+        """Evict all device, then all host cache through the tree; return the leaks
+        (device slots, host slots, req slots). ``cache_call`` wraps the cache calls."""
+        cache = self.cache
+        with cache_call():
+            cache.evict(EvictParams(num_tokens=self.device_capacity))
+            if self.shared_kv:
+                # CpHiRadixCache.evict_host frees the deficit of the last refused write,
+                # not num_tokens: ask for every page of every lane.
+                table = self.controller.host_table
+                self.controller.last_host_deficit = torch.full(
+                    (len(self.start_lanes),), table.physical_host_pages, dtype=torch.int64
+                )
+            cache.evict_host(self.host_pool.size * len(self.start_lanes or [1]))
+        if cache.root_node.children:
+            self.violation(f"{len(cache.root_node.children)} subtrees left after the flush")
+        if cache.evictable_size_ or cache.protected_size_:
+            self.violation(
+                f"after flush: evictable {cache.evictable_size_}, "
+                f"protected {cache.protected_size_}"
+            )
+        if self.shared_kv and self.lanes() != self.start_lanes:
+            self.violation(f"owner lanes {self.lanes()} after flush, {self.start_lanes} at start")
+        return (
+            self.device_capacity - self.allocator.available_size(),
+            self.start_host_free - self.host_free(),
+            self.start_req_slots - self.req_pool.available_size(),
+        )

@@ -1,0 +1,343 @@
+"""Turns per-rank results into the report: cross-rank checks, aggregates, table, JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from sglang_cp_hicache.sim.config import SimConfig
+from sglang_cp_hicache.sim.results import OPS, RankCounters, RankResult
+
+_PER_RANK_FIELDS = ("kv_checked_tokens", "kv_mismatches")
+
+
+@dataclass
+class BaselineSummary:
+    """The same trace through upstream non-CP HiRadixCache (cp 1, same physical pool)."""
+
+    device_hit_tokens: int
+    host_hit_tokens: int
+    load_backs: int
+    device_evicted_tokens: int
+    host_evicted_tokens: int
+    hit_rate: float
+    host_peak_bytes: int
+    d2h_bytes: int
+    h2d_bytes: int
+    kv_mismatches: int
+
+
+@dataclass
+class SimReport:
+    config: Dict[str, Any]
+    requests: int
+    steps: int
+    prompt_tokens: int
+    # ---- proofs
+    kv_mismatches: int
+    kv_checked_tokens: int
+    invariant_violations: List[str]
+    radix_digests: List[str]
+    decision_hashes: List[str]
+    hot_path_collectives: int
+    hot_path_collectives_by_name: Dict[str, int]
+    writing_check_all_reduces: List[int]
+    leaked_device_slots: int
+    leaked_host_slots: int
+    # ---- cache behaviour (replicated, identical on every rank)
+    device_hit_tokens: int
+    host_hit_tokens: int
+    host_matched_tokens: int
+    load_backs: int
+    load_back_failures: int
+    hit_rate: float
+    device_evictions: int
+    device_evicted_tokens: int
+    device_dropped_tokens: int
+    host_evictions: int
+    host_evicted_tokens: int
+    # ---- memory and traffic
+    bytes_per_token: int
+    logical_host_bytes: int  # peak, logical (what a replicated host tier holds per rank)
+    host_bytes_per_rank: List[int]  # peak, physical
+    d2h_bytes_per_rank: List[int]
+    h2d_bytes_per_rank: List[int]
+    replicated_d2h_bytes: int  # what every rank would move without shared KV
+    replicated_h2d_bytes: int
+    # ---- scheduler-thread CPU time per step (prefill batch), microseconds
+    op_time_us: Dict[str, Dict[str, float]]
+    baseline_op_time_us: Optional[Dict[str, Dict[str, float]]]
+    op_wall_us: Dict[str, Dict[str, float]]  # wall time: adds waits (all-reduce, core sharing)
+    baseline: Optional[BaselineSummary]
+    wall_s: float = 0.0
+    series: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return (
+            self.kv_mismatches == 0
+            and not self.invariant_violations
+            and self.hot_path_collectives == 0
+            and self.leaked_device_slots == 0
+            and self.leaked_host_slots == 0
+            and len(set(self.radix_digests)) == 1
+        )
+
+    def to_dict(self) -> Dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["passed"] = self.passed
+        return data
+
+    def write_json(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(self.to_dict(), handle, indent=2)
+            handle.write("\n")
+
+
+# ------------------------------------------------------------------ building
+def _op_stats(results: List[RankResult], wall: bool = False) -> Dict[str, Dict[str, float]]:
+    stats: Dict[str, Dict[str, float]] = {}
+    for op in OPS:
+        per_rank = [r.op_wall_samples_us if wall else r.op_samples_us for r in results]
+        samples = np.array([s for samples in per_rank for s in samples.get(op, [])], dtype=float)
+        if len(samples) == 0:
+            stats[op] = {"count": 0, "p50": 0.0, "p99": 0.0, "mean": 0.0}
+            continue
+        stats[op] = {
+            "count": int(len(samples)),
+            "p50": float(np.percentile(samples, 50)),
+            "p99": float(np.percentile(samples, 99)),
+            "mean": float(samples.mean()),
+        }
+    return stats
+
+
+def _replicated(counters: RankCounters) -> Dict[str, int]:
+    return {k: v for k, v in dataclasses.asdict(counters).items() if k not in _PER_RANK_FIELDS}
+
+
+def _cross_rank_checks(results: List[RankResult]) -> List[str]:
+    problems: List[str] = []
+    if len({r.tree_digest for r in results}) > 1:
+        digests = [r.tree_digest for r in results]
+        problems.append(f"radix tree digests differ across ranks: {digests}")
+    if len({r.decision_hash for r in results}) > 1:
+        problems.append(f"decision logs differ across ranks: {[r.decision_hash for r in results]}")
+    reference = _replicated(results[0].counters)
+    for r in results[1:]:
+        other = _replicated(r.counters)
+        diff = {k: (reference[k], other[k]) for k in reference if reference[k] != other[k]}
+        if diff:
+            problems.append(f"rank {r.rank} counters differ from rank 0: {diff}")
+    c = results[0].counters
+    hit_tokens = c.device_hit_tokens + c.host_hit_tokens
+    checked = sum(r.counters.kv_checked_tokens for r in results)
+    if checked != hit_tokens:
+        # Every hit token has exactly one owner, which checks it.
+        problems.append(f"{checked} hit tokens checked across ranks, {hit_tokens} hit")
+    bpt = results[0].bytes_per_token
+    for name, per_rank, logical in (
+        ("D2H", [r.d2h_bytes for r in results], c.logical_written_tokens * bpt),
+        ("H2D", [r.h2d_bytes for r in results], c.logical_loaded_tokens * bpt),
+    ):
+        if sum(per_rank) != logical:
+            # Each logical page moves exactly once, on its owner.
+            problems.append(f"{name} bytes over ranks {sum(per_rank)} != logical {logical}")
+    return problems
+
+
+def _hit_rates(result: RankResult) -> List[float]:
+    return [p.hit_tokens / max(1, p.prompt_tokens) for p in result.series]
+
+
+def build_report(
+    cfg: SimConfig,
+    results: List[RankResult],
+    baseline: Optional[RankResult],
+    num_requests: int,
+    num_steps: int,
+    wall_s: float,
+) -> SimReport:
+    violations = [v for r in results for v in r.violations] + _cross_rank_checks(results)
+    c = results[0].counters
+    bpt = results[0].bytes_per_token
+    hot_by_name: Dict[str, int] = {}
+    for r in results:
+        for name, count in r.hot_path_collectives.items():
+            hot_by_name[name] = hot_by_name.get(name, 0) + count
+    baseline_summary = None
+    if baseline is not None:
+        b = baseline.counters
+        violations += [f"baseline: {v}" for v in baseline.violations]
+        baseline_summary = BaselineSummary(
+            device_hit_tokens=b.device_hit_tokens,
+            host_hit_tokens=b.host_hit_tokens,
+            load_backs=b.load_backs,
+            device_evicted_tokens=b.device_evicted_tokens,
+            host_evicted_tokens=b.host_evicted_tokens,
+            hit_rate=(b.device_hit_tokens + b.host_hit_tokens) / max(1, b.prompt_tokens),
+            host_peak_bytes=baseline.host_peak_physical_bytes,
+            d2h_bytes=baseline.d2h_bytes,
+            h2d_bytes=baseline.h2d_bytes,
+            kv_mismatches=b.kv_mismatches,
+        )
+    series = {
+        "requests": [p.requests for p in results[0].series],
+        "hit_rate": _hit_rates(results[0]),
+        "host_physical_bytes_per_rank": [
+            [p.host_physical_bytes for p in r.series] for r in results
+        ],
+        "host_logical_bytes": [p.host_logical_bytes for p in results[0].series],
+    }
+    if baseline is not None:
+        series["baseline_requests"] = [p.requests for p in baseline.series]
+        series["baseline_hit_rate"] = _hit_rates(baseline)
+    return SimReport(
+        config=dataclasses.asdict(cfg),
+        requests=num_requests,
+        steps=num_steps,
+        prompt_tokens=c.prompt_tokens,
+        kv_mismatches=sum(r.counters.kv_mismatches for r in results),
+        kv_checked_tokens=sum(r.counters.kv_checked_tokens for r in results),
+        invariant_violations=violations,
+        radix_digests=[r.tree_digest for r in results],
+        decision_hashes=[r.decision_hash for r in results],
+        hot_path_collectives=sum(hot_by_name.values()),
+        hot_path_collectives_by_name=hot_by_name,
+        writing_check_all_reduces=[r.allowed_collectives for r in results],
+        leaked_device_slots=sum(
+            abs(r.leaked_device_slots) + abs(r.leaked_req_slots) for r in results
+        ),
+        leaked_host_slots=sum(abs(r.leaked_host_slots) for r in results),
+        device_hit_tokens=c.device_hit_tokens,
+        host_hit_tokens=c.host_hit_tokens,
+        host_matched_tokens=c.host_matched_tokens,
+        load_backs=c.load_backs,
+        load_back_failures=c.load_back_failures,
+        hit_rate=(c.device_hit_tokens + c.host_hit_tokens) / max(1, c.prompt_tokens),
+        device_evictions=c.device_evicted_nodes,
+        device_evicted_tokens=c.device_evicted_tokens,
+        device_dropped_tokens=c.device_dropped_tokens,
+        host_evictions=c.host_evicted_nodes,
+        host_evicted_tokens=c.host_evicted_tokens,
+        bytes_per_token=bpt,
+        logical_host_bytes=results[0].host_peak_logical_bytes,
+        host_bytes_per_rank=[r.host_peak_physical_bytes for r in results],
+        d2h_bytes_per_rank=[r.d2h_bytes for r in results],
+        h2d_bytes_per_rank=[r.h2d_bytes for r in results],
+        replicated_d2h_bytes=c.logical_written_tokens * bpt,
+        replicated_h2d_bytes=c.logical_loaded_tokens * bpt,
+        op_time_us=_op_stats(results),
+        op_wall_us=_op_stats(results, wall=True),
+        baseline_op_time_us=_op_stats([baseline]) if baseline is not None else None,
+        baseline=baseline_summary,
+        wall_s=wall_s,
+        series=series,
+    )
+
+
+# --------------------------------------------------------------------- table
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def _headline(report: SimReport) -> List[str]:
+    cfg = report.config
+    digests = "equal" if len(set(report.radix_digests)) == 1 else "DIFFER"
+    return [
+        f"CP HiCache simulator  cp_size={cfg['cp_size']}  seed={cfg['seed']}  "
+        f"requests={report.requests}  batches={report.steps}  wall={report.wall_s:.1f}s",
+        f"result: {'PASS' if report.passed else 'FAIL'}  "
+        f"kv_mismatches={report.kv_mismatches} (checked {report.kv_checked_tokens} hit tokens)  "
+        f"violations={len(report.invariant_violations)}  "
+        f"hot_path_collectives={report.hot_path_collectives}  "
+        f"leaked device/host slots={report.leaked_device_slots}/{report.leaked_host_slots}  "
+        f"digests {digests}",
+    ]
+
+
+def _cache_rows(report: SimReport) -> List[str]:
+    b = report.baseline
+    header = f"cp={report.config['cp_size']} shared KV"
+    lines = [f"{'':34}{header:>18}{'cp=1 upstream':>18}"]
+
+    def row(label: str, ours: Any, theirs: Any = None) -> None:
+        theirs = "-" if b is None or theirs is None else theirs
+        lines.append(f"{label:34}{str(ours):>18}{str(theirs):>18}")
+
+    row("prompt tokens", report.prompt_tokens, report.prompt_tokens)
+    row("device hit tokens", report.device_hit_tokens, b and b.device_hit_tokens)
+    row("host hit tokens (loaded back)", report.host_hit_tokens, b and b.host_hit_tokens)
+    row("host-hit load-backs", report.load_backs, b and b.load_backs)
+    row("hit rate", f"{report.hit_rate:.3f}", b and f"{b.hit_rate:.3f}")
+    row(
+        "device evictions (nodes/tokens)",
+        f"{report.device_evictions}/{report.device_evicted_tokens}",
+        b and f"-/{b.device_evicted_tokens}",
+    )
+    row(
+        "host evictions (nodes/tokens)",
+        f"{report.host_evictions}/{report.host_evicted_tokens}",
+        b and f"-/{b.host_evicted_tokens}",
+    )
+    row("load-back failures", report.load_back_failures)
+    row("writing_check all-reduces/rank", report.writing_check_all_reduces[0])
+    return lines
+
+
+def _rank_rows(report: SimReport) -> List[str]:
+    widths = (4, 16, 19, 13, 16, 13, 16)
+    titles = ("rank", "host peak phys", "host peak logical", "D2H", "D2H replicated", "H2D",
+              "H2D replicated")  # fmt: skip
+
+    def line(cells) -> str:
+        return "".join(f"{cell:>{width}}" for cell, width in zip(cells, widths))
+
+    lines = [line(titles)]
+    per_rank = zip(report.host_bytes_per_rank, report.d2h_bytes_per_rank, report.h2d_bytes_per_rank)
+    for rank, (host, d2h, h2d) in enumerate(per_rank):
+        lines.append(
+            line(
+                (rank, _mib(host), _mib(report.logical_host_bytes), _mib(d2h),
+                 _mib(report.replicated_d2h_bytes), _mib(h2d), _mib(report.replicated_h2d_bytes))
+            )  # fmt: skip
+        )
+    b = report.baseline
+    if b is not None:
+        lines.append(line(("base", _mib(b.host_peak_bytes), "", _mib(b.d2h_bytes), "",
+                           _mib(b.h2d_bytes), "")))  # fmt: skip
+    return lines
+
+
+def _op_rows(report: SimReport) -> List[str]:
+    lines = [
+        "scheduler-thread CPU time per batch (us), pooled over ranks; the CPU runtime's "
+        "synchronous copies are included",
+        f"{'op':14}{'n':>6}{'p50':>10}{'p99':>10}{'upstream p50':>14}{'upstream p99':>14}"
+        f"{'p50 ratio':>11}",
+    ]
+    for op, stats in report.op_time_us.items():
+        base = (report.baseline_op_time_us or {}).get(op)
+        base_p50 = f"{base['p50']:.1f}" if base else "-"
+        base_p99 = f"{base['p99']:.1f}" if base else "-"
+        comparable = base is not None and base["p50"] > 0 and stats["count"] > 0
+        ratio = f"{stats['p50'] / base['p50']:.2f}x" if comparable else "-"
+        lines.append(
+            f"{op:14}{stats['count']:>6}{stats['p50']:>10.1f}{stats['p99']:>10.1f}"
+            f"{base_p50:>14}{base_p99:>14}{ratio:>11}"
+        )
+    return lines
+
+
+def format_table(report: SimReport) -> str:
+    """The human-readable report (stdout of the CLI)."""
+    lines = _headline(report) + [""] + _cache_rows(report) + [""] + _rank_rows(report)
+    lines += [""] + _op_rows(report)
+    if report.invariant_violations:
+        lines += ["", "violations (first 10):"]
+        lines += [f"  {v}" for v in report.invariant_violations[:10]]
+    return "\n".join(line.rstrip() for line in lines)

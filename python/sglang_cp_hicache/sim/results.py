@@ -1,0 +1,69 @@
+"""What one simulated rank hands back to the parent (plain picklable dataclasses)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+# Scheduler-path operations timed per prefill batch.
+OPS = ("match_prefix", "load_back", "alloc", "insert", "check_events", "evict")
+
+
+@dataclass
+class RankCounters:
+    """Scheduler-visible outcomes; all but the kv_* / owned_* fields are replicated."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    device_hit_tokens: int = 0  # matched on device by match_prefix
+    host_matched_tokens: int = 0  # host_hit_length reported by match_prefix
+    host_hit_tokens: int = 0  # of those, loaded back and used
+    load_backs: int = 0  # init_load_back calls that loaded something
+    load_back_failures: int = 0  # host hit but nothing loaded (threshold, quota, no room)
+    device_evicted_nodes: int = 0
+    device_evicted_tokens: int = 0  # demoted to host + dropped
+    device_dropped_tokens: int = 0  # not backed up: KV gone
+    host_evicted_nodes: int = 0
+    host_evicted_tokens: int = 0  # logical
+    logical_written_tokens: int = 0  # write-through admitted (logical)
+    logical_loaded_tokens: int = 0  # load-back admitted (logical)
+    # Per rank (not replicated): the owned shard of every hit was checked.
+    kv_checked_tokens: int = 0  # owned tokens of hits compared with the pattern
+    kv_mismatches: int = 0
+
+
+@dataclass
+class SeriesPoint:
+    """State after one step, for the plot."""
+
+    requests: int
+    prompt_tokens: int
+    hit_tokens: int  # device + loaded-back host hits, cumulative
+    host_physical_bytes: int
+    host_logical_bytes: int
+
+
+@dataclass
+class RankResult:
+    rank: int
+    shared_kv: bool
+    counters: RankCounters
+    op_samples_us: Dict[str, List[float]]  # scheduler-thread CPU time per batch
+    op_wall_samples_us: Dict[str, List[float]]
+    decision_hash: str
+    tree_digest: str  # before the final flush
+    tree_nodes: int
+    violations: List[str]
+    hot_path_collectives: Dict[str, int]
+    allowed_collectives: int
+    bytes_per_token: int
+    d2h_bytes: int  # this rank's physical D2H (controller counter or logical on cp 1)
+    h2d_bytes: int
+    host_peak_physical_bytes: int
+    host_peak_logical_bytes: int
+    leaked_device_slots: int
+    leaked_host_slots: int
+    leaked_req_slots: int
+    steps_run: int
+    series: List[SeriesPoint] = field(default_factory=list)
+    stopped_early: Optional[str] = None

@@ -1,0 +1,249 @@
+"""End-to-end tests of the multi-rank CPU simulator: its promises hold, and its checkers fail
+when a bug is planted (so a green run means something)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_cp_hicache.sim import (
+    FAULTS,
+    SimConfig,
+    SimReport,
+    TraceError,
+    generate_workload,
+    load_trace,
+    run_simulation,
+)
+from sglang_cp_hicache.sim.results import OPS
+from sglang_cp_hicache.sim.workload import plan_steps
+
+REPO = Path(__file__).resolve().parents[3]
+
+# cp 4 keeps the same logical capacity as cp 2 with half the pool per rank; the baseline
+# (same physical pool, cp 1) is skipped there, so prompts only need to fit the CP pool.
+CP4 = dict(
+    physical_tokens=512,
+    max_prompt_len=448,
+    system_prompt_len=128,
+    turn_len_min=32,
+    turn_len_max=96,
+    reply_len=32,
+    baseline=False,
+)
+
+
+def _assert_promises(report: SimReport, cp_size: int) -> None:
+    assert report.invariant_violations == []
+    assert report.kv_mismatches == 0
+    assert report.kv_checked_tokens == report.device_hit_tokens + report.host_hit_tokens
+    assert len(report.radix_digests) == cp_size and len(set(report.radix_digests)) == 1
+    assert len(set(report.decision_hashes)) == 1
+    assert report.hot_path_collectives == 0
+    assert all(n > 0 for n in report.writing_check_all_reduces)  # the allowed one did run
+    assert report.leaked_device_slots == 0 and report.leaked_host_slots == 0
+    # Both tiers were under pressure and the host tier served hits.
+    assert report.host_hit_tokens > 0 and report.load_backs > 0
+    assert report.device_evictions > 0 and report.host_evictions > 0
+    # Shared KV: each rank stores and moves only its shard.
+    assert all(0 < b < report.logical_host_bytes for b in report.host_bytes_per_rank)
+    assert sum(report.d2h_bytes_per_rank) == report.replicated_d2h_bytes
+    assert sum(report.h2d_bytes_per_rank) == report.replicated_h2d_bytes
+    assert all(b < report.replicated_d2h_bytes for b in report.d2h_bytes_per_rank)
+    assert set(report.op_time_us) == set(OPS)
+    assert report.op_time_us["match_prefix"]["count"] == report.requests * cp_size
+    assert report.passed
+
+
+@pytest.fixture(scope="module")
+def cp2_report() -> SimReport:
+    return run_simulation(SimConfig(cp_size=2, seed=0, num_requests=60))
+
+
+def test_cp2_end_to_end(cp2_report: SimReport) -> None:
+    _assert_promises(cp2_report, 2)
+    # The upstream replay ran on the same trace, verified its own hits, and is comparable.
+    baseline = cp2_report.baseline
+    assert baseline is not None and baseline.kv_mismatches == 0
+    assert set(cp2_report.baseline_op_time_us) == set(cp2_report.op_time_us)
+    # cp x the logical device pool for the same per-rank memory: more device hits.
+    assert cp2_report.device_hit_tokens > baseline.device_hit_tokens
+
+
+def test_cp4_end_to_end() -> None:
+    report = run_simulation(SimConfig(cp_size=4, seed=1, num_requests=80, **CP4))
+    _assert_promises(report, 4)
+    assert report.baseline is None and report.baseline_op_time_us is None
+
+
+# ------------------------------------------------------------------ planted bugs
+def _faulty(fault: str, **overrides) -> SimReport:
+    cfg = dict(cp_size=2, seed=0, num_requests=40, baseline=False, fault=fault, timeout_s=60)
+    cfg.update(overrides)
+    return run_simulation(SimConfig(**cfg))
+
+
+@pytest.mark.parametrize("fault", ["roll_load_owners", "drop_last_rank_loads"])
+def test_wrong_load_back_is_caught(fault: str) -> None:
+    report = _faulty(fault)
+    assert report.kv_mismatches > 0
+    assert not report.passed
+    assert any("wrong KV/indexer bytes" in v for v in report.invariant_violations)
+
+
+def test_drop_on_one_rank_is_seen_only_there() -> None:
+    report = _faulty("drop_last_rank_loads")
+    assert all(v.startswith("rank 1 ") for v in report.invariant_violations)
+
+
+def test_hot_path_collective_is_counted() -> None:
+    report = _faulty("hot_path_barrier", num_requests=10)
+    assert report.hot_path_collectives_by_name == {"barrier": 2 * 10}
+    assert report.kv_mismatches == 0 and not report.passed
+
+
+def test_rank_divergence_is_caught_without_hanging() -> None:
+    report = _faulty("diverge_last_rank", num_requests=20)
+    assert len(set(report.radix_digests)) == 2
+    assert any("diverged" in v for v in report.invariant_violations)
+    assert not report.passed
+
+
+def test_leak_is_caught() -> None:
+    report = _faulty("leak_tail", num_requests=10)
+    assert report.leaked_device_slots > 0
+    assert not report.passed
+
+
+def test_every_fault_has_a_test() -> None:
+    tested = {"roll_load_owners", "drop_last_rank_loads", "hot_path_barrier"}
+    tested |= {"diverge_last_rank", "leak_tail"}
+    assert set(FAULTS) == tested
+
+
+# ------------------------------------------------------------------------ traces
+def _write_trace(path: Path) -> None:
+    lines = [
+        {"session_id": "a", "new_tokens": 100, "system_prompt": "sys", "system_prompt_len": 192},
+        {"session_id": "b", "new_tokens": 70, "system_prompt": "sys"},
+        {"session_id": "a", "new_tokens": 90, "reply_tokens": 40},
+        {"session_id": 7, "token_ids": list(range(1000, 1300))},
+        {"session_id": "b", "new_tokens": 64, "reply_tokens": 30},
+        {"session_id": 7, "token_ids": list(range(1000, 1300)) + list(range(5, 105))},
+        {"session_id": "a", "new_tokens": 50, "reply_tokens": 40},
+    ]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+
+
+def test_jsonl_trace_replay(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    _write_trace(trace)
+    requests = load_trace(str(trace))
+    assert [r.session_id for r in requests] == ["a", "b", "a", "7", "b", "7", "a"]
+    assert requests[0].token_ids[:192] == requests[1].token_ids[:192]  # shared system prompt
+    assert requests[2].token_ids[: len(requests[0].token_ids)] == requests[0].token_ids
+    assert len(requests[2].token_ids) == 192 + 100 + 40 + 90
+
+    report = run_simulation(SimConfig(cp_size=2, trace_path=str(trace), baseline=True))
+    assert report.requests == 7 and report.passed
+    # Session continuations and the shared system prompt hit on device.
+    assert report.device_hit_tokens >= 192 + 256 + 256
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("not json", "not JSON"),
+        ('{"token_ids": [1, 2]}', "session_id"),
+        ('{"session_id": 1}', "needs 'token_ids' or 'new_tokens'"),
+        ('{"session_id": 1, "new_tokens": -3}', "non-negative integer"),
+        ('{"session_id": 1, "new_tokens": 9, "system_prompt": "s"}', "needs 'system_prompt_len'"),
+        ('{"session_id": 1, "token_ids": [1]}', "at least 2 tokens"),
+    ],
+)
+def test_bad_trace_lines_name_the_line(tmp_path: Path, line: str, message: str) -> None:
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"session_id": 0, "token_ids": [1, 2, 3]}\n' + line + "\n")
+    with pytest.raises(TraceError, match=message) as info:
+        load_trace(str(trace))
+    assert f"{trace}:2" in str(info.value)
+
+
+def test_generator_is_seeded_and_reuses_prefixes() -> None:
+    cfg = SimConfig(num_requests=50)
+    first, again = generate_workload(cfg), generate_workload(cfg)
+    assert first == again
+    assert generate_workload(SimConfig(num_requests=50, seed=1)) != first
+    assert all(2 <= len(r.token_ids) <= cfg.max_prompt_len for r in first)
+    assert len({r.session_id for r in first}) < len(first)  # multi-turn sessions
+
+
+def test_request_too_long_for_the_pool_is_rejected_early() -> None:
+    cfg = SimConfig(num_requests=5, max_prompt_len=4096, turn_len_min=3000, turn_len_max=3000)
+    with pytest.raises(ValueError, match="raise physical_tokens"):
+        plan_steps(generate_workload(cfg), cfg)
+
+
+def test_split_modes_match_the_allocator() -> None:
+    from sglang_cp_hicache.mem_cache.cp_shared_allocator import CP_SPLIT_MODES
+    from sglang_cp_hicache.sim.config import CP_SPLIT_MODES as SIM_SPLIT_MODES
+
+    assert set(SIM_SPLIT_MODES) == set(CP_SPLIT_MODES)
+
+
+# --------------------------------------------------------------------------- CLI
+def test_cli_json(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_cp_hicache.sim", "--cp-size", "2", "--num-requests", "20",
+         "--no-baseline", "--no-progress", "--json", str(out)],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "result: PASS" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["passed"] is True
+    for key in (
+        "kv_mismatches", "invariant_violations", "radix_digests", "hot_path_collectives",
+        "leaked_device_slots", "leaked_host_slots", "device_hit_tokens", "host_hit_tokens",
+        "logical_host_bytes", "host_bytes_per_rank", "d2h_bytes_per_rank", "h2d_bytes_per_rank",
+        "replicated_d2h_bytes", "replicated_h2d_bytes", "op_time_us", "baseline_op_time_us",
+    ):  # fmt: skip
+        assert key in data, key
+    assert data["requests"] == 20 and len(data["radix_digests"]) == 2
+    assert data["config"]["cp_size"] == 2
+
+
+def test_cli_plot_without_matplotlib_fails_clearly(capsys, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
+    from sglang_cp_hicache.sim.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--plot", "x.png", "--no-progress"])
+    assert info.value.code == 2
+    assert "needs matplotlib" in capsys.readouterr().err
+
+
+def test_plot_is_written(cp2_report: SimReport, tmp_path: Path) -> None:
+    from sglang_cp_hicache.sim.plot import write_plot
+
+    path = tmp_path / "sim.png"
+    write_plot(cp2_report, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_in_seq_split_lanes_held_by_the_batch_do_not_crash_prefill():
+    """Regression: at cp 4 in-seq-split, short extends pile new pages onto lane 0 while the
+    batch itself holds that lane; allocation must place them elsewhere, not raise OOM."""
+    report = run_simulation(
+        SimConfig(
+            cp_size=4, split_mode="in-seq-split", batch_size=2, seed=7, hicache_ratio=3.0,
+            num_requests=150, baseline=False, physical_tokens=512, max_prompt_len=448,
+            system_prompt_len=128, turn_len_min=32, turn_len_max=96, reply_len=32,
+        )
+    )
+    assert report.passed and report.kv_mismatches == 0 and not report.invariant_violations
