@@ -328,6 +328,7 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         self.physical_size = physical_size
         self.lanes = OwnerLaneFreePages(cp_size, physical_size // page_size, device, need_sort)
         self.last_lane_deficit = torch.zeros(cp_size, dtype=torch.int64)
+        self._place_next_extend_by_free_pages = False
         # Upstream __init__ calls clear(), which resets the lanes built above.
         super().__init__(physical_size * cp_size, page_size, dtype, device, kvcache, need_sort)
 
@@ -349,6 +350,17 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             prefix_lens_cpu, seq_lens_cpu, self.page_size, self.cp_size, self.split_mode
         )
         return torch.bincount(page_owners, minlength=self.cp_size)
+
+    def place_next_extend_by_free_pages(self) -> None:
+        """One-shot: the next ``alloc_extend`` puts its new pages on the lanes with the most
+        free pages instead of their compute owners.
+
+        For a batch whose compute lanes stay short after eviction (their pages are held by
+        running requests) while the total suffices. Prefill CP gathers the current chunk's
+        KV on every rank, so any lane's owner can store any page; only placement changes.
+        Called on every rank from the same replicated state.
+        """
+        self._place_next_extend_by_free_pages = True
 
     # ------------------------------------------------------------ allocation
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
@@ -390,6 +402,11 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             raise ValueError(
                 f"num_new_pages={num_new_pages} but the lens need {len(page_owners)} new pages"
             )
+        if self._place_next_extend_by_free_pages:
+            self._place_next_extend_by_free_pages = False
+            balanced = _lane_balancing_owners(self.lanes.available_pages().tolist(), len(page_owners))
+            if balanced is not None:
+                page_owners = balanced
         new_pages = self._take_pages(page_owners)
         if new_pages is None:
             return None

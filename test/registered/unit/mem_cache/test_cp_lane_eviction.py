@@ -49,3 +49,22 @@ def test_lane_targeted_eviction_recovers_and_keeps_owner_pattern(gloo_world1):
     assert len(locs) == 4 * PS
     assert stack.layout.page_owners_of_locs(locs).tolist() == [0, 1, 0, 1]
     stack.close()
+
+
+def test_lane_held_by_running_requests_places_pages_on_free_lanes(gloo_world1, caplog):
+    cfg = nsa_stack.StackConfig(cp_size=2, physical_tokens=PS * 8, split_mode="round-robin-split")
+    stack = nsa_stack.build_rank_stack(cfg, 0, None, gloo_world1)
+    allocator = stack.allocator
+    # Lane 0 is held by running requests (not in the tree, so nothing can be evicted).
+    held = allocator.alloc_pages_with_owners(torch.zeros(int(allocator.lane_available_pages()[0]) - 1, dtype=torch.int64))
+    assert allocator.lane_available_pages().tolist() == [1, 8]
+    with pytest.raises(RuntimeError, match="Prefill out of memory"):
+        _extend(UPSTREAM_ALLOC, stack)
+    with caplog.at_level("WARNING"):
+        locs = _extend(lambda *a: alloc_paged_token_slots_extend_around(UPSTREAM_ALLOC, *a), stack)
+    assert len(locs) == 4 * PS
+    # Lane-balanced placement keeps the free counts as even as possible: [1, 8] -> [1, 4].
+    assert stack.layout.page_owners_of_locs(locs).tolist() == [1, 1, 1, 1]
+    assert "freest lanes" in caplog.text
+    allocator.free(torch.cat([held, locs]))
+    stack.close()
