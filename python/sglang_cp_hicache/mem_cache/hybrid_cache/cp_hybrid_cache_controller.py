@@ -17,8 +17,10 @@ Invariants kept for the replicated scheduler:
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterator, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from sglang.srt.managers.cache_controller import HiCacheAck
@@ -33,7 +35,6 @@ from sglang_cp_hicache.mem_cache.cp_hicache_metadata import (
     CpHostPageTable,
     expand_valid_locs,
     pages_to_token_locs,
-    unique_pages_in_order,
 )
 from sglang_cp_hicache.mem_cache.cp_shared_allocator import CPSharedPagedTokenToKVPoolAllocator
 
@@ -67,6 +68,8 @@ class CpHybridCacheController(HybridCacheController):
         )
         self.bytes_written = 0
         self.bytes_loaded = 0
+        # Host releases held back while batched_host_frees() is open.
+        self._deferred_host_releases: Optional[List[torch.Tensor]] = None
 
     @property
     def cp_rank(self) -> int:
@@ -148,28 +151,20 @@ class CpHybridCacheController(HybridCacheController):
         short lanes once; if that is not enough, None (the request recomputes).
         """
         logical_host_locs = host_indices.to("cpu", torch.int64)
-        metadata = self.host_table.node_metadata(logical_host_locs, node_id)
-        logical_host_pages, _ = unique_pages_in_order(logical_host_locs, self.page_size)
-        page_owners = metadata.page_owners
-
+        pages, page_owners, first_of_page = self._host_pages_in_order(logical_host_locs, node_id)
         device_page_locs = self.allocator.alloc_pages_with_owners(page_owners)
         if device_page_locs is None and self.lane_evictor is not None:
-            self.lane_evictor(torch.bincount(page_owners, minlength=self.layout.cp_size))
+            lane_pages = np.bincount(page_owners, minlength=self.layout.cp_size)
+            self.lane_evictor(torch.from_numpy(lane_pages))
             device_page_locs = self.allocator.alloc_pages_with_owners(page_owners)
         if device_page_locs is None:
             return None
 
-        owned = page_owners == self.cp_rank
-        owned_device_pages = device_page_locs[:: self.page_size][owned.to(device_page_locs.device)]
-        physical_device_locs = pages_to_token_locs(
-            self.layout.logical_pages_to_physical(owned_device_pages // self.page_size),
-            self.page_size,
-        )
-        physical_host_locs = pages_to_token_locs(
-            self.host_table.owned_physical_pages(logical_host_pages), self.page_size
-        )
-        pool_transfers = None
-        if len(physical_host_locs):
+        owned = np.flatnonzero(page_owners == self.cp_rank)
+        if len(owned):
+            physical_host_locs, physical_device_locs = self._owned_load_locs(
+                pages[owned], device_page_locs, owned
+            )
             pool_transfers = self._resolve_pool_transfers_allocation(
                 extra_pools,
                 alloc_host=False,
@@ -177,6 +172,10 @@ class CpHybridCacheController(HybridCacheController):
                 kv_host_indices=physical_host_locs,
             )
             self.bytes_loaded += len(physical_host_locs) * self.bytes_per_token
+        else:
+            physical_host_locs = torch.empty(0, dtype=torch.int64)
+            physical_device_locs = torch.empty(0, dtype=torch.int64, device=device_page_locs.device)
+            pool_transfers = None
         # An empty op still carries node_id, so start_loading acks it on this rank too.
         self.load_queue.append(
             CacheOperation(
@@ -187,7 +186,37 @@ class CpHybridCacheController(HybridCacheController):
                 pool_transfers=pool_transfers or None,
             )
         )
-        return expand_valid_locs(device_page_locs, logical_host_locs, self.page_size)
+        return self._valid_device_locs(device_page_locs, logical_host_locs, first_of_page)
+
+    def _owned_load_locs(
+        self, owned_host_pages: np.ndarray, device_page_locs: torch.Tensor, owned: np.ndarray
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Physical host and device slots of the pages this rank stores, whole pages."""
+        device = device_page_locs.device
+        device_page_starts = device_page_locs[:: self.page_size]
+        owned_device_pages = device_page_starts[torch.from_numpy(owned).to(device)] // self.page_size
+        # The owner lanes only hold pages of their owner: no ownership re-check needed.
+        physical_device_locs = pages_to_token_locs(
+            self.layout.logical_pages_to_physical(owned_device_pages, validate=False),
+            self.page_size,
+        )
+        physical_host_pages = self.host_table.physical_page.numpy()[owned_host_pages]
+        physical_host_locs = pages_to_token_locs(torch.from_numpy(physical_host_pages), self.page_size)
+        return physical_host_locs, physical_device_locs
+
+    def _valid_device_locs(
+        self, device_page_locs: torch.Tensor, logical_host_locs: torch.Tensor, first_of_page: np.ndarray
+    ) -> torch.Tensor:
+        """Each host loc mapped onto the same offset of its new page (valid tokens only)."""
+        page_size = self.page_size
+        offsets = logical_host_locs.numpy() % page_size
+        if len(offsets) == len(device_page_locs) and first_of_page[::page_size].all():
+            # Whole pages in order (the usual node): the new pages' locs as they are.
+            if (offsets.reshape(-1, page_size) == np.arange(page_size)).all():
+                return device_page_locs
+        device = device_page_locs.device
+        page_of_loc = torch.from_numpy(np.cumsum(first_of_page) - 1).to(device)
+        return device_page_locs[::page_size][page_of_loc] + torch.from_numpy(offsets).to(device)
 
     def start_loading(self) -> int:
         if self.load_queue and all(op.host_indices.numel() == 0 for op in self.load_queue):
@@ -219,12 +248,56 @@ class CpHybridCacheController(HybridCacheController):
         self.release_host(host_indices)
         return len(host_indices)
 
+    def _host_pages_in_order(
+        self, logical_host_locs: torch.Tensor, node_id: int = -1
+    ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(logical host pages in node order, their owner lanes, first-loc-of-page mask).
+
+        NumPy on purpose: a node holds a handful of pages, and at that size NumPy's cost
+        per call is a fraction of torch's on the load and host-eviction hot paths. Radix
+        values list each page's tokens contiguously, so consecutive de-duplication finds
+        the pages.
+        """
+        token_pages = logical_host_locs.numpy() // self.page_size
+        first_of_page = np.empty(len(token_pages), dtype=bool)
+        first_of_page[:1] = True
+        np.not_equal(token_pages[1:], token_pages[:-1], out=first_of_page[1:])
+        pages = token_pages[first_of_page]
+        owners = self.host_table.page_owner.numpy()[pages]
+        if len(owners) and owners.min() < 0:
+            raise CpHiCacheMetadataError(
+                f"node {node_id} on CP rank {self.cp_rank}: logical host page "
+                f"{int(pages[owners < 0][0])} is not allocated"
+            )
+        return pages, owners, first_of_page
+
     def release_host(self, host_indices: torch.Tensor, node_id: int = -1) -> torch.Tensor:
-        """Free like :meth:`evict_host`; return the pages freed per lane."""
+        """Free like :meth:`evict_host`; return the pages freed per lane.
+
+        Inside :meth:`batched_host_frees` the lane counts come back at once, and the page
+        table and this rank's host pool are updated when the batch closes.
+        """
+        if self._deferred_host_releases is not None:
+            _, owners, _ = self._host_pages_in_order(host_indices.to("cpu", torch.int64), node_id)
+            self._deferred_host_releases.append(host_indices)
+            return torch.from_numpy(np.bincount(owners, minlength=self.layout.cp_size))
         owned_physical_pages, lane_freed = self.host_table.release(host_indices, node_id)
         if len(owned_physical_pages):
             self.mem_pool_host.free(pages_to_token_locs(owned_physical_pages, self.page_size))
         return lane_freed
+
+    @contextmanager
+    def batched_host_frees(self) -> Iterator[None]:
+        """Defer the ``release_host`` calls inside (each node at most once) to one release
+        when the batch closes: the same page table and host free list as one release per
+        node, in call order, for one table update and one O(free list) host free."""
+        self._deferred_host_releases = []
+        try:
+            yield
+        finally:
+            deferred, self._deferred_host_releases = self._deferred_host_releases, None
+            if deferred:
+                self.release_host(torch.cat(deferred))
 
     # ----------------------------------------------------------------- metrics
     def host_usage(self) -> dict:

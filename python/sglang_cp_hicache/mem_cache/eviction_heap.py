@@ -1,0 +1,127 @@
+"""Evictable-leaf sets with a persistent lazy min-heap (incremental eviction).
+
+Upstream ``HiRadixCache.evict`` and ``evict_host`` rebuild a heap from every evictable
+leaf on each call: O(leaves) per call, although a call usually frees a handful of nodes.
+:class:`EvictableLeafSet` replaces the plain ``set`` the tree keeps its leaves in and
+pushes a heap entry whenever a node *enters* the set. Removal is lazy: an entry whose node
+left the set is dropped when it reaches the top.
+
+Exactness (eviction picks the victims a fresh rebuild would pick) needs keys that never
+decrease while a node is a member. LRU and its relatives have such keys: access times come
+from a monotonic clock, hit counts and priorities only grow. A stale entry is then too
+small, never too large; at the top it is refreshed with the node's current key, so the
+first entry at the top whose key is current is the true minimum. Strategies whose key can
+decrease (MRU, FILO) rebuild once per eviction call instead: upstream's cost and order.
+"""
+
+from __future__ import annotations
+
+import heapq
+from contextlib import closing
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+from sglang.srt.mem_cache.evict_policy import (
+    EvictionStrategy,
+    FIFOStrategy,
+    LFUStrategy,
+    LRUStrategy,
+    PriorityStrategy,
+    SLRUStrategy,
+)
+from sglang.srt.mem_cache.radix_cache import TreeNode
+
+Priority = Callable[[TreeNode], Any]  # an eviction strategy's get_priority
+HeapEntry = Tuple[Any, int, TreeNode]
+
+# Strategies whose key of a node never decreases (see the module docstring).
+_NON_DECREASING_KEYS = (LRUStrategy, LFUStrategy, FIFOStrategy, PriorityStrategy, SLRUStrategy)
+# Stale entries tolerated beyond twice the membership before the heap is rebuilt: the
+# rebuild is O(members), so its cost per stale entry stays constant.
+_COMPACT_SLACK = 1024
+
+
+def keys_never_decrease(strategy: EvictionStrategy) -> bool:
+    """Whether a node's priority under ``strategy`` can only grow while it is cached."""
+    return type(strategy) in _NON_DECREASING_KEYS
+
+
+class EvictableLeafSet(set):
+    """Drop-in for the radix tree's leaf ``set`` that also keeps a lazy heap of members.
+
+    Members pop in (priority, node id) order: node ids break ties, so the victim order is
+    a function of tree state alone, identical on every rank. Invariant: every member has a
+    heap entry whose priority is at most its current one. Only ``add`` and ``clear``
+    maintain the heap; they are the only growing and resetting calls the radix tree makes
+    on its leaf sets (removal goes through ``remove``/``discard``).
+    """
+
+    def __init__(self, priority: Priority, keys_only_grow: bool) -> None:
+        super().__init__()
+        self._priority = priority
+        self._keys_only_grow = keys_only_grow
+        # Flat (priority, node id, node) entries: comparisons mostly end at a float.
+        self._heap: List[HeapEntry] = []
+
+    def add(self, node: TreeNode) -> None:
+        if node in self:
+            return
+        super().add(node)
+        self._push(node)
+        if len(self._heap) > 2 * len(self) + _COMPACT_SLACK:
+            self.rebuild()
+
+    def clear(self) -> None:
+        super().clear()
+        self._heap.clear()
+
+    def rebuild(self) -> None:
+        """One entry per member, with its current priority."""
+        # In place: a victims() iteration in progress keeps reading the same list.
+        self._heap[:] = [(self._priority(node), node.id, node) for node in self]
+        heapq.heapify(self._heap)
+
+    def heap_size(self) -> int:
+        """Entries held, stale ones included (bounded by the compaction rule)."""
+        return len(self._heap)
+
+    def victims(self, eligible: Optional[Callable[[TreeNode], bool]] = None) -> Iterator[TreeNode]:
+        """Eligible members in the order a heap rebuilt from the set would pop them.
+
+        The caller evicts each yielded node (which leaves the set) before asking for the
+        next, so a parent that becomes a leaf meanwhile competes in the same call, as in
+        upstream. Each member is considered once per iteration; members that are skipped
+        (not ``eligible``) or still members when the iteration ends keep an entry for later
+        calls. Close the iterator (``contextlib.closing``) when stopping early.
+        """
+        if not self._keys_only_grow:
+            self.rebuild()
+        heap, priority_of = self._heap, self._priority
+        popped = set()
+        try:
+            while heap:
+                priority, node_id, node = heap[0]
+                if node not in self or node in popped:
+                    heapq.heappop(heap)
+                    continue
+                current = priority_of(node)
+                if current != priority:
+                    heapq.heapreplace(heap, (current, node_id, node))
+                    continue
+                heapq.heappop(heap)
+                popped.add(node)
+                if eligible is None or eligible(node):
+                    yield node
+        finally:
+            for node in popped:
+                if node in self:
+                    self._push(node)
+
+    def ordered(self) -> List[TreeNode]:
+        """All members in victim order, without consuming anything (invariant checks)."""
+        order: List[TreeNode] = []
+        with closing(self.victims()) as members:
+            order.extend(members)
+        return order
+
+    def _push(self, node: TreeNode) -> None:
+        heapq.heappush(self._heap, (self._priority(node), node.id, node))

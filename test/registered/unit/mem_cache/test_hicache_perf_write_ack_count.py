@@ -1,0 +1,85 @@
+"""``writing_check`` all-reduces one persistent count tensor; acks keep order and cardinality.
+
+A stand-in for the attention-group all-reduce plays a slower peer rank (MIN of the counts):
+only the acks finished everywhere pop, in queue order, and the tensor is the same object on
+every call. Zero-owned CP writes still yield exactly one ack each.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+from sglang_cp_hicache.mem_cache.hiradix_cache import CpHiRadixCache
+from sglang_cp_hicache.testing import nsa_stack
+
+PS = 64
+
+
+def _stack(gloo_world1, shared_kv: bool):
+    cfg = nsa_stack.StackConfig(cp_size=2, physical_tokens=PS * 16, layer_num=1)
+    return nsa_stack.build_rank_stack(
+        cfg, 0, None, gloo_world1, shared_kv=shared_kv, cache_cls=CpHiRadixCache
+    )
+
+
+def _insert(stack, tokens, locs=None):
+    """Insert without checking events: the backup ack stays queued."""
+    locs = stack.allocator.alloc(len(tokens)) if locs is None else locs
+    stack.cache.insert(InsertParams(key=nsa_stack.radix_key(tokens), value=locs))
+    return stack.cache.root_node.children[nsa_stack.radix_key(tokens).child_key(PS)]
+
+
+class SlowPeer:
+    """All-reduce stand-in: MIN with the acks a peer rank has finished so far."""
+
+    def __init__(self) -> None:
+        self.peer_finished = 0
+        self.tensors = []
+
+    def __call__(self, tensor: torch.Tensor, op) -> None:
+        assert op == torch.distributed.ReduceOp.MIN
+        self.tensors.append(tensor)
+        tensor.fill_(min(int(tensor), self.peer_finished))
+
+
+@pytest.mark.parametrize("shared_kv", [False, True], ids=["cp_off", "cp_on"])
+def test_acks_pop_in_order_through_one_persistent_min_reduced_tensor(gloo_world1, shared_kv):
+    stack = _stack(gloo_world1, shared_kv)
+    cache = stack.cache
+    peer = SlowPeer()
+    cache._all_reduce_attn_groups = peer
+    nodes = [_insert(stack, list(range(i * 1000, i * 1000 + PS))) for i in range(1, 4)]
+    assert len(cache.cache_controller.ack_write_queue) == 3
+
+    popped = []
+    for peer.peer_finished in (0, 1, 3):
+        cache.writing_check()
+        popped.append([n.id for n in nodes if n.id not in cache.ongoing_write_through])
+    assert popped == [[], [nodes[0].id], [n.id for n in nodes]]
+    assert all(n.lock_ref == 0 for n in nodes)
+    assert len(peer.tensors) == 3 and all(t is peer.tensors[0] for t in peer.tensors)
+    assert not cache.cache_controller.ack_write_queue
+    cache.writing_check()  # nothing in flight: no collective at all
+    assert len(peer.tensors) == 3
+    stack.close()
+
+
+def test_zero_owned_writes_ack_once_each(gloo_world1):
+    stack = _stack(gloo_world1, shared_kv=True)
+    cache = stack.cache
+    peer = SlowPeer()
+    peer.peer_finished = 10
+    cache._all_reduce_attn_groups = peer
+    lane1_only = stack.allocator.alloc_pages_with_owners(torch.ones(2, dtype=torch.int64))
+    zero_owned = _insert(stack, list(range(1, 1 + 2 * PS)), lane1_only)
+    mixed = _insert(stack, list(range(9000, 9000 + 2 * PS)))
+    assert cache.node_host_metadata(zero_owned).owned_len == 0
+    assert cache.node_host_metadata(mixed).owned_len > 0
+    acked = [ids for ack in cache.cache_controller.ack_write_queue for ids in ack.node_ids]
+    assert acked == [zero_owned.id, mixed.id]
+    cache.writing_check()
+    assert not cache.ongoing_write_through and not cache.cache_controller.ack_write_queue
+    assert zero_owned.lock_ref == mixed.lock_ref == 0
+    stack.close()
