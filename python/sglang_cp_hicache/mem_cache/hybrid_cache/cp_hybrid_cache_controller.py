@@ -277,10 +277,13 @@ class CpHybridCacheController(HybridCacheController):
         Inside :meth:`batched_host_frees` the lane counts come back at once, and the page
         table and this rank's host pool are updated when the batch closes.
         """
-        if self._deferred_host_releases is not None:
-            _, owners, _ = self._host_pages_in_order(host_indices.to("cpu", torch.int64), node_id)
-            self._deferred_host_releases.append(host_indices)
-            return torch.from_numpy(np.bincount(owners, minlength=self.layout.cp_size))
+        if self._deferred_host_releases is None:
+            return self._release_host_now(host_indices, node_id)
+        _, owners, _ = self._host_pages_in_order(host_indices.to("cpu", torch.int64), node_id)
+        self._deferred_host_releases.append(host_indices)
+        return torch.from_numpy(np.bincount(owners, minlength=self.layout.cp_size))
+
+    def _release_host_now(self, host_indices: torch.Tensor, node_id: int = -1) -> torch.Tensor:
         owned_physical_pages, lane_freed = self.host_table.release(host_indices, node_id)
         if len(owned_physical_pages):
             self.mem_pool_host.free(pages_to_token_locs(owned_physical_pages, self.page_size))
@@ -297,7 +300,8 @@ class CpHybridCacheController(HybridCacheController):
         finally:
             deferred, self._deferred_host_releases = self._deferred_host_releases, None
             if deferred:
-                self.release_host(torch.cat(deferred))
+                # Not release_host: whoever counts its calls has seen each node already.
+                self._release_host_now(torch.cat(deferred))
 
     # ----------------------------------------------------------------- metrics
     def host_usage(self) -> dict:

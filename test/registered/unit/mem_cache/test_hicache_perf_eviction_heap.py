@@ -268,6 +268,20 @@ def test_cp_mode_heaps_match_fresh_rebuild(gloo_world1, frozen_clock):
         return freed
 
     cache.evict_host = counting_evict_host
+    # Batched host frees still show one release_host per victim (hooks count nodes).
+    controller = cache.cache_controller
+    released, detached = [], []
+    real_release, real_detach = controller.release_host, cache._detach_host_leaf
+
+    def counting_release(locs, node_id=-1):
+        released.append(len(locs))
+        return real_release(locs, node_id)
+
+    def counting_detach(node):
+        detached.append(len(node.host_value))
+        return real_detach(node)
+
+    controller.release_host, cache._detach_host_leaf = counting_release, counting_detach
     for _ in range(300):
         frozen_clock.now += 1.0
         workload.step()
@@ -279,4 +293,7 @@ def test_cp_mode_heaps_match_fresh_rebuild(gloo_world1, frozen_clock):
             in_tree = expected.parent.children.get(expected.key.child_key(PS)) is expected
             assert expected.evicted or not in_tree
     assert host_evictions > 0  # lane-deficit host eviction ran on the persistent heap
+    assert released == detached
+    host = cache.token_to_kv_pool_host
+    assert int(controller.host_table.lane_used_pages[0]) * PS == host.size - host.available_size()
     stack.close()
