@@ -1,9 +1,5 @@
 """Repository-wide pytest set-up: the CPU runtime must be in place before SGLang is imported."""
 
-import datetime
-import os
-import tempfile
-
 import pytest
 
 from sglang_cp_hicache.testing import install
@@ -18,18 +14,9 @@ def gloo_world1():
     Single-process tests build rank ``r`` of a larger CP layout; its cache decisions need
     no collective (that is the point), so no peer ranks are required.
     """
-    import torch.distributed as dist
+    from sglang_cp_hicache.testing.dist import single_rank_world
 
-    if not dist.is_initialized():
-        store = os.path.join(tempfile.mkdtemp(prefix="gloo-"), "store")
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{store}",
-            rank=0,
-            world_size=1,
-            timeout=datetime.timedelta(seconds=60),
-        )
-    return dist.group.WORLD
+    return single_rank_world()
 
 
 @pytest.fixture(scope="session")

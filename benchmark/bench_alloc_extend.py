@@ -21,29 +21,15 @@ sglang_cp_hicache.testing.install()
 
 import torch  # noqa: E402
 from sglang.srt.mem_cache import allocator as upstream_allocator  # noqa: E402
-from sglang.srt.mem_cache.allocator import (  # noqa: E402
-    PagedTokenToKVPoolAllocator,
-    alloc_extend_naive,
-)
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator  # noqa: E402
 
 from sglang_cp_hicache.mem_cache.cp_shared_allocator import (  # noqa: E402
     CP_SPLIT_MODES,
     CPSharedPagedTokenToKVPoolAllocator,
 )
+from sglang_cp_hicache.testing.allocators import NaiveExtendLaunch  # noqa: E402
 
 logger = logging.getLogger("bench_alloc_extend")
-
-
-class _NaiveExtendLaunch:
-    """Stands in for ``alloc_extend_kernel[grid]`` with the same positional arguments."""
-
-    def __getitem__(self, grid):
-        def launch(prefix_lens, seq_lens, last_loc, free_pages, out_indices, _bs_upper, page_size):
-            alloc_extend_naive(
-                prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size, "cpu"
-            )
-
-        return launch
 
 
 def median_seconds(allocator, args, repeats: int) -> float:
@@ -79,7 +65,7 @@ def main() -> None:
     last_loc = torch.tensor([-1])  # no cached prefix: nothing to continue
     extend_args = (prefix, prefix.clone(), seq, seq.clone(), last_loc, args.tokens)
 
-    upstream_allocator.alloc_extend_kernel = _NaiveExtendLaunch()
+    upstream_allocator.alloc_extend_kernel = NaiveExtendLaunch()
     upstream = PagedTokenToKVPoolAllocator(
         physical_size * cp_size, page_size, torch.int8, "cpu", None, False
     )

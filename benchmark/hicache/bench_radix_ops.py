@@ -26,13 +26,10 @@ ratio among the other operations.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import logging
-import os
 import random
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List
@@ -42,7 +39,6 @@ import sglang_cp_hicache.testing
 sglang_cp_hicache.testing.install()
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import (  # noqa: E402
     EvictParams,
@@ -59,6 +55,7 @@ from sglang_cp_hicache.mem_cache.cp_shared_allocator import (  # noqa: E402
     CPSharedPagedTokenToKVPoolAllocator,
 )
 from sglang_cp_hicache.mem_cache.hiradix_cache import _UPSTREAM, CpHiRadixCache  # noqa: E402
+from sglang_cp_hicache.testing.dist import single_rank_world  # noqa: E402
 
 logger = logging.getLogger("bench_radix_ops")
 
@@ -105,19 +102,6 @@ class TreeShape:
 
 
 # --------------------------------------------------------------------- stacks
-def single_rank_world():
-    if not dist.is_initialized():
-        store = os.path.join(tempfile.mkdtemp(prefix="bench-gloo-"), "store")
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{store}",
-            rank=0,
-            world_size=1,
-            timeout=datetime.timedelta(seconds=60),
-        )
-    return dist.group.WORLD
-
-
 def _server_args() -> ServerArgs:
     args = ServerArgs(
         model_path="dummy",

@@ -102,21 +102,6 @@ def cp_rank_main(ctx: RankContext, cfg: SimConfig, steps: List[List[Request]]) -
         stack.close()
 
 
-class _NaiveExtendLaunch:
-    """Replaces ``alloc_extend_kernel[grid](...)`` (Triton, no CPU backend) with upstream's
-    pure-torch ``alloc_extend_naive``, so the real upstream ``alloc_extend`` runs."""
-
-    def __getitem__(self, grid):
-        from sglang.srt.mem_cache.allocator import alloc_extend_naive
-
-        def launch(prefix_lens, seq_lens, last_loc, free_pages, out_indices, _bs_pow2, page_size):
-            alloc_extend_naive(
-                prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size, "cpu"
-            )
-
-        return launch
-
-
 def baseline_rank_main(ctx: RankContext, cfg: SimConfig, steps: List[List[Request]]) -> RankResult:
     """Upstream non-CP HiRadixCache (cp 1) with the same physical pool as one CP rank.
 
@@ -126,10 +111,11 @@ def baseline_rank_main(ctx: RankContext, cfg: SimConfig, steps: List[List[Reques
 
     from sglang_cp_hicache.sim.driver import RankDriver
     from sglang_cp_hicache.sim.faults import FaultHooks
+    from sglang_cp_hicache.testing.allocators import NaiveExtendLaunch
     from sglang_cp_hicache.testing.nsa_stack import build_rank_stack
 
     _setup_process(cfg, "baseline")
-    upstream_allocator.alloc_extend_kernel = _NaiveExtendLaunch()
+    upstream_allocator.alloc_extend_kernel = NaiveExtendLaunch()
     stack = build_rank_stack(
         cfg.stack_config(_max_context_len(steps, cfg.page_size), shared_kv=False),
         0,

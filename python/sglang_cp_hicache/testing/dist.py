@@ -18,6 +18,7 @@ import multiprocessing as mp
 import os
 import socket
 import sys
+import tempfile
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
@@ -72,6 +73,26 @@ def init_rank_groups(rank: int, world_size: int, port: int, timeout_s: float) ->
         if r == rank:
             attn_tp_group = group
     return RankContext(rank, world_size, cp_group, attn_tp_group)
+
+
+def single_rank_world(timeout_s: float = 60.0) -> Any:
+    """This process as a one-rank gloo world (created once); returns its WORLD group.
+
+    For single-process tests and benchmarks that build rank ``r`` of a larger CP layout:
+    HiRadixCache asks its TP group for a world size, but its decisions need no peers.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        store = os.path.join(tempfile.mkdtemp(prefix="gloo-"), "store")
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store}",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    return dist.group.WORLD
 
 
 def _function_ref(fn: Callable[..., Any]) -> tuple[str, str, str]:

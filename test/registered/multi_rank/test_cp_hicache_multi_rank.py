@@ -96,16 +96,12 @@ def _round_trip(ctx):
 
 
 def _zero_owned_node(ctx):
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-
     stack = _stack(ctx)
     drv = Driver(stack)
     # Pages owned only by the last rank: every other rank owns nothing in this node.
     owners = torch.full((3,), ctx.world_size - 1)
     locs = stack.allocator.alloc_pages_with_owners(owners)
     tokens = list(range(5000, 5000 + 3 * PS))
-    acked = []
-    real_dec = stack.cache.dec_lock_ref
     drv.prefill(tokens, locs)
     node = stack.cache.match_prefix.__self__.root_node.children[drv.ns.radix_key(tokens).child_key(PS)]
     written = stack.cache.node_host_metadata(node).owned_len
@@ -176,8 +172,6 @@ def _split_then_load_each_half(ctx):
 
 
 def _lane_exhaustion_recovered(ctx):
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-
     stack = _stack(ctx)
     drv = Driver(stack)
     allocator = stack.allocator

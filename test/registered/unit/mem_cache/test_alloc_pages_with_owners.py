@@ -15,25 +15,13 @@ from hypothesis import strategies as st  # noqa: E402
 from sglang_cp_hicache.mem_cache.cp_shared_allocator import (  # noqa: E402
     CPSharedPagedTokenToKVPoolAllocator,
 )
+from sglang_cp_hicache.testing.allocators import build_cp_allocator  # noqa: E402
 
 CP_SIZES = (1, 2, 3, 4, 8)
 PAGE_SIZES = (1, 16, 64)
 
 
-def make_allocator(
-    cp_size: int, page_size: int, pages_per_lane: int, cp_rank: int = 0, need_sort: bool = False
-) -> CPSharedPagedTokenToKVPoolAllocator:
-    return CPSharedPagedTokenToKVPoolAllocator(
-        physical_size=pages_per_lane * page_size,
-        page_size=page_size,
-        dtype=torch.bfloat16,
-        device="cpu",
-        kvcache=None,
-        need_sort=need_sort,
-        cp_size=cp_size,
-        cp_rank=cp_rank,
-        split_mode="in-seq-split",
-    )
+make_allocator = build_cp_allocator
 
 
 def lane_lists(allocator: CPSharedPagedTokenToKVPoolAllocator) -> List[List[int]]:

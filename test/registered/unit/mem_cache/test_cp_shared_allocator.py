@@ -29,30 +29,16 @@ from sglang_cp_hicache.mem_cache.cp_shared_allocator import (  # noqa: E402
     build_batch_page_compute_owners,
     build_page_compute_owners,
 )
+from sglang_cp_hicache.testing.allocators import (  # noqa: E402
+    NaiveExtendLaunch,
+    build_cp_allocator,
+)
 
 CP_SIZES = (1, 2, 3, 4, 8)
 PAGE_SIZES = (1, 16, 64)
 
 
-def make_allocator(
-    cp_size: int,
-    page_size: int,
-    pages_per_lane: int,
-    cp_rank: int = 0,
-    split_mode: str = IN_SEQ_SPLIT,
-    need_sort: bool = False,
-) -> CPSharedPagedTokenToKVPoolAllocator:
-    return CPSharedPagedTokenToKVPoolAllocator(
-        physical_size=pages_per_lane * page_size,
-        page_size=page_size,
-        dtype=torch.bfloat16,
-        device="cpu",
-        kvcache=None,
-        need_sort=need_sort,
-        cp_size=cp_size,
-        cp_rank=cp_rank,
-        split_mode=split_mode,
-    )
+make_allocator = build_cp_allocator
 
 
 def lane_lists(allocator: CPSharedPagedTokenToKVPoolAllocator) -> List[List[int]]:
@@ -198,24 +184,12 @@ def test_batch_owners_are_per_request_owners_concatenated(split_mode, cp_size, p
 
 
 # ------------------------------------------------------ alloc_extend vs upstream
-class _NaiveExtendLaunch:
-    """Stands in for ``alloc_extend_kernel[grid]``: upstream's pure-torch reference."""
-
-    def __getitem__(self, grid):
-        def launch(prefix_lens, seq_lens, last_loc, free_pages, out_indices, _bs_upper, page_size):
-            alloc_extend_naive(
-                prefix_lens, seq_lens, last_loc, free_pages, out_indices, page_size, "cpu"
-            )
-
-        return launch
-
-
 def upstream_alloc_extend(
     allocator: PagedTokenToKVPoolAllocator, prefix_lens, seq_lens, last_locs
 ) -> torch.Tensor:
     """Upstream ``alloc_extend`` itself, its Triton launch replaced by the naive reference."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(upstream_allocator, "alloc_extend_kernel", _NaiveExtendLaunch())
+        patch.setattr(upstream_allocator, "alloc_extend_kernel", NaiveExtendLaunch())
         return allocator.alloc_extend(*extend_args(prefix_lens, seq_lens, last_locs))
 
 

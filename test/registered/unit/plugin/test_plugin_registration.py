@@ -6,7 +6,6 @@ import pickle
 import subprocess
 import sys
 from importlib.metadata import entry_points
-from types import SimpleNamespace
 
 import pytest
 import torch
