@@ -39,7 +39,7 @@ ROUND_ROBIN_SPLIT = "round-robin-split"
 CP_SPLIT_MODES = (IN_SEQ_SPLIT, ROUND_ROBIN_SPLIT)
 
 IntArrayLike = Union[torch.Tensor, np.ndarray, Sequence[int]]
-LaneState = Tuple[Tuple[torch.Tensor, ...], Tuple[torch.Tensor, ...]]
+LaneState = Tuple[Tuple[np.ndarray, ...], Tuple[np.ndarray, ...]]
 
 
 def _host_int64(values: IntArrayLike) -> np.ndarray:
@@ -120,7 +120,7 @@ def build_page_compute_owners(
     )
 
 
-def _lane_balancing_owners(lane_available: List[int], num_pages: int) -> Optional[torch.Tensor]:
+def _lane_balancing_owners(lane_available: List[int], num_pages: int) -> Optional[np.ndarray]:
     """Owner lanes for ``num_pages`` pages leaving the lanes' free counts as even as
     possible (ties to the lower lane), grouped by lane; ``None`` if the total is short."""
     if num_pages > sum(lane_available):
@@ -143,7 +143,7 @@ def _lane_balancing_owners(lane_available: List[int], num_pages: int) -> Optiona
         if available >= low:
             counts[lane] += 1
             leftover -= 1
-    return torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    return np.repeat(np.arange(len(counts), dtype=np.int64), counts)
 
 
 def _extend_token_locs(
@@ -199,83 +199,88 @@ def _extend_token_locs(
 
 # ------------------------------------------------------------------------ lanes
 class OwnerLaneFreePages:
-    """Free logical pages, one lane per owner rank.
+    """Free logical pages, one lane per owner rank, kept on the host.
+
+    Host (NumPy) lanes on purpose: calls move a handful of pages, so a device free list
+    would spend its time launching a few kernels per lane per call, and the per-lane
+    counts the scheduler reads on every batch would each need a read-back. Results
+    cross to the device once per allocation (see the allocator's ``to_device``).
 
     Invariants: lane ``r`` only ever holds logical pages ``p`` with ``p % cp_size == r``
     and ``p >= cp_size`` (physical page 0 is reserved); a page is in at most one of a
-    lane's ``free_pages`` / ``release_pages`` lists. Tensors are replaced, never written in place,
-    so :meth:`snapshot` is a cheap shallow copy.
+    lane's ``free_pages`` / ``release_pages`` arrays; ``page_counts[r]`` is the length of
+    both together. Arrays are replaced, never written in place, so :meth:`snapshot` is a
+    cheap shallow copy.
     """
 
-    def __init__(
-        self,
-        cp_size: int,
-        num_physical_pages: int,
-        device: Union[str, torch.device],
-        need_sort: bool,
-    ):
+    def __init__(self, cp_size: int, num_physical_pages: int, need_sort: bool):
         self.cp_size = cp_size
         self.num_physical_pages = num_physical_pages
-        self.device = device
         self.need_sort = need_sort
-        self.free_pages: List[torch.Tensor] = []
-        self.release_pages: List[torch.Tensor] = []
+        self.free_pages: List[np.ndarray] = []
+        self.release_pages: List[np.ndarray] = []
+        self.page_counts: List[int] = []
         self.reset()
 
     def reset(self) -> None:
-        physical_pages = torch.arange(
-            1, self.num_physical_pages + 1, dtype=torch.int64, device=self.device
-        )
+        physical_pages = np.arange(1, self.num_physical_pages + 1, dtype=np.int64)
         self.free_pages = [physical_pages * self.cp_size + lane for lane in range(self.cp_size)]
-        self.release_pages = [
-            torch.empty((0,), dtype=torch.int64, device=self.device) for _ in range(self.cp_size)
-        ]
+        self.release_pages = [np.empty(0, dtype=np.int64) for _ in range(self.cp_size)]
+        self.page_counts = [self.num_physical_pages] * self.cp_size
 
     def available_pages(self) -> torch.Tensor:
-        """Free pages per lane (int64 CPU tensor [cp_size]); tensor lengths, no host sync."""
-        return torch.tensor(
-            [
-                len(free) + len(release)
-                for free, release in zip(self.free_pages, self.release_pages)
-            ],
-            dtype=torch.int64,
-        )
+        """Free pages per lane (int64 CPU tensor [cp_size])."""
+        return torch.tensor(self.page_counts, dtype=torch.int64)
 
-    def deficit(self, page_owners_cpu: torch.Tensor) -> torch.Tensor:
-        """Pages per lane missing to serve ``page_owners_cpu`` (int64 CPU tensor [cp_size])."""
-        wanted = torch.bincount(page_owners_cpu, minlength=self.cp_size)
-        return (wanted - self.available_pages()).clamp(min=0)
+    def total_pages(self) -> int:
+        return sum(self.page_counts)
 
-    def take(self, page_owners_cpu: torch.Tensor) -> torch.Tensor:
+    def lane_demand(self, page_owners: np.ndarray) -> List[int]:
+        """Pages per lane that ``page_owners`` asks for; raises on an owner out of range."""
+        try:
+            demand = np.bincount(page_owners, minlength=self.cp_size)  # raises on negatives
+        except ValueError:
+            demand = None
+        if demand is None or len(demand) > self.cp_size:
+            raise ValueError(
+                f"page owners must be in [0, {self.cp_size}), got min {int(page_owners.min())} "
+                f"max {int(page_owners.max())}"
+            )
+        return demand.tolist()
+
+    def fits(self, demand: List[int]) -> bool:
+        """Whether every lane holds the pages ``demand`` asks of it."""
+        return not any(map(int.__gt__, demand, self.page_counts))
+
+    def deficit(self, demand: List[int]) -> List[int]:
+        """Pages per lane missing to serve ``demand``."""
+        return [max(wanted - free, 0) for wanted, free in zip(demand, self.page_counts)]
+
+    def take(self, page_owners: np.ndarray, demand: List[int]) -> np.ndarray:
         """Pop one page per entry from the entry's lane; pages follow the input order.
 
-        The caller must have checked :meth:`deficit` is all zero.
+        ``demand`` is :meth:`lane_demand` of the owners, checked with :meth:`fits`.
         """
-        owners = page_owners_cpu.numpy()
-        taken = []
-        for lane, count in enumerate(np.bincount(owners, minlength=self.cp_size).tolist()):
-            if count > len(self.free_pages[lane]):
-                self._merge_lane(lane)
-            taken.append(self.free_pages[lane][:count])
-            self.free_pages[lane] = self.free_pages[lane][count:]
-        pages_by_lane = torch.cat(taken)
-        # pages_by_lane is grouped by lane; the stable sort of the owners maps each
-        # input position to its slot in that grouping.
-        lane_order = np.argsort(owners, kind="stable")
-        input_to_grouped = np.empty_like(lane_order)
-        input_to_grouped[lane_order] = np.arange(len(lane_order))
-        return pages_by_lane[torch.from_numpy(input_to_grouped).to(pages_by_lane.device)]
+        taken = [self._pop(lane, count) for lane, count in enumerate(demand) if count]
+        if len(taken) <= 1:  # one lane: already in input order
+            return taken[0] if taken else np.empty(0, dtype=np.int64)
+        # Grouped by lane; the stable sort of the owners says where each group goes.
+        pages = np.empty(len(page_owners), dtype=np.int64)
+        pages[np.argsort(page_owners, kind="stable")] = np.concatenate(taken)
+        return pages
 
-    def put(self, logical_pages: torch.Tensor) -> None:
+    def put(self, logical_pages: np.ndarray) -> None:
         """Return unique logical pages to their owner lanes (prepended, like upstream)."""
         lanes = logical_pages % self.cp_size
-        # One stable sort and one count read-back instead of a masked select per lane
-        # (each of which would be a host sync on a device tensor).
-        pages_by_lane = logical_pages[torch.argsort(lanes, stable=True)]
-        counts = torch.bincount(lanes, minlength=self.cp_size).tolist()
+        pages_by_lane = logical_pages[np.argsort(lanes, kind="stable")]
+        counts = np.bincount(lanes, minlength=self.cp_size).tolist()
         target = self.release_pages if self.need_sort else self.free_pages
-        for lane, pages in enumerate(torch.split(pages_by_lane, counts)):
-            target[lane] = torch.cat((pages, target[lane]))
+        start = 0
+        for lane, count in enumerate(counts):
+            if count:
+                target[lane] = np.concatenate((pages_by_lane[start : start + count], target[lane]))
+                self.page_counts[lane] += count
+                start += count
 
     def merge_and_sort(self) -> None:
         for lane in range(self.cp_size):
@@ -287,12 +292,21 @@ class OwnerLaneFreePages:
     def restore(self, state: LaneState) -> None:
         free, release = state
         self.free_pages, self.release_pages = list(free), list(release)
+        self.page_counts = [len(f) + len(r) for f, r in zip(free, release)]
+
+    def _pop(self, lane: int, count: int) -> np.ndarray:
+        if count > len(self.free_pages[lane]):
+            self._merge_lane(lane)
+        free = self.free_pages[lane]
+        self.free_pages[lane] = free[count:]
+        self.page_counts[lane] -= count
+        return free[:count]
 
     def _merge_lane(self, lane: int) -> None:
         if len(self.release_pages[lane]) == 0:
             return
-        self.free_pages[lane], _ = torch.sort(
-            torch.cat((self.free_pages[lane], self.release_pages[lane]))
+        self.free_pages[lane] = np.sort(
+            np.concatenate((self.free_pages[lane], self.release_pages[lane]))
         )
         self.release_pages[lane] = self.release_pages[lane][:0]
 
@@ -326,23 +340,33 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         self.cp_rank = cp_rank
         self.split_mode = split_mode
         self.physical_size = physical_size
-        self.lanes = OwnerLaneFreePages(cp_size, physical_size // page_size, device, need_sort)
-        self.last_lane_deficit = torch.zeros(cp_size, dtype=torch.int64)
+        self.lanes = OwnerLaneFreePages(cp_size, physical_size // page_size, need_sort)
+        # Shared by every successful call; callers read it, never write it.
+        self._no_lane_deficit = torch.zeros(cp_size, dtype=torch.int64)
+        self.last_lane_deficit = self._no_lane_deficit
+        self._page_offsets = np.arange(page_size, dtype=np.int64)
+        self._on_host = torch.device(device).type == "cpu"
         self._place_next_extend_by_free_pages = False
         # Upstream __init__ calls clear(), which resets the lanes built above.
         super().__init__(physical_size * cp_size, page_size, dtype, device, kvcache, need_sort)
 
     # ------------------------------------------------------------ accounting
     def available_size(self) -> int:
-        return int(self.lanes.available_pages().sum()) * self.page_size
+        return self.lanes.total_pages() * self.page_size
 
     def lane_available_pages(self) -> torch.Tensor:
         """Free pages per owner lane (int64 CPU tensor [cp_size])."""
         return self.lanes.available_pages()
 
+    def lane_demand(self, page_owners: np.ndarray) -> List[int]:
+        """Pages per owner lane that ``page_owners`` (host int64) asks for; raises
+        ``ValueError`` on an owner outside ``[0, cp_size)``."""
+        return self.lanes.lane_demand(page_owners)
+
     def lane_deficit(self, page_owners: IntArrayLike) -> torch.Tensor:
         """Pages per lane missing to allocate ``page_owners``, without allocating."""
-        return self.lanes.deficit(self._owners_on_cpu(page_owners))
+        demand = self.lanes.lane_demand(_host_int64(page_owners))
+        return torch.tensor(self.lanes.deficit(demand), dtype=torch.int64)
 
     def extend_lane_pages(self, prefix_lens_cpu: IntArrayLike, seq_lens_cpu: IntArrayLike) -> torch.Tensor:
         """New pages per owner lane that ``alloc_extend`` with these lens would take."""
@@ -366,19 +390,29 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
         """Page-aligned locs of ``need_size // page_size`` lane-balanced pages."""
         num_pages = need_size // self.page_size
-        page_owners = _lane_balancing_owners(self.lanes.available_pages().tolist(), num_pages)
+        page_owners = _lane_balancing_owners(self.lanes.page_counts, num_pages)
         if page_owners is None:
             self._record_total_shortfall(num_pages)
             return None
-        return self._pages_to_token_locs(self._take_pages(page_owners))
+        return self.to_device(self.page_token_locs(self._take_pages(page_owners)))
 
     def alloc_pages_with_owners(self, page_owners: IntArrayLike) -> Optional[torch.Tensor]:
         """Page-contiguous locs (``len(page_owners) * page_size``) whose page ``i`` is
         owned by ``page_owners[i]``; ``None`` if any lane is short."""
-        pages = self._take_pages(self._owners_on_cpu(page_owners))
+        pages = self.alloc_logical_pages(_host_int64(page_owners))
         if pages is None:
             return None
-        return self._pages_to_token_locs(pages)
+        return self.to_device(self.page_token_locs(pages))
+
+    def alloc_logical_pages(
+        self, page_owners: np.ndarray, lane_pages: Optional[List[int]] = None
+    ) -> Optional[np.ndarray]:
+        """Host form of :meth:`alloc_pages_with_owners`: the logical pages themselves, for
+        callers that derive several index arrays from them before one device copy.
+
+        ``lane_pages``: the owners' per-lane page counts, if the caller has them already.
+        """
+        return self._take_pages(page_owners, lane_pages)
 
     def alloc_extend(
         self,
@@ -397,21 +431,26 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         """
         page_owners = build_batch_page_compute_owners(
             prefix_lens_cpu, seq_lens_cpu, self.page_size, self.cp_size, self.split_mode
-        )
+        ).numpy()
         if num_new_pages is not None and num_new_pages != len(page_owners):
             raise ValueError(
                 f"num_new_pages={num_new_pages} but the lens need {len(page_owners)} new pages"
             )
         if self._place_next_extend_by_free_pages:
             self._place_next_extend_by_free_pages = False
-            balanced = _lane_balancing_owners(self.lanes.available_pages().tolist(), len(page_owners))
+            balanced = _lane_balancing_owners(self.lanes.page_counts, len(page_owners))
             if balanced is not None:
                 page_owners = balanced
         new_pages = self._take_pages(page_owners)
         if new_pages is None:
             return None
         return _extend_token_locs(
-            prefix_lens_cpu, seq_lens_cpu, last_loc, new_pages, self.page_size, extend_num_tokens
+            prefix_lens_cpu,
+            seq_lens_cpu,
+            last_loc,
+            self.to_device(new_pages),
+            self.page_size,
+            extend_num_tokens,
         )
 
     def alloc_decode(
@@ -424,11 +463,11 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         page when the token starts a page."""
         starts_page_cpu = (seq_lens_cpu.to(torch.int64) - 1) % self.page_size == 0
         num_new_pages = int(starts_page_cpu.sum())
-        page_owners = _lane_balancing_owners(self.lanes.available_pages().tolist(), num_new_pages)
+        page_owners = _lane_balancing_owners(self.lanes.page_counts, num_new_pages)
         if page_owners is None:
             self._record_total_shortfall(num_new_pages)
             return None
-        new_pages = self._take_pages(page_owners)
+        new_pages = self.to_device(self._take_pages(page_owners))
         token_locs = last_loc.to(torch.int64) + 1
         rows = torch.nonzero(starts_page_cpu, as_tuple=True)[0].to(token_locs.device)
         token_locs[rows] = new_pages * self.page_size
@@ -442,14 +481,16 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         if not self.is_not_in_free_group:
             self.free_group.append(free_index)
             return
-        self.lanes.put(torch.unique(free_index // self.page_size))
+        # Unique on the index's own device first: the host then gets pages, not tokens
+        # (the lane counts need the host anyway, as upstream's unique does).
+        self.lanes.put(torch.unique(free_index // self.page_size).cpu().numpy())
 
     def merge_and_sort_free(self) -> None:
         self.lanes.merge_and_sort()
 
     def clear(self) -> None:
         self.lanes.reset()
-        self.last_lane_deficit = torch.zeros(self.cp_size, dtype=torch.int64)
+        self.last_lane_deficit = self._no_lane_deficit
         self.is_not_in_free_group = True
         self.free_group = []
 
@@ -459,38 +500,42 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     def restore_state(self, state: LaneState) -> None:
         self.lanes.restore(state)
 
+    # ------------------------------------------------------- index helpers
+    def page_token_locs(self, pages: np.ndarray) -> np.ndarray:
+        """Token locs covering whole pages, page by page (host)."""
+        return (pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
+
+    def to_device(self, host_locs: np.ndarray) -> torch.Tensor:
+        """One host -> device copy of an index array this allocator produced.
+
+        Non-blocking: the source is pageable, so the driver stages it before returning and
+        the array may be dropped at once; the scheduler stream is not synchronised.
+        """
+        tensor = torch.from_numpy(host_locs)
+        return tensor if self._on_host else tensor.to(self.device, non_blocking=True)
+
     # --------------------------------------------------------------- helpers
-    def _take_pages(self, page_owners_cpu: torch.Tensor) -> Optional[torch.Tensor]:
-        """Pages for ``page_owners_cpu`` or ``None`` (lists untouched, deficit recorded)."""
-        deficit = self.lanes.deficit(page_owners_cpu)
-        self.last_lane_deficit = deficit
-        if bool(deficit.any()):
-            logger.debug(
-                "CP shared KV owner lanes exhausted, page deficit per lane: %s", deficit.tolist()
-            )
+    def _take_pages(
+        self, page_owners: np.ndarray, demand: Optional[List[int]] = None
+    ) -> Optional[np.ndarray]:
+        """Logical pages for ``page_owners`` (host int64) or ``None`` (lanes untouched,
+        deficit recorded). ``demand``: :meth:`OwnerLaneFreePages.lane_demand` of the owners."""
+        if demand is None:
+            demand = self.lanes.lane_demand(page_owners)
+        if not self.lanes.fits(demand):
+            deficit = self.lanes.deficit(demand)
+            self.last_lane_deficit = torch.tensor(deficit, dtype=torch.int64)
+            logger.debug("CP shared KV owner lanes exhausted, page deficit per lane: %s", deficit)
             return None
-        return self.lanes.take(page_owners_cpu)
+        self.last_lane_deficit = self._no_lane_deficit
+        return self.lanes.take(page_owners, demand)
 
     def _record_total_shortfall(self, num_pages: int) -> None:
         # Lane-balanced calls fail only when all lanes together are short; freeing this
         # balanced split of the shortfall makes the same call succeed.
-        shortfall = num_pages - int(self.lanes.available_pages().sum())
+        shortfall = num_pages - self.lanes.total_pages()
         lanes = torch.arange(self.cp_size)
         self.last_lane_deficit = (
             shortfall // self.cp_size + (lanes < shortfall % self.cp_size).long()
         )
         logger.debug("CP shared KV allocator short by %d pages", shortfall)
-
-    def _owners_on_cpu(self, page_owners: IntArrayLike) -> torch.Tensor:
-        owners = torch.from_numpy(_host_int64(page_owners))
-        if len(owners) and (int(owners.min()) < 0 or int(owners.max()) >= self.cp_size):
-            raise ValueError(
-                f"page owners must be in [0, {self.cp_size}), got min {int(owners.min())} "
-                f"max {int(owners.max())}"
-            )
-        return owners
-
-    def _pages_to_token_locs(self, pages: torch.Tensor) -> torch.Tensor:
-        return (
-            pages[:, None] * self.page_size + torch.arange(self.page_size, device=pages.device)
-        ).reshape(-1)
