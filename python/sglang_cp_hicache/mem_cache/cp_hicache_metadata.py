@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Optional, Tuple
+from typing import Deque, Tuple
 
 import torch
 
@@ -160,6 +160,9 @@ class CpHostPageTable:
         self.free_logical_pages: Deque[int] = deque(range(self.num_logical_pages))
         self.page_owner = torch.full((self.num_logical_pages,), -1, dtype=torch.int64)
         self.physical_page = torch.full((self.num_logical_pages,), -1, dtype=torch.int64)
+        # NumPy views of the same memory, for the NumPy load and release planning.
+        self.page_owner_np = self.page_owner.numpy()
+        self.physical_page_np = self.physical_page.numpy()
         self.lane_used_pages = torch.zeros(self.layout.cp_size, dtype=torch.int64)
 
     def lane_free_pages(self) -> torch.Tensor:

@@ -84,10 +84,11 @@ def _roll_load_owners() -> None:
     from sglang_cp_hicache.mem_cache.cp_shared_allocator import CPSharedPagedTokenToKVPoolAllocator
     from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 
-    original = CPSharedPagedTokenToKVPoolAllocator.alloc_pages_with_owners
+    original = CPSharedPagedTokenToKVPoolAllocator.alloc_logical_pages
 
-    def alloc_rolled(self, page_owners):
-        return original(self, np.roll(np.asarray(page_owners, dtype=np.int64), 1))
+    def alloc_rolled(self, page_owners, lane_pages=None):
+        # Rolling keeps the per-lane counts, so lane_pages still matches.
+        return original(self, np.roll(np.asarray(page_owners, dtype=np.int64), 1), lane_pages)
 
-    CPSharedPagedTokenToKVPoolAllocator.alloc_pages_with_owners = alloc_rolled
+    CPSharedPagedTokenToKVPoolAllocator.alloc_logical_pages = alloc_rolled
     CpSharedKVLayout._raise_if_not_owned = lambda self, owners, unit: None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -39,6 +39,28 @@ from sglang_cp_hicache.mem_cache.cp_hicache_metadata import (
 from sglang_cp_hicache.mem_cache.cp_shared_allocator import CPSharedPagedTokenToKVPoolAllocator
 
 logger = logging.getLogger(__name__)
+
+
+class HostPageRun(NamedTuple):
+    """Logical host pages of a run of host locs, in run order, and their owner lanes.
+
+    ``lane_pages`` counts the pages per owner lane; ``page_of_loc`` is each loc's index
+    into ``pages``, or ``None`` when the run is whole pages with in-page offsets in order
+    (the usual radix value).
+    """
+
+    pages: np.ndarray
+    owners: np.ndarray
+    lane_pages: List[int]
+    page_of_loc: Optional[np.ndarray]
+
+
+def _host_int64(locs: torch.Tensor) -> np.ndarray:
+    """NumPy view of radix locs (host_value is already CPU int64: no copy, no cast)."""
+    if locs.is_cpu and locs.dtype is torch.int64:
+        return locs.numpy()
+    return locs.to("cpu", torch.int64).numpy()
+
 
 # Called with the pages a load needs per owner lane; evicts device cache until they fit.
 LaneEvictor = Callable[[torch.Tensor], None]
@@ -68,6 +90,8 @@ class CpHybridCacheController(HybridCacheController):
         )
         self.bytes_written = 0
         self.bytes_loaded = 0
+        self._no_locs = torch.empty(0, dtype=torch.int64)
+        self._no_device_locs = torch.empty(0, dtype=torch.int64, device=self.device)
         # Host releases held back while batched_host_frees() is open.
         self._deferred_host_releases: Optional[List[torch.Tensor]] = None
 
@@ -149,21 +173,29 @@ class CpHybridCacheController(HybridCacheController):
         New device pages repeat the owner pattern recorded at write time, so every rank
         finds its own pages again. On lane exhaustion the lane evictor frees exactly the
         short lanes once; if that is not enough, None (the request recomputes).
+
+        Planned in NumPy on the host (a node holds a handful of pages, where torch's cost
+        per call would dominate); each index array crosses to the device once.
         """
-        logical_host_locs = host_indices.to("cpu", torch.int64)
-        pages, page_owners, first_of_page = self._host_pages_in_order(logical_host_locs, node_id)
-        device_page_locs = self.allocator.alloc_pages_with_owners(page_owners)
-        if device_page_locs is None and self.lane_evictor is not None:
-            lane_pages = np.bincount(page_owners, minlength=self.layout.cp_size)
-            self.lane_evictor(torch.from_numpy(lane_pages))
-            device_page_locs = self.allocator.alloc_pages_with_owners(page_owners)
-        if device_page_locs is None:
+        logical_host_locs = _host_int64(host_indices)
+        run = self._host_pages_in_order(logical_host_locs, node_id)
+        device_pages = self.allocator.alloc_logical_pages(run.owners, run.lane_pages)
+        if device_pages is None and self.lane_evictor is not None:
+            self.lane_evictor(torch.tensor(run.lane_pages, dtype=torch.int64))
+            device_pages = self.allocator.alloc_logical_pages(run.owners, run.lane_pages)
+        if device_pages is None:
             return None
 
-        owned = np.flatnonzero(page_owners == self.cp_rank)
-        if len(owned):
-            physical_host_locs, physical_device_locs = self._owned_load_locs(
-                pages[owned], device_page_locs, owned
+        if run.lane_pages[self.cp_rank]:
+            owned = run.owners == self.cp_rank
+            physical_host_pages = self.host_table.physical_page_np[run.pages[owned]]
+            physical_host_locs = torch.from_numpy(self.allocator.page_token_locs(physical_host_pages))
+            # The owner lanes only hold pages of their owner: no ownership re-check needed.
+            physical_device_pages = self.layout.logical_pages_to_physical(
+                device_pages[owned], validate=False
+            )
+            physical_device_locs = self.allocator.to_device(
+                self.allocator.page_token_locs(physical_device_pages)
             )
             pool_transfers = self._resolve_pool_transfers_allocation(
                 extra_pools,
@@ -173,8 +205,8 @@ class CpHybridCacheController(HybridCacheController):
             )
             self.bytes_loaded += len(physical_host_locs) * self.bytes_per_token
         else:
-            physical_host_locs = torch.empty(0, dtype=torch.int64)
-            physical_device_locs = torch.empty(0, dtype=torch.int64, device=device_page_locs.device)
+            physical_host_locs = self._no_locs
+            physical_device_locs = self._no_device_locs
             pool_transfers = None
         # An empty op still carries node_id, so start_loading acks it on this rank too.
         self.load_queue.append(
@@ -186,37 +218,14 @@ class CpHybridCacheController(HybridCacheController):
                 pool_transfers=pool_transfers or None,
             )
         )
-        return self._valid_device_locs(device_page_locs, logical_host_locs, first_of_page)
-
-    def _owned_load_locs(
-        self, owned_host_pages: np.ndarray, device_page_locs: torch.Tensor, owned: np.ndarray
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Physical host and device slots of the pages this rank stores, whole pages."""
-        device = device_page_locs.device
-        device_page_starts = device_page_locs[:: self.page_size]
-        owned_device_pages = device_page_starts[torch.from_numpy(owned).to(device)] // self.page_size
-        # The owner lanes only hold pages of their owner: no ownership re-check needed.
-        physical_device_locs = pages_to_token_locs(
-            self.layout.logical_pages_to_physical(owned_device_pages, validate=False),
-            self.page_size,
-        )
-        physical_host_pages = self.host_table.physical_page.numpy()[owned_host_pages]
-        physical_host_locs = pages_to_token_locs(torch.from_numpy(physical_host_pages), self.page_size)
-        return physical_host_locs, physical_device_locs
-
-    def _valid_device_locs(
-        self, device_page_locs: torch.Tensor, logical_host_locs: torch.Tensor, first_of_page: np.ndarray
-    ) -> torch.Tensor:
-        """Each host loc mapped onto the same offset of its new page (valid tokens only)."""
-        page_size = self.page_size
-        offsets = logical_host_locs.numpy() % page_size
-        if len(offsets) == len(device_page_locs) and first_of_page[::page_size].all():
-            # Whole pages in order (the usual node): the new pages' locs as they are.
-            if (offsets.reshape(-1, page_size) == np.arange(page_size)).all():
-                return device_page_locs
-        device = device_page_locs.device
-        page_of_loc = torch.from_numpy(np.cumsum(first_of_page) - 1).to(device)
-        return device_page_locs[::page_size][page_of_loc] + torch.from_numpy(offsets).to(device)
+        # Valid tokens only: each host loc onto the same offset of its new page.
+        if run.page_of_loc is None:  # whole pages in order: the new pages as they are
+            device_locs = self.allocator.page_token_locs(device_pages)
+        else:
+            device_locs = device_pages[run.page_of_loc] * self.page_size + (
+                logical_host_locs % self.page_size
+            )
+        return self.allocator.to_device(device_locs)
 
     def start_loading(self) -> int:
         if self.load_queue and all(op.host_indices.numel() == 0 for op in self.load_queue):
@@ -248,28 +257,36 @@ class CpHybridCacheController(HybridCacheController):
         self.release_host(host_indices)
         return len(host_indices)
 
-    def _host_pages_in_order(
-        self, logical_host_locs: torch.Tensor, node_id: int = -1
-    ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(logical host pages in node order, their owner lanes, first-loc-of-page mask).
+    def _host_pages_in_order(self, logical_host_locs: np.ndarray, node_id: int = -1) -> HostPageRun:
+        """The logical host pages of a run of host locs, in run order, with their owners.
 
         NumPy on purpose: a node holds a handful of pages, and at that size NumPy's cost
         per call is a fraction of torch's on the load and host-eviction hot paths. Radix
         values list each page's tokens contiguously, so consecutive de-duplication finds
-        the pages.
+        the pages; the usual run (whole pages, offsets in order) is recognised first.
         """
-        token_pages = logical_host_locs.numpy() // self.page_size
-        first_of_page = np.empty(len(token_pages), dtype=bool)
-        first_of_page[:1] = True
-        np.not_equal(token_pages[1:], token_pages[:-1], out=first_of_page[1:])
-        pages = token_pages[first_of_page]
-        owners = self.host_table.page_owner.numpy()[pages]
-        if len(owners) and owners.min() < 0:
+        page_size = self.page_size
+        page_of_loc = None
+        pages = logical_host_locs[::page_size] // page_size
+        whole = len(logical_host_locs) == len(pages) * page_size and bool(
+            (logical_host_locs == self.allocator.page_token_locs(pages)).all()
+        )
+        if not whole:
+            token_pages = logical_host_locs // page_size
+            first_of_page = np.empty(len(token_pages), dtype=bool)
+            first_of_page[:1] = True
+            np.not_equal(token_pages[1:], token_pages[:-1], out=first_of_page[1:])
+            pages = token_pages[first_of_page]
+            page_of_loc = np.cumsum(first_of_page) - 1
+        owners = self.host_table.page_owner_np[pages]
+        try:
+            lane_pages = self.allocator.lane_demand(owners)
+        except ValueError:  # owner -1: a page no write allocated (or freed since)
             raise CpHiCacheMetadataError(
                 f"node {node_id} on CP rank {self.cp_rank}: logical host page "
                 f"{int(pages[owners < 0][0])} is not allocated"
-            )
-        return pages, owners, first_of_page
+            ) from None
+        return HostPageRun(pages, owners, lane_pages, page_of_loc)
 
     def release_host(self, host_indices: torch.Tensor, node_id: int = -1) -> torch.Tensor:
         """Free like :meth:`evict_host`; return the pages freed per lane.
@@ -279,9 +296,9 @@ class CpHybridCacheController(HybridCacheController):
         """
         if self._deferred_host_releases is None:
             return self._release_host_now(host_indices, node_id)
-        _, owners, _ = self._host_pages_in_order(host_indices.to("cpu", torch.int64), node_id)
+        run = self._host_pages_in_order(_host_int64(host_indices), node_id)
         self._deferred_host_releases.append(host_indices)
-        return torch.from_numpy(np.bincount(owners, minlength=self.layout.cp_size))
+        return torch.tensor(run.lane_pages, dtype=torch.int64)
 
     def _release_host_now(self, host_indices: torch.Tensor, node_id: int = -1) -> torch.Tensor:
         owned_physical_pages, lane_freed = self.host_table.release(host_indices, node_id)
