@@ -20,6 +20,7 @@ In both modes (hot-path performance, upstream's decisions):
   a heap rebuild over all leaves, with exactly the victims a rebuild would pick; the
   victims' slots go back in one free per call (device: the pages of one free group;
   host: the same free list as one free per node);
+* load-back locks the cached ancestors once (upstream walks them three times);
 * tree walks (match, insert, host insert) read the clock once per call, not per node:
   every node a call touches gets the same access time, as in base ``RadixCache``;
 * ``writing_check`` all-reduces its finished-ack count in one persistent tensor, and
@@ -35,7 +36,6 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import closing, contextmanager
-from dataclasses import replace
 from typing import Any, Iterator, List, Optional
 
 import torch
@@ -44,7 +44,6 @@ from sglang.srt.mem_cache import hiradix_cache as _upstream_module
 from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
     EvictResult,
-    InitLoadBackParams,
     InsertParams,
     InsertResult,
 )
@@ -420,12 +419,84 @@ class CpHiRadixCache(_UPSTREAM["HiRadixCache"]):
         self._write_acks.stop()
 
     # ---------------------------------------------------------------- load back
-    def init_load_back(self, params: InitLoadBackParams):
-        if self.uses_cp_hicache and params.mem_quota is None:
+    def load_back(self, node: TreeNode, mem_quota: Optional[int] = None) -> Optional[torch.Tensor]:
+        """Upstream's load-back with one lock walk over the cached ancestors, not three.
+
+        Upstream locks the ancestors for the load, unlocks them, then locks the path from
+        the hit node to the root; the ancestors end with one extra reference either way,
+        so they keep the first one and only the loaded nodes are locked afterwards. Same
+        checks, events, metrics and final tree state as upstream. In CP mode a missing
+        quota becomes free plus device-evictable slots.
+        """
+        start_time = time.perf_counter()
+        if self.uses_cp_hicache and mem_quota is None:
             # Upstream passes no quota; count what eviction could free, not only free slots.
-            quota = self.token_to_kv_pool_allocator.available_size() + self.evictable_size()
-            params = replace(params, mem_quota=quota)
-        return super().init_load_back(params)
+            mem_quota = self.token_to_kv_pool_allocator.available_size() + self.evictable_size()
+        hit_node = node
+        nodes_to_load: List[TreeNode] = []
+        while node.evicted:
+            assert node.backuped, "No backup available on evicted nodes, should not happen"
+            nodes_to_load.append(node)
+            node = node.parent
+        nodes_to_load.reverse()
+        cached_ancestor = node
+        delta = self.inc_lock_ref(cached_ancestor).delta  # held through the load
+
+        if len(nodes_to_load) == 1:  # the usual case; load() only reads host_indices
+            host_indices = nodes_to_load[0].host_value
+        else:
+            host_indices = torch.cat([n.host_value for n in nodes_to_load])
+        too_short = len(host_indices) < self.load_back_threshold
+        # delta <= 0: the ancestors just locked are no longer evictable.
+        over_quota = mem_quota is not None and len(host_indices) > mem_quota + delta
+        if too_short or over_quota:
+            self.dec_lock_ref(cached_ancestor)
+            return None
+
+        extra_pools = self._get_extra_pools()
+        device_indices = self.cache_controller.load(
+            host_indices=host_indices, node_id=hit_node.id, **extra_pools
+        )
+        if device_indices is None:
+            self.evict(EvictParams(num_tokens=len(host_indices)))
+            device_indices = self.cache_controller.load(
+                host_indices=host_indices, node_id=hit_node.id, **extra_pools
+            )
+        if device_indices is None:
+            self.dec_lock_ref(cached_ancestor)
+            logger.warning(
+                "load_back: FAILED to load %d tokens for node %d even after eviction "
+                "(evictable_size=%d)",
+                len(host_indices),
+                hit_node.id,
+                self.evictable_size_,
+            )
+            return None
+
+        self.ongoing_load_back[hit_node.id] = hit_node
+        offset = 0
+        for loaded in nodes_to_load:
+            loaded.value = device_indices[offset : offset + len(loaded.host_value)].clone()
+            offset += len(loaded.host_value)
+            self._record_store_event(loaded, medium=_upstream_module.StorageMedium.GPU)
+        self.evictable_size_ += len(device_indices)
+        self._lock_path(hit_node, cached_ancestor)
+
+        if self.metrics_collector is not None:
+            self.metrics_collector.observe_load_back_duration(time.perf_counter() - start_time)
+            self.metrics_collector.increment_load_back_num_tokens(len(device_indices))
+        return device_indices
+
+    def _lock_path(self, node: TreeNode, stop: TreeNode) -> None:
+        """``inc_lock_ref`` on the nodes from ``node`` up to, not including, ``stop``."""
+        while node is not stop:
+            if node.lock_ref == 0:
+                self.evictable_size_ -= len(node.key)
+                self.protected_size_ += len(node.key)
+            node.lock_ref += 1
+            self._update_leaf_status(node)
+            self._update_host_leaf_status(node)
+            node = node.parent
 
     # ----------------------------------------------------------------- storage
     def attach_storage_backend(self, *args, **kwargs):
