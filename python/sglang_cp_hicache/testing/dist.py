@@ -16,14 +16,17 @@ import importlib
 import importlib.util
 import multiprocessing as mp
 import os
+import queue as queue_module
 import socket
 import sys
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
 _PRELOAD = "sglang_cp_hicache.testing._preload"
+_POLL_S = 0.5  # how often run_ranks checks for ranks that died without reporting
 _context: Optional[mp.context.BaseContext] = None
 
 
@@ -135,6 +138,36 @@ def _child(rank: int, world_size: int, port: int, timeout_s: float, fn_ref, args
             dist.destroy_process_group()
 
 
+def _collect(procs, queue, timeout_s: float, results: dict, failures: list) -> None:
+    """Gather every rank's report; stop at the first failure, at a rank that exited
+    without reporting (killed, ``os._exit``, a crash outside Python), or at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    silent_polls = 0
+    while len(results) < len(procs):
+        try:
+            rank, ok, payload = queue.get(timeout=_POLL_S)
+        except queue_module.Empty:
+            # A rank's report is flushed before its process exits, so an exited rank
+            # without a report after two empty polls never sent one.
+            exited = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+            silent_polls = silent_polls + 1 if exited else 0
+            if silent_polls >= 2:
+                rank = exited[0]
+                failures.append(
+                    f"rank {rank}: exited with code {procs[rank].exitcode} without reporting"
+                )
+                return
+            if time.monotonic() > deadline:
+                silent = sorted(set(range(len(procs))) - set(results))
+                failures.append(f"no report from ranks {silent} within {timeout_s:.0f} s")
+                return
+            continue
+        if not ok:
+            failures.append(f"rank {rank}:\n{payload}")
+            return
+        results[rank] = payload
+
+
 def run_ranks(
     world_size: int,
     fn: Callable[..., Any],
@@ -144,7 +177,8 @@ def run_ranks(
     """Run ``fn(ctx, *args)`` on ``world_size`` gloo ranks; return results in rank order.
 
     ``fn`` must be importable (module-level) and its result picklable. Raises
-    :class:`RankFailed` with the first failing rank's traceback.
+    :class:`RankFailed` with the first failing rank's traceback, or naming a rank that
+    exited without reporting, or the ranks still silent after ``timeout_s``.
     """
     ctx = _get_context()
     queue = ctx.Queue()
@@ -161,13 +195,7 @@ def run_ranks(
     results: dict[int, Any] = {}
     failures: list[str] = []
     try:
-        for _ in range(world_size):
-            rank, ok, payload = queue.get(timeout=timeout_s)
-            if ok:
-                results[rank] = payload
-            else:
-                failures.append(f"rank {rank}:\n{payload}")
-                break
+        _collect(procs, queue, timeout_s, results, failures)
     finally:
         for proc in procs:
             proc.join(timeout=5 if failures else timeout_s)
