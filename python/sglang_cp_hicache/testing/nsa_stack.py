@@ -220,3 +220,14 @@ def radix_key(token_ids: list, extra_key: Optional[str] = None):
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
     return RadixKey(list(token_ids), extra_key)
+
+
+def insert_at_root(stack: RankStack, token_ids: list, locs: Optional[torch.Tensor] = None):
+    """Insert ``token_ids`` as a new child of the root (fresh slots unless ``locs``) without
+    checking HiCache events, so a write-through backup's ack stays queued; return the node."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+    key = radix_key(token_ids)
+    locs = stack.allocator.alloc(len(token_ids)) if locs is None else locs
+    stack.cache.insert(InsertParams(key=key, value=locs))
+    return stack.cache.root_node.children[key.child_key(stack.cache.page_size)]

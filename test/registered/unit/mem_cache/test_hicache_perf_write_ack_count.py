@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
 from sglang_cp_hicache.mem_cache.hiradix_cache import CpHiRadixCache
 from sglang_cp_hicache.testing import nsa_stack
@@ -22,13 +21,6 @@ def _stack(gloo_world1, shared_kv: bool):
     return nsa_stack.build_rank_stack(
         cfg, 0, None, gloo_world1, shared_kv=shared_kv, cache_cls=CpHiRadixCache
     )
-
-
-def _insert(stack, tokens, locs=None):
-    """Insert without checking events: the backup ack stays queued."""
-    locs = stack.allocator.alloc(len(tokens)) if locs is None else locs
-    stack.cache.insert(InsertParams(key=nsa_stack.radix_key(tokens), value=locs))
-    return stack.cache.root_node.children[nsa_stack.radix_key(tokens).child_key(PS)]
 
 
 class SlowPeer:
@@ -50,7 +42,7 @@ def test_acks_pop_in_order_through_one_persistent_min_reduced_tensor(gloo_world1
     cache = stack.cache
     peer = SlowPeer()
     cache._all_reduce_attn_groups = peer
-    nodes = [_insert(stack, list(range(i * 1000, i * 1000 + PS))) for i in range(1, 4)]
+    nodes = [nsa_stack.insert_at_root(stack, list(range(i * 1000, i * 1000 + PS))) for i in range(1, 4)]
     assert len(cache.cache_controller.ack_write_queue) == 3
 
     popped = []
@@ -73,8 +65,8 @@ def test_zero_owned_writes_ack_once_each(gloo_world1):
     peer.peer_finished = 10
     cache._all_reduce_attn_groups = peer
     lane1_only = stack.allocator.alloc_pages_with_owners(torch.ones(2, dtype=torch.int64))
-    zero_owned = _insert(stack, list(range(1, 1 + 2 * PS)), lane1_only)
-    mixed = _insert(stack, list(range(9000, 9000 + 2 * PS)))
+    zero_owned = nsa_stack.insert_at_root(stack, list(range(1, 1 + 2 * PS)), lane1_only)
+    mixed = nsa_stack.insert_at_root(stack, list(range(9000, 9000 + 2 * PS)))
     assert cache.node_host_metadata(zero_owned).owned_len == 0
     assert cache.node_host_metadata(mixed).owned_len > 0
     acked = [ids for ack in cache.cache_controller.ack_write_queue for ids in ack.node_ids]

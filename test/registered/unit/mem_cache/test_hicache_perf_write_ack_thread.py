@@ -16,7 +16,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
 from sglang_cp_hicache.mem_cache.hiradix_cache import CpHiRadixCache
 from sglang_cp_hicache.mem_cache.write_ack_watcher import WriteAckWatcher
@@ -109,16 +108,10 @@ def _stack(gloo_world1, shared_kv: bool):
     )
 
 
-def _insert(stack, tokens, locs=None):
-    locs = stack.allocator.alloc(len(tokens)) if locs is None else locs
-    stack.cache.insert(InsertParams(key=nsa_stack.radix_key(tokens), value=locs))
-    return stack.cache.root_node.children[nsa_stack.radix_key(tokens).child_key(PS)]
-
-
 @pytest.mark.parametrize("shared_kv", [False, True], ids=["cp_off", "cp_on"])
 def test_cpu_events_complete_at_once_without_a_thread(gloo_world1, shared_kv):
     stack = _stack(gloo_world1, shared_kv)
-    nodes = [_insert(stack, list(range(i * 1000, i * 1000 + 2 * PS))) for i in range(1, 4)]
+    nodes = [nsa_stack.insert_at_root(stack, list(range(i * 1000, i * 1000 + 2 * PS))) for i in range(1, 4)]
     stack.cache.check_hicache_events()
     assert not stack.cache.ongoing_write_through
     assert all(n.lock_ref == 0 for n in nodes)
@@ -133,10 +126,10 @@ def test_in_flight_acks_pop_after_release_and_no_thread_survives(gloo_world1, sh
     stack = _stack(gloo_world1, shared_kv)
     cache = stack.cache
     with device_module().hold_events() as hold:
-        nodes = [_insert(stack, list(range(i * 1000, i * 1000 + 2 * PS))) for i in range(1, 3)]
+        nodes = [nsa_stack.insert_at_root(stack, list(range(i * 1000, i * 1000 + 2 * PS))) for i in range(1, 3)]
         if shared_kv:  # a node this rank owns nothing of still acks once
             lane1_only = stack.allocator.alloc_pages_with_owners(torch.ones(2, dtype=torch.int64))
-            nodes.append(_insert(stack, list(range(50000, 50000 + 2 * PS)), lane1_only))
+            nodes.append(nsa_stack.insert_at_root(stack, list(range(50000, 50000 + 2 * PS)), lane1_only))
             assert cache.node_host_metadata(nodes[-1]).owned_len == 0
         cache.check_hicache_events()
         assert set(cache.ongoing_write_through) == {n.id for n in nodes}
