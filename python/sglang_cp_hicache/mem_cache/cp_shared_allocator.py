@@ -42,9 +42,12 @@ IntArrayLike = Union[torch.Tensor, np.ndarray, Sequence[int]]
 LaneState = Tuple[Tuple[np.ndarray, ...], Tuple[np.ndarray, ...]]
 
 
-def _host_int64(values: IntArrayLike) -> np.ndarray:
-    """Host int64 view/copy of CPU lens or owners (a CPU tensor is viewed, not copied)."""
+def host_int64(values: IntArrayLike) -> np.ndarray:
+    """Flat host int64 array of lens, owners or locs: a view of a CPU int64 tensor or
+    array (radix values and CPU lens already are), a converted copy of anything else."""
     if isinstance(values, torch.Tensor):
+        if values.is_cpu and values.dtype is torch.int64:
+            return values.numpy().reshape(-1)
         values = values.detach().cpu().numpy()
     return np.asarray(values, dtype=np.int64).reshape(-1)
 
@@ -86,8 +89,8 @@ def build_batch_page_compute_owners(
     """
     if split_mode not in CP_SPLIT_MODES:
         raise ValueError(f"split_mode must be one of {CP_SPLIT_MODES}, got {split_mode!r}")
-    prefix_lens = _host_int64(prefix_lens_cpu)
-    seq_lens = _host_int64(seq_lens_cpu)
+    prefix_lens = host_int64(prefix_lens_cpu)
+    seq_lens = host_int64(seq_lens_cpu)
     first_new_page = _ceil_div(prefix_lens, page_size)
     num_new_pages = _ceil_div(seq_lens, page_size) - first_new_page
     request_ids, page_in_request = _segment_offsets(num_new_pages)
@@ -161,8 +164,8 @@ def _extend_token_locs(
     partial. The plan is built per *row* (one continuation row or one new page) on CPU
     from the CPU lens, so the device expands rows to tokens without a host sync.
     """
-    prefix_lens = _host_int64(prefix_lens_cpu)
-    seq_lens = _host_int64(seq_lens_cpu)
+    prefix_lens = host_int64(prefix_lens_cpu)
+    seq_lens = host_int64(seq_lens_cpu)
     batch_size = len(prefix_lens)
     first_new_page = _ceil_div(prefix_lens, page_size)
     num_new_pages = _ceil_div(seq_lens, page_size) - first_new_page
@@ -365,7 +368,7 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
 
     def lane_deficit(self, page_owners: IntArrayLike) -> torch.Tensor:
         """Pages per lane missing to allocate ``page_owners``, without allocating."""
-        demand = self.lanes.lane_demand(_host_int64(page_owners))
+        demand = self.lanes.lane_demand(host_int64(page_owners))
         return torch.tensor(self.lanes.deficit(demand), dtype=torch.int64)
 
     def extend_lane_pages(self, prefix_lens_cpu: IntArrayLike, seq_lens_cpu: IntArrayLike) -> torch.Tensor:
@@ -399,7 +402,7 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     def alloc_pages_with_owners(self, page_owners: IntArrayLike) -> Optional[torch.Tensor]:
         """Page-contiguous locs (``len(page_owners) * page_size``) whose page ``i`` is
         owned by ``page_owners[i]``; ``None`` if any lane is short."""
-        pages = self.alloc_logical_pages(_host_int64(page_owners))
+        pages = self.alloc_logical_pages(host_int64(page_owners))
         if pages is None:
             return None
         return self.to_device(self.page_token_locs(pages))

@@ -36,7 +36,10 @@ from sglang_cp_hicache.mem_cache.cp_hicache_metadata import (
     expand_valid_locs,
     pages_to_token_locs,
 )
-from sglang_cp_hicache.mem_cache.cp_shared_allocator import CPSharedPagedTokenToKVPoolAllocator
+from sglang_cp_hicache.mem_cache.cp_shared_allocator import (
+    CPSharedPagedTokenToKVPoolAllocator,
+    host_int64,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +56,6 @@ class HostPageRun(NamedTuple):
     owners: np.ndarray
     lane_pages: List[int]
     page_of_loc: Optional[np.ndarray]
-
-
-def _host_int64(locs: torch.Tensor) -> np.ndarray:
-    """NumPy view of radix locs (host_value is already CPU int64: no copy, no cast)."""
-    if locs.is_cpu and locs.dtype is torch.int64:
-        return locs.numpy()
-    return locs.to("cpu", torch.int64).numpy()
 
 
 # Called with the pages a load needs per owner lane; evicts device cache until they fit.
@@ -177,7 +173,7 @@ class CpHybridCacheController(HybridCacheController):
         Planned in NumPy on the host (a node holds a handful of pages, where torch's cost
         per call would dominate); each index array crosses to the device once.
         """
-        logical_host_locs = _host_int64(host_indices)
+        logical_host_locs = host_int64(host_indices)
         run = self._host_pages_in_order(logical_host_locs, node_id)
         device_pages = self.allocator.alloc_logical_pages(run.owners, run.lane_pages)
         if device_pages is None and self.lane_evictor is not None:
@@ -296,7 +292,7 @@ class CpHybridCacheController(HybridCacheController):
         """
         if self._deferred_host_releases is None:
             return self._release_host_now(host_indices, node_id)
-        run = self._host_pages_in_order(_host_int64(host_indices), node_id)
+        run = self._host_pages_in_order(host_int64(host_indices), node_id)
         self._deferred_host_releases.append(host_indices)
         return torch.tensor(run.lane_pages, dtype=torch.int64)
 
