@@ -24,7 +24,6 @@ from sglang.srt.mem_cache import allocator as upstream_allocator  # noqa: E402
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator  # noqa: E402
 
 from sglang_cp_hicache.mem_cache.cp_shared_allocator import (  # noqa: E402
-    CP_SPLIT_MODES,
     CPSharedPagedTokenToKVPoolAllocator,
 )
 from sglang_cp_hicache.testing.allocators import NaiveExtendLaunch  # noqa: E402
@@ -75,17 +74,16 @@ def main() -> None:
         "upstream PagedTokenToKVPoolAllocator (alloc_extend_naive): median %.3f ms",
         upstream_s * 1e3,
     )
-    for split_mode in CP_SPLIT_MODES:
-        ours = CPSharedPagedTokenToKVPoolAllocator(
-            physical_size, page_size, torch.int8, "cpu", None, False, cp_size, 0, split_mode
-        )
-        ours_s = median_seconds(ours, extend_args, args.repeats)
-        logger.info(
-            "CPSharedPagedTokenToKVPoolAllocator %-17s: median %.3f ms, ratio to upstream %.2fx",
-            split_mode,
-            ours_s * 1e3,
-            ours_s / upstream_s,
-        )
+    ours = CPSharedPagedTokenToKVPoolAllocator(
+        physical_size, page_size, torch.int8, "cpu", None, False, cp_size, 0
+    )
+    ours_s = median_seconds(ours, extend_args, args.repeats)
+    logger.info(
+        "CPSharedPagedTokenToKVPoolAllocator (balanced pages): median %.3f ms, ratio to "
+        "upstream %.2fx",
+        ours_s * 1e3,
+        ours_s / upstream_s,
+    )
 
 
 if __name__ == "__main__":

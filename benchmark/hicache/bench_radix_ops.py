@@ -2,7 +2,7 @@
 
 One run times, on trees of one-page nodes (1k, 10k, 100k nodes; ``--quick``: 1k, 10k):
 
-* ``upstream``: the original ``HiRadixCache`` (``_UPSTREAM["HiRadixCache"]``), plain allocator;
+* ``upstream``: the original ``HiRadixCache`` (``UPSTREAM["HiRadixCache"]``), plain allocator;
 * ``cp_off``: ``CpHiRadixCache`` with the plain allocator;
 * ``cp_on``: ``CpHiRadixCache`` as rank 0 of cp 8 (owner-lane allocator, CP controller) in
   a single-rank gloo world, as the unit tests build it.
@@ -54,7 +54,8 @@ from sglang.srt.server_args import ServerArgs  # noqa: E402
 from sglang_cp_hicache.mem_cache.cp_shared_allocator import (  # noqa: E402
     CPSharedPagedTokenToKVPoolAllocator,
 )
-from sglang_cp_hicache.mem_cache.hiradix_cache import _UPSTREAM, CpHiRadixCache  # noqa: E402
+from sglang_cp_hicache.mem_cache.fast_hiradix_cache import UPSTREAM  # noqa: E402
+from sglang_cp_hicache.mem_cache.hiradix_cache import CpHiRadixCache  # noqa: E402
 from sglang_cp_hicache.testing.dist import single_rank_world  # noqa: E402
 
 logger = logging.getLogger("bench_radix_ops")
@@ -137,7 +138,7 @@ def build_cache(variant: str, num_nodes: int, world):
     common = dict(page_size=PAGE, dtype=torch.bfloat16, device="cpu", kvcache=kv_pool, need_sort=False)
     if cp:
         allocator = CPSharedPagedTokenToKVPoolAllocator(
-            tokens, cp_size=CP_SIZE, cp_rank=0, split_mode="round-robin-split", **common
+            tokens, cp_size=CP_SIZE, cp_rank=0, **common
         )
     else:
         allocator = PagedTokenToKVPoolAllocator(tokens, **common)
@@ -151,7 +152,7 @@ def build_cache(variant: str, num_nodes: int, world):
         attn_tp_cache_group=world,
         eviction_policy="lru",
     )
-    cache_cls = _UPSTREAM["HiRadixCache"] if variant == "upstream" else CpHiRadixCache
+    cache_cls = UPSTREAM["HiRadixCache"] if variant == "upstream" else CpHiRadixCache
     return cache_cls(params=params, server_args=_server_args())
 
 

@@ -18,7 +18,6 @@ from sglang_cp_hicache import server_args as _server_args
 from sglang_cp_hicache.disaggregation import utils as _disagg_utils
 from sglang_cp_hicache.disaggregation.mooncake import conn as _mooncake_conn
 from sglang_cp_hicache.layers.attention import nsa_backend_hooks as _nsa_hooks
-from sglang_cp_hicache.mem_cache import common as _mem_common
 from sglang_cp_hicache.mem_cache.hiradix_cache import CpHiRadixCache
 from sglang_cp_hicache.model_executor import model_runner_kv_cache_mixin as _kv_mixin
 
@@ -41,11 +40,6 @@ HOOKS: Tuple[HookSpec, ...] = (
     HookSpec(
         "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin._init_pools",
         _kv_mixin.init_pools_around,
-        "AROUND",
-    ),
-    HookSpec(
-        "sglang.srt.mem_cache.common.alloc_paged_token_slots_extend",
-        _mem_common.alloc_paged_token_slots_extend_around,
         "AROUND",
     ),
     # Safe to replace: the scheduler imports HiRadixCache lazily, after hooks apply, and

@@ -17,30 +17,84 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Tuple
+from typing import Deque, List, Optional, Tuple
 
+import numpy as np
 import torch
 
-from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import (
+    CpSharedKVLayout,
+    host_int64,
+    page_token_locs,
+)
 
 
 class CpHiCacheMetadataError(RuntimeError):
     """CP HiCache bookkeeping is inconsistent; the message names the node and rank."""
 
 
-def _as_cpu_int64(values: torch.Tensor) -> torch.Tensor:
-    return values.to(device="cpu", dtype=torch.int64)
+@dataclass(frozen=True)
+class PageRun:
+    """The pages of a run of locs (host int64) that lists each page's tokens contiguously.
 
-
-def unique_pages_in_order(locs: torch.Tensor, page_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Pages of a loc run in first-seen order, and each loc's index into that page list.
-
-    Radix values list each page's tokens contiguously, so consecutive de-duplication is
-    enough and keeps the page order of the run.
+    ``pages`` are in run order; ``page_of_loc`` is each loc's index into ``pages``, or
+    ``None`` when the run is whole pages with in-page offsets in order (the usual radix
+    value), which :meth:`of` recognises first because that is the common, cheap case.
     """
-    pages, inverse = torch.unique_consecutive(locs // page_size, return_inverse=True)
-    return pages, inverse
 
+    locs: np.ndarray
+    pages: np.ndarray
+    page_of_loc: Optional[np.ndarray]
+    page_size: int
+
+    @classmethod
+    def of(cls, locs: np.ndarray, page_size: int) -> "PageRun":
+        pages = locs[::page_size] // page_size
+        whole = len(locs) == len(pages) * page_size and bool(
+            (locs == page_token_locs(pages, page_size)).all()
+        )
+        if whole:
+            return cls(locs, pages, None, page_size)
+        token_pages = locs // page_size
+        first_of_page = np.empty(len(token_pages), dtype=bool)
+        first_of_page[:1] = True
+        np.not_equal(token_pages[1:], token_pages[:-1], out=first_of_page[1:])
+        return cls(locs, token_pages[first_of_page], np.cumsum(first_of_page) - 1, page_size)
+
+    def split(self, split_len: int) -> Tuple["PageRun", "PageRun"]:
+        """The runs of ``locs[:split_len]`` and ``locs[split_len:]``."""
+        return (
+            PageRun.of(self.locs[:split_len], self.page_size),
+            PageRun.of(self.locs[split_len:], self.page_size),
+        )
+
+    def relocate(self, new_pages: np.ndarray) -> np.ndarray:
+        """Each loc moved to the same in-page offset of the matching page of ``new_pages``
+        (one per page of the run): a padded tail page is moved whole but never exposed."""
+        if self.page_of_loc is None:
+            return page_token_locs(new_pages, self.page_size)
+        return new_pages[self.page_of_loc] * self.page_size + self.locs % self.page_size
+
+
+@dataclass(frozen=True)
+class HostWritePlan:
+    """One logical backup: the node's device pages, the owner lane of each and each lane's
+    page need. Replicated: every rank computes the same plan from the same node."""
+
+    device_run: PageRun
+    page_owners: np.ndarray
+    lane_pages: List[int]
+
+
+@dataclass(frozen=True)
+class HostLoadPlan:
+    """One logical load: the node's logical host pages, their write-time owner lanes and
+    each lane's device page need. Replicated like :class:`HostWritePlan`."""
+
+    host_run: PageRun
+    page_owners: np.ndarray
+    lane_pages: List[int]
+    node_id: int
 
 @dataclass
 class CpHiCacheNodeMetadata:
@@ -130,17 +184,9 @@ class CpHiCacheNodeMetadata:
         return parent, child
 
 
-@dataclass(frozen=True)
-class HostWritePlan:
-    """Where one logical write goes: the owner of each page and each lane's page need."""
-
-    logical_device_pages: torch.Tensor  # CPU int64, one per page of the node
-    page_owners: torch.Tensor  # CPU int64
-    lane_pages: torch.Tensor  # CPU int64 [cp_size]
-
-
 class CpHostPageTable:
-    """Logical host pages of one CP rank, with the owner lane and physical page of each.
+    """The host tier's translator: logical host pages of one CP rank, with the owner lane
+    and physical page of each.
 
     Replicated state (identical on every rank): the free list of logical host pages, the
     owner of each used page, and per-lane usage. Per-rank state: the physical host page of
@@ -157,130 +203,123 @@ class CpHostPageTable:
 
     # ------------------------------------------------------------------ state
     def clear(self) -> None:
-        self.free_logical_pages: Deque[int] = deque(range(self.num_logical_pages))
-        self.page_owner = torch.full((self.num_logical_pages,), -1, dtype=torch.int64)
-        self.physical_page = torch.full((self.num_logical_pages,), -1, dtype=torch.int64)
-        # NumPy views of the same memory, for the NumPy load and release planning.
-        self.page_owner_np = self.page_owner.numpy()
-        self.physical_page_np = self.physical_page.numpy()
-        self.lane_used_pages = torch.zeros(self.layout.cp_size, dtype=torch.int64)
+        self._free_logical_pages: Deque[int] = deque(range(self.num_logical_pages))
+        self._page_owner = np.full(self.num_logical_pages, -1, dtype=np.int64)
+        self._physical_page = np.full(self.num_logical_pages, -1, dtype=np.int64)
+        self._lane_used_pages = [0] * self.layout.cp_size
 
-    def lane_free_pages(self) -> torch.Tensor:
-        return self.physical_host_pages - self.lane_used_pages
+    def lane_used_pages(self) -> List[int]:
+        return list(self._lane_used_pages)
+
+    def lane_free_pages(self) -> List[int]:
+        return [self.physical_host_pages - used for used in self._lane_used_pages]
 
     def used_logical_tokens(self) -> int:
-        return (self.num_logical_pages - len(self.free_logical_pages)) * self.page_size
+        return (self.num_logical_pages - len(self._free_logical_pages)) * self.page_size
+
+    def lane_deficit(self, lane_pages: List[int]) -> List[int]:
+        """Host pages each lane lacks to admit ``lane_pages`` (all zero: admissible)."""
+        return [
+            max(need - (self.physical_host_pages - used), 0)
+            for need, used in zip(lane_pages, self._lane_used_pages)
+        ]
 
     # ------------------------------------------------------------------ write
-    def plan_write(self, logical_device_locs: torch.Tensor) -> HostWritePlan:
-        pages, _ = unique_pages_in_order(_as_cpu_int64(logical_device_locs), self.page_size)
-        owners = self.layout.owner_for_logical_pages(pages)
-        lane_pages = torch.bincount(owners, minlength=self.layout.cp_size)
-        return HostWritePlan(pages, owners, lane_pages)
+    def plan_write(self, run: PageRun) -> HostWritePlan:
+        """The backup of a node whose logical device locs are ``run``."""
+        owners = self.layout.owner_for_logical_pages(run.pages)
+        lane_pages = np.bincount(owners, minlength=self.layout.cp_size).tolist()
+        return HostWritePlan(run, owners, lane_pages)
 
-    def lane_deficit(self, plan: HostWritePlan) -> torch.Tensor:
-        """Pages each lane lacks to admit ``plan`` (all zero: admissible)."""
-        return (plan.lane_pages - self.lane_free_pages()).clamp_(min=0)
-
-    def commit_write(
-        self, plan: HostWritePlan, owned_physical_host_pages: torch.Tensor
-    ) -> torch.Tensor:
-        """Record a write admitted by :meth:`lane_deficit`; return its logical host pages."""
+    def commit_write(self, plan: HostWritePlan, owned_physical_host_pages: np.ndarray) -> np.ndarray:
+        """Record a write admitted by :meth:`lane_deficit`; return its logical host locs
+        (valid tokens only, the in-page offsets of the device locs)."""
         num_pages = len(plan.page_owners)
-        logical_pages = torch.tensor(
-            [self.free_logical_pages.popleft() for _ in range(num_pages)], dtype=torch.int64
+        logical_pages = np.fromiter(
+            (self._free_logical_pages.popleft() for _ in range(num_pages)), np.int64, num_pages
         )
-        self.page_owner[logical_pages] = plan.page_owners
+        self._page_owner[logical_pages] = plan.page_owners
         owned = plan.page_owners == self.layout.cp_rank
-        self.physical_page[logical_pages[owned]] = _as_cpu_int64(owned_physical_host_pages)
-        self.lane_used_pages += plan.lane_pages
-        return logical_pages
+        self._physical_page[logical_pages[owned]] = owned_physical_host_pages
+        for lane, pages in enumerate(plan.lane_pages):
+            self._lane_used_pages[lane] += pages
+        return plan.device_run.relocate(logical_pages)
+
+    # ------------------------------------------------------------------ load
+    def plan_load(self, logical_host_locs: np.ndarray, node_id: int = -1) -> HostLoadPlan:
+        run = PageRun.of(logical_host_locs, self.page_size)
+        owners = self._owners(run.pages, node_id, "is not allocated")
+        lane_pages = np.bincount(owners, minlength=self.layout.cp_size).tolist()
+        return HostLoadPlan(run, owners, lane_pages, node_id)
+
+    def owned_host_locs(self, plan: HostLoadPlan) -> np.ndarray:
+        """Physical host locs (this rank, whole pages) of the plan's owned pages, read at
+        execution time: after any eviction the planner made room with."""
+        owned = plan.host_run.pages[plan.page_owners == self.layout.cp_rank]
+        return page_token_locs(self._physical_page[owned], self.page_size)
 
     # ------------------------------------------------------------------ lookup
+    def lane_pages(self, logical_host_locs: np.ndarray, node_id: int = -1) -> np.ndarray:
+        """Pages per owner lane of a node's logical host locs (eviction planning)."""
+        pages = PageRun.of(logical_host_locs, self.page_size).pages
+        owners = self._owners(pages, node_id, "is not allocated")
+        return np.bincount(owners, minlength=self.layout.cp_size)
+
     def node_metadata(
         self, logical_host_locs: torch.Tensor, node_id: int = -1
     ) -> CpHiCacheNodeMetadata:
         """This rank's view of a node backed up at ``logical_host_locs``."""
-        locs = _as_cpu_int64(logical_host_locs)
-        pages, inverse = unique_pages_in_order(locs, self.page_size)
-        owners = self.page_owner[pages]
-        if bool((owners < 0).any()):
-            raise CpHiCacheMetadataError(
-                f"node {node_id} on CP rank {self.layout.cp_rank}: logical host page "
-                f"{int(pages[owners < 0][0])} is not allocated"
-            )
-        owned_positions = torch.nonzero(owners[inverse] == self.layout.cp_rank, as_tuple=True)[0]
+        locs = host_int64(logical_host_locs)
+        run = PageRun.of(locs, self.page_size)
+        owners = self._owners(run.pages, node_id, "is not allocated")
+        page_of_loc = (
+            np.arange(len(locs)) // self.page_size if run.page_of_loc is None else run.page_of_loc
+        )
+        owned_positions = np.flatnonzero(owners[page_of_loc] == self.layout.cp_rank)
         owned_locs = locs[owned_positions]
-        host_indices = self.physical_page[owned_locs // self.page_size] * self.page_size + (
+        host_indices = self._physical_page[owned_locs // self.page_size] * self.page_size + (
             owned_locs % self.page_size
         )
         return CpHiCacheNodeMetadata(
             logical_len=len(locs),
-            owned_positions=owned_positions,
-            host_indices=host_indices,
-            page_owners=owners,
+            owned_positions=torch.from_numpy(owned_positions.astype(np.int64)),
+            host_indices=torch.from_numpy(host_indices),
+            page_owners=torch.from_numpy(owners.copy()),
             page_size=self.page_size,
             node_id=node_id,
             cp_rank=self.layout.cp_rank,
         )
 
-    def owned_physical_pages(self, logical_pages: torch.Tensor) -> torch.Tensor:
-        """Physical host pages (this rank) of the owned pages among ``logical_pages``."""
-        owned = self.page_owner[logical_pages] == self.layout.cp_rank
-        return self.physical_page[logical_pages[owned]]
-
     # ------------------------------------------------------------------ free
-    def release(self, logical_host_locs: torch.Tensor, node_id: int = -1) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Free the pages of a node; return (owned physical host pages, per-lane pages freed)."""
-        pages, _ = unique_pages_in_order(_as_cpu_int64(logical_host_locs), self.page_size)
-        owners = self.page_owner[pages]
-        if bool((owners < 0).any()):
-            raise CpHiCacheMetadataError(
-                f"node {node_id} on CP rank {self.layout.cp_rank}: double free of logical "
-                f"host page {int(pages[owners < 0][0])}"
-            )
-        owned_physical = self.physical_page[pages[owners == self.layout.cp_rank]].clone()
-        lane_freed = torch.bincount(owners, minlength=self.layout.cp_size)
-        self.page_owner[pages] = -1
-        self.physical_page[pages] = -1
-        self.lane_used_pages -= lane_freed
-        self.free_logical_pages.extend(pages.tolist())
+    def release(self, logical_host_locs: np.ndarray, node_id: int = -1) -> Tuple[np.ndarray, List[int]]:
+        """Free the pages of one or more nodes; return (owned physical host pages, pages
+        freed per lane)."""
+        pages = PageRun.of(logical_host_locs, self.page_size).pages
+        owners = self._owners(pages, node_id, "is freed twice")
+        owned_physical = self._physical_page[pages[owners == self.layout.cp_rank]]
+        lane_freed = np.bincount(owners, minlength=self.layout.cp_size).tolist()
+        self._page_owner[pages] = -1
+        self._physical_page[pages] = -1
+        for lane, freed in enumerate(lane_freed):
+            self._lane_used_pages[lane] -= freed
+        self._free_logical_pages.extend(pages.tolist())
         return owned_physical, lane_freed
 
-    def lane_pages_of(self, logical_host_locs: torch.Tensor) -> torch.Tensor:
-        """Per-lane page count of a node, without freeing (eviction planning)."""
-        pages, _ = unique_pages_in_order(_as_cpu_int64(logical_host_locs), self.page_size)
-        return torch.bincount(self.page_owner[pages], minlength=self.layout.cp_size)
-
-
-def pages_to_token_locs(pages: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Token locs covering whole pages, page by page."""
-    offsets = torch.arange(page_size, dtype=pages.dtype, device=pages.device)
-    return (pages.unsqueeze(1) * page_size + offsets).reshape(-1)
-
-
-def expand_valid_locs(
-    page_locs: torch.Tensor, template_locs: torch.Tensor, page_size: int
-) -> torch.Tensor:
-    """Map each ``template`` loc onto the same in-page offset of the matching new page.
-
-    ``page_locs`` are whole-page token locs (one page per page of ``template_locs``, in
-    order); the result has ``len(template_locs)`` entries, so a padded tail page is
-    transferred but never exposed.
-    """
-    _, inverse = unique_pages_in_order(template_locs, page_size)
-    page_starts = page_locs[::page_size]
-    return page_starts[inverse.to(page_starts.device)] + (template_locs % page_size).to(
-        page_starts.device
-    )
+    def _owners(self, pages: np.ndarray, node_id: int, problem: str) -> np.ndarray:
+        owners = self._page_owner[pages]
+        if len(owners) and int(owners.min()) < 0:
+            raise CpHiCacheMetadataError(
+                f"node {node_id} on CP rank {self.layout.cp_rank}: logical host page "
+                f"{int(pages[owners < 0][0])} {problem}"
+            )
+        return owners
 
 
 __all__ = [
     "CpHiCacheMetadataError",
     "CpHiCacheNodeMetadata",
     "CpHostPageTable",
+    "HostLoadPlan",
     "HostWritePlan",
-    "expand_valid_locs",
-    "pages_to_token_locs",
-    "unique_pages_in_order",
+    "PageRun",
 ]

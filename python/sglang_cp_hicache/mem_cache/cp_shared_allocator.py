@@ -6,19 +6,22 @@ physical pool (``get_kvcache()``) stores only the pages it owns (see
 lane ``r`` holds the logical pages ``p`` with ``p % cp_size == r``, i.e. physical pages
 ``1 .. num_physical_pages`` of rank ``r`` (physical page 0 is the padding page).
 
-Lane choice per entry point (never depends on ``cp_rank``, so every rank driven by the
-same call sequence returns the same locs):
+Placement (never depends on ``cp_rank``, so every rank driven by the same call sequence
+returns the same locs):
 
-* ``alloc_extend``: each new page comes from the lane of its *compute owner*
-  (:func:`build_page_compute_owners`), so the rank that computes a page's KV stores it.
-* ``alloc_pages_with_owners``: the caller's exact per-page owner sequence.
-* ``alloc_decode`` / ``alloc``: lane balancing (the lanes with the most free pages first,
-  ties to the lower lane). Decode is not CP-split, every rank computes the decode token,
-  so any owner is correct and balancing keeps the lanes from running dry unevenly.
+* new pages (``alloc_extend``, ``alloc_decode``, ``alloc``) are *balanced*
+  (:func:`balanced_page_owners`): the lanes with the most free pages first, interleaved
+  page by page. Any lane is a correct owner of a new page: under NSA prefill CP the
+  chunk's latent KV and indexer key are all-gathered before they are stored, so every
+  rank holds every new token's KV at store time, in both split modes and for batches
+  that are not CP-split (``docs/cp_shared_kv_layout.md``). An allocation of new pages
+  therefore succeeds whenever the lanes *together* have the pages, exactly as upstream;
+* ``alloc_pages_with_owners`` / ``alloc_logical_pages``: the caller's exact per-page owner
+  sequence (a load-back keeps the pages on their write-time owners).
 
-A lane never lends pages to another lane. A call that cannot be served returns ``None``,
-leaves every free list unchanged and records the per-lane page deficit in
-``last_lane_deficit``.
+A lane never lends pages to another lane. A call that cannot be served returns ``None``
+and leaves every free list unchanged; :meth:`CPSharedPagedTokenToKVPoolAllocator.lane_deficit`
+says, before a call, which lanes would be short.
 """
 
 from __future__ import annotations
@@ -30,30 +33,17 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 
-from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import (
+    CpSharedKVLayout,
+    ceil_div,
+    host_int64,
+    page_token_locs,
+)
 
 logger = logging.getLogger(__name__)
 
-IN_SEQ_SPLIT = "in-seq-split"
-ROUND_ROBIN_SPLIT = "round-robin-split"
-CP_SPLIT_MODES = (IN_SEQ_SPLIT, ROUND_ROBIN_SPLIT)
-
 IntArrayLike = Union[torch.Tensor, np.ndarray, Sequence[int]]
 LaneState = Tuple[Tuple[np.ndarray, ...], Tuple[np.ndarray, ...]]
-
-
-def host_int64(values: IntArrayLike) -> np.ndarray:
-    """Flat host int64 array of lens, owners or locs: a view of a CPU int64 tensor or
-    array (radix values and CPU lens already are), a converted copy of anything else."""
-    if isinstance(values, torch.Tensor):
-        if values.is_cpu and values.dtype is torch.int64:
-            return values.numpy().reshape(-1)
-        values = values.detach().cpu().numpy()
-    return np.asarray(values, dtype=np.int64).reshape(-1)
-
-
-def _ceil_div(values: np.ndarray, divisor: int) -> np.ndarray:
-    return (values + divisor - 1) // divisor
 
 
 def _segment_offsets(counts: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -63,90 +53,45 @@ def _segment_offsets(counts: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     return segment_ids, np.arange(len(segment_ids)) - starts[segment_ids]
 
 
-# ------------------------------------------------------------------ compute owners
-# Planning runs in NumPy on the CPU lens: page-granular arrays are small, and NumPy's
-# per-op overhead is a fraction of torch's, which dominates at this size.
-def build_batch_page_compute_owners(
-    prefix_lens_cpu: IntArrayLike,
-    seq_lens_cpu: IntArrayLike,
-    page_size: int,
-    cp_size: int,
-    split_mode: str,
-) -> torch.LongTensor:
-    """Owner lane of every new page of an extend batch, request-major (CPU int64).
-
-    New pages of a request are the pages ``ceil(prefix/ps) .. ceil(seq/ps) - 1`` of its
-    sequence; the page continuing a partially filled prefix page is not new.
-
-    * ``in-seq-split``: SGLang's zigzag split of the request's extend tokens into
-      ``2 * cp_size`` chunks (remainder one token each to the first chunks), chunk ``c``
-      computed by rank ``c`` if ``c < cp_size`` else ``2 * cp_size - 1 - c``. A page is
-      owned by the rank computing its *first extend token*: chunks are token-granular, so
-      a page can straddle a chunk boundary and some rank must take it; the first token
-      is a pure function of (prefix, seq) and exact whenever boundaries are page-aligned.
-    * ``round-robin-split``: SGLang splits tokens round-robin, so every rank computes part
-      of every page; pages are balanced by their page index in the sequence mod cp_size.
-    """
-    if split_mode not in CP_SPLIT_MODES:
-        raise ValueError(f"split_mode must be one of {CP_SPLIT_MODES}, got {split_mode!r}")
-    prefix_lens = host_int64(prefix_lens_cpu)
-    seq_lens = host_int64(seq_lens_cpu)
-    first_new_page = _ceil_div(prefix_lens, page_size)
-    num_new_pages = _ceil_div(seq_lens, page_size) - first_new_page
-    request_ids, page_in_request = _segment_offsets(num_new_pages)
-    seq_page = first_new_page[request_ids] + page_in_request
-    if split_mode == ROUND_ROBIN_SPLIT:
-        return torch.from_numpy(seq_page % cp_size)
-
-    num_chunks = 2 * cp_size
-    first_extend_token = seq_page * page_size - prefix_lens[request_ids]
-    extend_lens = (seq_lens - prefix_lens)[request_ids]
-    small_chunk = extend_lens // num_chunks
-    large_chunk = small_chunk + 1
-    tokens_in_large_chunks = (extend_lens % num_chunks) * large_chunk
-    # maximum(.., 1): small_chunk is 0 only when every extend token is in a large chunk.
-    chunk = np.where(
-        first_extend_token < tokens_in_large_chunks,
-        first_extend_token // large_chunk,
-        extend_lens % num_chunks
-        + (first_extend_token - tokens_in_large_chunks) // np.maximum(small_chunk, 1),
-    )
-    return torch.from_numpy(np.where(chunk < cp_size, chunk, num_chunks - 1 - chunk))
-
-
-def build_page_compute_owners(
-    prefix_len: int, seq_len: int, page_size: int, cp_size: int, split_mode: str
-) -> torch.LongTensor:
-    """Owner lane of each new page of one request (see :func:`build_batch_page_compute_owners`)."""
-    return build_batch_page_compute_owners(
-        torch.tensor([prefix_len]), torch.tensor([seq_len]), page_size, cp_size, split_mode
-    )
-
-
-def _lane_balancing_owners(lane_available: List[int], num_pages: int) -> Optional[np.ndarray]:
-    """Owner lanes for ``num_pages`` pages leaving the lanes' free counts as even as
-    possible (ties to the lower lane), grouped by lane; ``None`` if the total is short."""
-    if num_pages > sum(lane_available):
+# ------------------------------------------------------------------ placement
+def balanced_lane_counts(lane_free: Sequence[int], num_pages: int) -> Optional[List[int]]:
+    """Pages per lane for ``num_pages`` new pages, leaving the lanes' free counts as even as
+    possible (water-filling; ties to the lower lane); ``None`` if the lanes together are
+    short."""
+    if num_pages > sum(lane_free):
         return None
     # Smallest level L whose excess sum(max(a - L, 0)) fits into num_pages.
-    low, high = 0, max(lane_available, default=0)
+    low, high = 0, max(lane_free, default=0)
     while low < high:
         mid = (low + high) // 2
-        if sum(max(a - mid, 0) for a in lane_available) <= num_pages:
+        if sum(max(a - mid, 0) for a in lane_free) <= num_pages:
             high = mid
         else:
             low = mid + 1
-    counts = [max(a - low, 0) for a in lane_available]
+    counts = [max(a - low, 0) for a in lane_free]
     leftover = num_pages - sum(counts)
-    # The lanes with available >= low all keep exactly `low` pages now; leftover is less
-    # than their number (level low - 1 would overshoot), and 0 when low == 0.
-    for lane, available in enumerate(lane_available):
+    # The lanes with free >= low all keep exactly `low` pages now; leftover is less than
+    # their number (level low - 1 would overshoot), and 0 when low == 0.
+    for lane, free in enumerate(lane_free):
         if leftover == 0:
             break
-        if available >= low:
+        if free >= low:
             counts[lane] += 1
             leftover -= 1
-    return np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    return counts
+
+
+def balanced_page_owners(lane_free: Sequence[int], num_pages: int) -> Optional[np.ndarray]:
+    """Owner lane of each of ``num_pages`` new pages: :func:`balanced_lane_counts`, dealt
+    out round by round (one page per lane with pages left, lanes in index order), so any
+    run of consecutive pages (a request, a later prefix hit of part of it) is spread over
+    the lanes too. ``None`` if the lanes together are short."""
+    counts = balanced_lane_counts(lane_free, num_pages)
+    if counts is None:
+        return None
+    counts_np = np.asarray(counts, dtype=np.int64)
+    lanes, rounds = _segment_offsets(counts_np)
+    return lanes[np.lexsort((lanes, rounds))].astype(np.int64)
 
 
 def _extend_token_locs(
@@ -167,8 +112,8 @@ def _extend_token_locs(
     prefix_lens = host_int64(prefix_lens_cpu)
     seq_lens = host_int64(seq_lens_cpu)
     batch_size = len(prefix_lens)
-    first_new_page = _ceil_div(prefix_lens, page_size)
-    num_new_pages = _ceil_div(seq_lens, page_size) - first_new_page
+    first_new_page = ceil_div(prefix_lens, page_size)
+    num_new_pages = ceil_div(seq_lens, page_size) - first_new_page
     num_continued = np.minimum(seq_lens, first_new_page * page_size) - prefix_lens
     continues = (num_continued > 0).astype(np.int64)
 
@@ -216,8 +161,9 @@ class OwnerLaneFreePages:
     cheap shallow copy.
     """
 
-    def __init__(self, cp_size: int, num_physical_pages: int, need_sort: bool):
-        self.cp_size = cp_size
+    def __init__(self, layout: CpSharedKVLayout, num_physical_pages: int, need_sort: bool):
+        self.layout = layout
+        self.cp_size = layout.cp_size
         self.num_physical_pages = num_physical_pages
         self.need_sort = need_sort
         self.free_pages: List[np.ndarray] = []
@@ -227,7 +173,9 @@ class OwnerLaneFreePages:
 
     def reset(self) -> None:
         physical_pages = np.arange(1, self.num_physical_pages + 1, dtype=np.int64)
-        self.free_pages = [physical_pages * self.cp_size + lane for lane in range(self.cp_size)]
+        self.free_pages = [
+            self.layout.owner_lane_pages(physical_pages, lane) for lane in range(self.cp_size)
+        ]
         self.release_pages = [np.empty(0, dtype=np.int64) for _ in range(self.cp_size)]
         self.page_counts = [self.num_physical_pages] * self.cp_size
 
@@ -334,22 +282,13 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         need_sort: bool,
         cp_size: int,
         cp_rank: int,
-        split_mode: str,
     ):
-        if split_mode not in CP_SPLIT_MODES:
-            raise ValueError(f"split_mode must be one of {CP_SPLIT_MODES}, got {split_mode!r}")
         self.layout = CpSharedKVLayout(cp_size=cp_size, cp_rank=cp_rank, page_size=page_size)
         self.cp_size = cp_size
         self.cp_rank = cp_rank
-        self.split_mode = split_mode
         self.physical_size = physical_size
-        self.lanes = OwnerLaneFreePages(cp_size, physical_size // page_size, need_sort)
-        # Shared by every successful call; callers read it, never write it.
-        self._no_lane_deficit = torch.zeros(cp_size, dtype=torch.int64)
-        self.last_lane_deficit = self._no_lane_deficit
-        self._page_offsets = np.arange(page_size, dtype=np.int64)
+        self.lanes = OwnerLaneFreePages(self.layout, physical_size // page_size, need_sort)
         self._on_host = torch.device(device).type == "cpu"
-        self._place_next_extend_by_free_pages = False
         # Upstream __init__ calls clear(), which resets the lanes built above.
         super().__init__(physical_size * cp_size, page_size, dtype, device, kvcache, need_sort)
 
@@ -361,43 +300,26 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         """Free pages per owner lane (int64 CPU tensor [cp_size])."""
         return self.lanes.available_pages()
 
+    def lane_free_pages(self) -> List[int]:
+        """Free pages per owner lane (host list; the planners' form)."""
+        return list(self.lanes.page_counts)
+
     def lane_demand(self, page_owners: np.ndarray) -> List[int]:
         """Pages per owner lane that ``page_owners`` (host int64) asks for; raises
         ``ValueError`` on an owner outside ``[0, cp_size)``."""
         return self.lanes.lane_demand(page_owners)
 
-    def lane_deficit(self, page_owners: IntArrayLike) -> torch.Tensor:
-        """Pages per lane missing to allocate ``page_owners``, without allocating."""
-        demand = self.lanes.lane_demand(host_int64(page_owners))
-        return torch.tensor(self.lanes.deficit(demand), dtype=torch.int64)
-
-    def extend_lane_pages(self, prefix_lens_cpu: IntArrayLike, seq_lens_cpu: IntArrayLike) -> torch.Tensor:
-        """New pages per owner lane that ``alloc_extend`` with these lens would take."""
-        page_owners = build_batch_page_compute_owners(
-            prefix_lens_cpu, seq_lens_cpu, self.page_size, self.cp_size, self.split_mode
-        )
-        return torch.bincount(page_owners, minlength=self.cp_size)
-
-    def place_next_extend_by_free_pages(self) -> None:
-        """One-shot: the next ``alloc_extend`` puts its new pages on the lanes with the most
-        free pages instead of their compute owners.
-
-        For a batch whose compute lanes stay short after eviction (their pages are held by
-        running requests) while the total suffices. Prefill CP gathers the current chunk's
-        KV on every rank, so any lane's owner can store any page; only placement changes.
-        Called on every rank from the same replicated state.
-        """
-        self._place_next_extend_by_free_pages = True
+    def lane_deficit(self, lane_pages: Sequence[int]) -> List[int]:
+        """Pages each lane lacks to serve ``lane_pages`` pages per lane (all 0: it fits)."""
+        return self.lanes.deficit(list(lane_pages))
 
     # ------------------------------------------------------------ allocation
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
-        """Page-aligned locs of ``need_size // page_size`` lane-balanced pages."""
-        num_pages = need_size // self.page_size
-        page_owners = _lane_balancing_owners(self.lanes.page_counts, num_pages)
-        if page_owners is None:
-            self._record_total_shortfall(num_pages)
+        """Page-aligned locs of ``need_size // page_size`` balanced new pages."""
+        pages = self._take_new_pages(need_size // self.page_size)
+        if pages is None:
             return None
-        return self.to_device(self.page_token_locs(self._take_pages(page_owners)))
+        return self.to_device(page_token_locs(pages, self.page_size))
 
     def alloc_pages_with_owners(self, page_owners: IntArrayLike) -> Optional[torch.Tensor]:
         """Page-contiguous locs (``len(page_owners) * page_size``) whose page ``i`` is
@@ -405,7 +327,7 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         pages = self.alloc_logical_pages(host_int64(page_owners))
         if pages is None:
             return None
-        return self.to_device(self.page_token_locs(pages))
+        return self.to_device(page_token_locs(pages, self.page_size))
 
     def alloc_logical_pages(
         self, page_owners: np.ndarray, lane_pages: Optional[List[int]] = None
@@ -415,7 +337,11 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
 
         ``lane_pages``: the owners' per-lane page counts, if the caller has them already.
         """
-        return self._take_pages(page_owners, lane_pages)
+        if lane_pages is None:
+            lane_pages = self.lanes.lane_demand(page_owners)
+        if not self.lanes.fits(lane_pages):
+            return None
+        return self.lanes.take(page_owners, lane_pages)
 
     def alloc_extend(
         self,
@@ -427,24 +353,18 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         extend_num_tokens: int,
         num_new_pages: Optional[int] = None,
     ) -> Optional[torch.Tensor]:
-        """Upstream ``alloc_extend`` layout; each new page from its compute owner's lane.
+        """Upstream ``alloc_extend`` layout with balanced new pages.
 
         Only the ``*_cpu`` lens are read (``prefix_lens``/``seq_lens`` are kept for the
         upstream signature); ``num_new_pages``, when given, must match them.
         """
-        page_owners = build_batch_page_compute_owners(
-            prefix_lens_cpu, seq_lens_cpu, self.page_size, self.cp_size, self.split_mode
-        ).numpy()
-        if num_new_pages is not None and num_new_pages != len(page_owners):
-            raise ValueError(
-                f"num_new_pages={num_new_pages} but the lens need {len(page_owners)} new pages"
-            )
-        if self._place_next_extend_by_free_pages:
-            self._place_next_extend_by_free_pages = False
-            balanced = _lane_balancing_owners(self.lanes.page_counts, len(page_owners))
-            if balanced is not None:
-                page_owners = balanced
-        new_pages = self._take_pages(page_owners)
+        new_pages_per_request = ceil_div(host_int64(seq_lens_cpu), self.page_size) - ceil_div(
+            host_int64(prefix_lens_cpu), self.page_size
+        )
+        needed = int(new_pages_per_request.sum())
+        if num_new_pages is not None and num_new_pages != needed:
+            raise ValueError(f"num_new_pages={num_new_pages} but the lens need {needed} new pages")
+        new_pages = self._take_new_pages(needed)
         if new_pages is None:
             return None
         return _extend_token_locs(
@@ -462,15 +382,13 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         seq_lens_cpu: torch.Tensor,
         last_loc: torch.Tensor,
     ) -> Optional[torch.Tensor]:
-        """One loc per request: ``last_loc + 1``, or the first loc of a lane-balanced new
-        page when the token starts a page."""
+        """One loc per request: ``last_loc + 1``, or the first loc of a balanced new page
+        when the token starts a page."""
         starts_page_cpu = (seq_lens_cpu.to(torch.int64) - 1) % self.page_size == 0
-        num_new_pages = int(starts_page_cpu.sum())
-        page_owners = _lane_balancing_owners(self.lanes.page_counts, num_new_pages)
-        if page_owners is None:
-            self._record_total_shortfall(num_new_pages)
+        new_pages = self._take_new_pages(int(starts_page_cpu.sum()))
+        if new_pages is None:
             return None
-        new_pages = self.to_device(self._take_pages(page_owners))
+        new_pages = self.to_device(new_pages)
         token_locs = last_loc.to(torch.int64) + 1
         rows = torch.nonzero(starts_page_cpu, as_tuple=True)[0].to(token_locs.device)
         token_locs[rows] = new_pages * self.page_size
@@ -493,7 +411,6 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
 
     def clear(self) -> None:
         self.lanes.reset()
-        self.last_lane_deficit = self._no_lane_deficit
         self.is_not_in_free_group = True
         self.free_group = []
 
@@ -504,10 +421,6 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         self.lanes.restore(state)
 
     # ------------------------------------------------------- index helpers
-    def page_token_locs(self, pages: np.ndarray) -> np.ndarray:
-        """Token locs covering whole pages, page by page (host)."""
-        return (pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
-
     def to_device(self, host_locs: np.ndarray) -> torch.Tensor:
         """One host -> device copy of an index array this allocator produced.
 
@@ -518,27 +431,11 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         return tensor if self._on_host else tensor.to(self.device, non_blocking=True)
 
     # --------------------------------------------------------------- helpers
-    def _take_pages(
-        self, page_owners: np.ndarray, demand: Optional[List[int]] = None
-    ) -> Optional[np.ndarray]:
-        """Logical pages for ``page_owners`` (host int64) or ``None`` (lanes untouched,
-        deficit recorded). ``demand``: :meth:`OwnerLaneFreePages.lane_demand` of the owners."""
-        if demand is None:
-            demand = self.lanes.lane_demand(page_owners)
-        if not self.lanes.fits(demand):
-            deficit = self.lanes.deficit(demand)
-            self.last_lane_deficit = torch.tensor(deficit, dtype=torch.int64)
-            logger.debug("CP shared KV owner lanes exhausted, page deficit per lane: %s", deficit)
+    def _take_new_pages(self, num_pages: int) -> Optional[np.ndarray]:
+        """``num_pages`` balanced new pages, or ``None`` (lanes untouched) if the lanes
+        together are short."""
+        page_owners = balanced_page_owners(self.lanes.page_counts, num_pages)
+        if page_owners is None:
+            logger.debug("CP shared KV allocator short of %d pages", num_pages)
             return None
-        self.last_lane_deficit = self._no_lane_deficit
-        return self.lanes.take(page_owners, demand)
-
-    def _record_total_shortfall(self, num_pages: int) -> None:
-        # Lane-balanced calls fail only when all lanes together are short; freeing this
-        # balanced split of the shortfall makes the same call succeed.
-        shortfall = num_pages - self.lanes.total_pages()
-        lanes = torch.arange(self.cp_size)
-        self.last_lane_deficit = (
-            shortfall // self.cp_size + (lanes < shortfall % self.cp_size).long()
-        )
-        logger.debug("CP shared KV allocator short by %d pages", shortfall)
+        return self.lanes.take(page_owners, self.lanes.lane_demand(page_owners))

@@ -9,16 +9,20 @@ every CP rank. Each rank's device KV pool stores only the pages it owns:
 * inverse on rank ``r``: ``logical_page = physical_page * cp_size + r``
 
 Physical page 0 is SGLang's reserved padding page on every rank, so logical pages
-``0 .. cp_size - 1`` are never handed out by the allocator.
+``0 .. cp_size - 1`` are never handed out by the allocator. A token this rank does not own
+is written to the same offset of that padding page (:meth:`CpSharedKVLayout.physical_write_locs`),
+which no reader ever addresses.
 
-Every method accepts a ``torch.Tensor`` or a ``numpy.ndarray`` of non-negative integers
-and returns the same kind, with identical values either way.
+This module is the one place of device-side translation (owner, physical loc, padding
+page); the host tier has its own translator, ``CpHostPageTable``. Every method accepts a
+``torch.Tensor`` or a ``numpy.ndarray`` of non-negative integers and returns the same
+kind, with identical values either way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, TypeVar, Union
+from typing import Optional, Sequence, TypeVar, Union
 
 import numpy as np
 import torch
@@ -29,6 +33,33 @@ AnyIndexArray = Union[torch.Tensor, np.ndarray]
 
 def _is_host_resident(values: AnyIndexArray) -> bool:
     return isinstance(values, np.ndarray) or values.device.type == "cpu"
+
+
+def host_int64(values: Union[torch.Tensor, np.ndarray, Sequence[int]]) -> np.ndarray:
+    """Flat host int64 array of lens, owners or locs: a view of a CPU int64 tensor or
+    array (radix values and CPU lens already are), a converted copy of anything else.
+
+    A CUDA tensor is copied to the host here (a stream sync): callers on the scheduler
+    path pass host-resident values.
+    """
+    if isinstance(values, torch.Tensor):
+        if values.is_cpu and values.dtype is torch.int64:
+            return values.numpy().reshape(-1)
+        values = values.detach().cpu().numpy()
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+def ceil_div(values: IndexArray, divisor: int) -> IndexArray:
+    return (values + divisor - 1) // divisor
+
+
+def page_token_locs(pages: IndexArray, page_size: int) -> IndexArray:
+    """Token locs covering whole pages, page by page (same kind and device as ``pages``)."""
+    if isinstance(pages, np.ndarray):
+        offsets = np.arange(page_size, dtype=pages.dtype)
+        return (pages[:, None] * page_size + offsets).reshape(-1)
+    offsets = torch.arange(page_size, dtype=pages.dtype, device=pages.device)
+    return (pages.unsqueeze(1) * page_size + offsets).reshape(-1)
 
 
 def _nonzero_positions(mask: IndexArray) -> IndexArray:
@@ -104,10 +135,26 @@ class CpSharedKVLayout:
         offsets = owned_logical_locs - logical_pages * self.page_size
         return (logical_pages // self.cp_size) * self.page_size + offsets
 
+    def physical_write_locs(self, logical_locs: IndexArray) -> IndexArray:
+        """Where a forward writes each logical loc on this rank: its physical loc when this
+        rank owns it, else the same offset of the padding page 0 (same dtype; elementwise,
+        no host sync, no data-dependent shape)."""
+        offsets = logical_locs % self.page_size
+        logical_pages = logical_locs // self.page_size
+        owned = (logical_pages % self.cp_size) == self.cp_rank
+        physical = (logical_pages // self.cp_size) * self.page_size + offsets
+        if isinstance(logical_locs, np.ndarray):
+            return np.where(owned, physical, offsets)
+        return torch.where(owned, physical, offsets)
+
     # ------------------------------------------------------- physical -> logical
     def physical_pages_to_logical(self, physical_pages: IndexArray) -> IndexArray:
         """Logical page stored in each physical page of this rank."""
-        return physical_pages * self.cp_size + self.cp_rank
+        return self.owner_lane_pages(physical_pages, self.cp_rank)
+
+    def owner_lane_pages(self, physical_pages: IndexArray, owner: int) -> IndexArray:
+        """Logical page stored in each physical page of rank ``owner`` (its owner lane)."""
+        return physical_pages * self.cp_size + owner
 
     def physical_locs_to_logical(self, physical_locs: IndexArray) -> IndexArray:
         """Logical loc stored in each physical loc of this rank."""

@@ -53,7 +53,6 @@ def install_cp_shared_allocator(model_runner: Any, cp_rank: int, cp_size: int) -
         need_sort=getattr(old_allocator, "need_sort", False),
         cp_size=cp_size,
         cp_rank=cp_rank,
-        split_mode=model_runner.server_args.nsa_prefill_cp_mode,
     )
     model_runner.max_total_num_tokens = model_runner.token_to_kv_pool_allocator.size
     logger.info(

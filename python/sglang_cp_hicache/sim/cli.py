@@ -58,7 +58,6 @@ def _parser() -> argparse.ArgumentParser:
     stack.add_argument("--hicache-ratio", type=float, default=d.hicache_ratio)
     stack.add_argument("--io-backend", default=d.io_backend, choices=("direct", "kernel"))
     stack.add_argument("--mem-layout", default=d.mem_layout)
-    stack.add_argument("--split-mode", default=d.split_mode)
     return p
 
 
@@ -83,7 +82,6 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         hicache_ratio=args.hicache_ratio,
         io_backend=args.io_backend,
         mem_layout=args.mem_layout,
-        split_mode=args.split_mode,
         baseline=not args.no_baseline,
         progress=not args.no_progress,
         timeout_s=args.timeout_s,

@@ -86,19 +86,14 @@ class CollectiveCounter:
         finally:
             self.enabled = previous
 
-    def wrap_writing_check(self, cache: Any) -> None:
-        """Mark ``cache.writing_check`` as the one place a MIN all-reduce is allowed."""
-        original = cache.writing_check
-
-        @functools.wraps(original)
-        def writing_check(*args, **kwargs):
-            previous, self.in_writing_check = self.in_writing_check, True
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.in_writing_check = previous
-
-        cache.writing_check = writing_check
+    @contextlib.contextmanager
+    def in_writing_check_scope(self) -> Iterator[None]:
+        """Inside ``writing_check``: the one place a MIN all-reduce is allowed."""
+        previous, self.in_writing_check = self.in_writing_check, True
+        try:
+            yield
+        finally:
+            self.in_writing_check = previous
 
 
 def all_ranks_equal(value: int, group: Any) -> bool:

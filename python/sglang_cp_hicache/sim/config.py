@@ -5,10 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-# Same values as cp_shared_allocator.CP_SPLIT_MODES; spelled out so that importing the
-# config (in the parent process) does not load SGLang.
-CP_SPLIT_MODES = ("in-seq-split", "round-robin-split")
-
 # Planted bugs that prove the checkers can fail (debug only, never on by default).
 FAULTS = {
     "roll_load_owners": "load-back allocates device pages with rolled owners and the "
@@ -46,7 +42,6 @@ class SimConfig:
     hicache_ratio: float = 2.0  # host pool per rank = ratio x device pool per rank
     io_backend: str = "direct"
     mem_layout: str = "layer_first"
-    split_mode: str = "round-robin-split"
     # ---- run
     baseline: bool = True  # replay through upstream non-CP HiRadixCache (cp 1)
     tree_digest_every: int = 8  # steps between full radix-tree digests in the decision log
@@ -78,8 +73,6 @@ class SimConfig:
             bad(f"physical_tokens ({self.physical_tokens}) must be a multiple of page_size")
         if self.hicache_ratio <= 1.0:
             bad(f"hicache_ratio must be > 1 (SGLang's rule), got {self.hicache_ratio}")
-        if self.split_mode not in CP_SPLIT_MODES:
-            bad(f"split_mode must be one of {CP_SPLIT_MODES}, got {self.split_mode!r}")
         if self.fault is not None and self.fault not in FAULTS:
             bad(f"fault must be one of {sorted(FAULTS)}, got {self.fault!r}")
         if self.tree_digest_every < 1:
@@ -97,7 +90,6 @@ class SimConfig:
             hicache_ratio=self.hicache_ratio,
             io_backend=self.io_backend,
             mem_layout=self.mem_layout,
-            split_mode=self.split_mode,
             req_pool_size=max(8, 2 * self.batch_size),
             max_context_len=max_context_len,
         )

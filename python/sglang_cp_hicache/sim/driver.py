@@ -43,6 +43,7 @@ from sglang_cp_hicache.sim.checks import poison_owned, tree_summary, verify_hit
 from sglang_cp_hicache.sim.collectives import CollectiveCounter
 from sglang_cp_hicache.sim.faults import FaultHooks
 from sglang_cp_hicache.sim.invariants import PoolLedger
+from sglang_cp_hicache.sim.observed_cache import CacheObserver
 from sglang_cp_hicache.sim.results import OPS, RankCounters, RankResult, SeriesPoint
 from sglang_cp_hicache.sim.workload import Request
 from sglang_cp_hicache.testing.nsa_stack import RankStack, write_prefill_kv
@@ -137,57 +138,20 @@ class RankDriver:
         self.ledger = PoolLedger(stack, rank, shared_kv, self._violation)
         self.host_peak_physical = 0
         self.host_peak_logical = 0
-        self._install_counting_wrappers()
-        self._time_evictions()
-        counter.wrap_writing_check(self.cache)
+        self.observer = self._observe(counter)
 
     # ------------------------------------------------------------- plumbing
-    def _install_counting_wrappers(self) -> None:
-        """Count evictions and admitted transfers where the cache makes them (logical sizes)."""
-        cache, counters = self.cache, self.counters
-
-        def count(name: str, on_result: Callable[[Any, tuple], None]) -> None:
-            target = self.controller if name in ("release_host", "evict_host") else cache
-            original = getattr(target, name)
-
-            def counted(*args, **kwargs):
-                result = original(*args, **kwargs)
-                on_result(result, args)
-                return result
-
-            setattr(target, name, counted)
-
-        def demoted(result, args):
-            counters.device_evicted_nodes += 1
-            counters.device_evicted_tokens += result
-
-        def dropped(result, args):
-            demoted(result, args)
-            counters.device_dropped_tokens += result
-
-        def host_evicted(result, args):
-            counters.host_evicted_nodes += 1
-            counters.host_evicted_tokens += len(args[0])
-
-        def written(result, args):
-            counters.logical_written_tokens += result
-
-        count("_evict_backuped", demoted)
-        count("_evict_regular", dropped)
-        count("write_backup", written)
-        # CP eviction frees through release_host (evict_host calls it too); upstream
-        # frees through the controller's evict_host.
-        count("release_host" if self.shared_kv else "evict_host", host_evicted)
-
-    def _time_evictions(self) -> None:
-        """Device eviction is its own op wherever the scheduler path triggers it."""
-        evict = self.cache.evict
-
-        def timed_evict(params):
-            with self._op("evict"):
-                return evict(params)
-
-        self.cache.evict = timed_evict
+    def _observe(self, counter: CollectiveCounter) -> CacheObserver:
+        """Count evictions and transfers at the cache's own event seams, time ``evict``
+        wherever the scheduler path calls it, mark the allowed all-reduce."""
+        observer = CacheObserver(
+            counters=self.counters,
+            timed_op=self._op,
+            allowed_collective=counter.in_writing_check_scope,
+            physical_tokens=self.cache.owned_host_tokens,
+        )
+        self.cache.observer = observer
+        return observer
 
     @contextlib.contextmanager
     def _op(self, op: Optional[str]) -> Iterator[None]:
@@ -374,7 +338,6 @@ class RankDriver:
             c.device_hit_tokens += req.device_hit
             c.host_matched_tokens += req.host_hit_length
             c.host_hit_tokens += req.loaded
-            c.logical_loaded_tokens += req.loaded
             c.load_backs += int(req.loaded > 0)
             c.load_back_failures += int(req.host_hit_length > 0 and req.loaded == 0)
 
@@ -435,7 +398,8 @@ class RankDriver:
             # No flush: locks of the interrupted batch are held, and diverged ranks could
             # disagree on whether writing_check all-reduces (a hang).
             summary = tree_summary(self.cache)
-        d2h, h2d = self._transfer_bytes()
+        d2h = self.observer.d2h_tokens * self.bytes_per_token
+        h2d = self.observer.h2d_tokens * self.bytes_per_token
         return RankResult(
             rank=self.rank,
             shared_kv=self.shared_kv,
@@ -459,14 +423,4 @@ class RankDriver:
             steps_run=self.step_index,
             series=self.series,
             stopped_early=stopped,
-        )
-
-    def _transfer_bytes(self) -> tuple:
-        if self.shared_kv:
-            return self.controller.bytes_written, self.controller.bytes_loaded
-        # Upstream moves every token of a node: logical == physical.
-        c = self.counters
-        return (
-            c.logical_written_tokens * self.bytes_per_token,
-            c.logical_loaded_tokens * self.bytes_per_token,
         )

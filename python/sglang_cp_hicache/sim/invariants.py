@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Callable, ContextManager, List, Optional, Tuple
 
-import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
 from sglang_cp_hicache.sim.checks import TreeSummary
@@ -70,7 +69,7 @@ class PoolLedger:
         if self.req_pool.available_size() != self.start_req_slots:
             self.violation("req_to_token_pool slots leaked")
         if self.shared_kv:
-            lane_used = int(self.controller.host_table.lane_used_pages[self.rank])
+            lane_used = self.controller.host_table.lane_used_pages()[self.rank]
             physical_used = self.start_host_free - self.host_free()
             if lane_used * self.page_size != physical_used:
                 self.violation(
@@ -98,13 +97,6 @@ class PoolLedger:
         cache = self.cache
         with cache_call():
             cache.evict(EvictParams(num_tokens=self.device_capacity))
-            if self.shared_kv:
-                # CpHiRadixCache.evict_host frees the deficit of the last refused write,
-                # not num_tokens: ask for every page of every lane.
-                table = self.controller.host_table
-                self.controller.last_host_deficit = torch.full(
-                    (len(self.start_lanes),), table.physical_host_pages, dtype=torch.int64
-                )
             cache.evict_host(self.host_pool.size * len(self.start_lanes or [1]))
         if cache.root_node.children:
             self.violation(f"{len(cache.root_node.children)} subtrees left after the flush")

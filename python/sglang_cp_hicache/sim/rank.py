@@ -72,6 +72,7 @@ def cp_rank_main(ctx: RankContext, cfg: SimConfig, steps: List[List[Request]]) -
     """One CP rank: CpHiRadixCache over the shared-KV allocator, the trace replayed."""
     from sglang_cp_hicache.sim.driver import RankDriver
     from sglang_cp_hicache.sim.faults import apply_fault
+    from sglang_cp_hicache.sim.observed_cache import ObservedCpHiRadixCache
     from sglang_cp_hicache.testing.nsa_stack import build_rank_stack
 
     _setup_process(cfg, f"cp rank {ctx.rank}")
@@ -82,6 +83,7 @@ def cp_rank_main(ctx: RankContext, cfg: SimConfig, steps: List[List[Request]]) -
         ctx.cp_group,
         ctx.attn_tp_group,
         shared_kv=True,
+        cache_cls=ObservedCpHiRadixCache,
     )
     hooks = apply_fault(cfg.fault, stack, ctx.rank, ctx.world_size, ctx.cp_group, len(steps))
     counter = CollectiveCounter()
@@ -111,6 +113,7 @@ def baseline_rank_main(ctx: RankContext, cfg: SimConfig, steps: List[List[Reques
 
     from sglang_cp_hicache.sim.driver import RankDriver
     from sglang_cp_hicache.sim.faults import FaultHooks
+    from sglang_cp_hicache.sim.observed_cache import ObservedUpstreamHiRadixCache
     from sglang_cp_hicache.testing.allocators import NaiveExtendLaunch
     from sglang_cp_hicache.testing.nsa_stack import build_rank_stack
 
@@ -122,6 +125,7 @@ def baseline_rank_main(ctx: RankContext, cfg: SimConfig, steps: List[List[Reques
         None,
         ctx.attn_tp_group,
         shared_kv=False,
+        cache_cls=ObservedUpstreamHiRadixCache,
     )
     counter = CollectiveCounter()
     counter.install()

@@ -25,8 +25,8 @@ class RankCounters:
     device_dropped_tokens: int = 0  # not backed up: KV gone
     host_evicted_nodes: int = 0
     host_evicted_tokens: int = 0  # logical
-    logical_written_tokens: int = 0  # write-through admitted (logical)
-    logical_loaded_tokens: int = 0  # load-back admitted (logical)
+    logical_written_tokens: int = 0  # backups landed on host (logical)
+    logical_loaded_tokens: int = 0  # load-backs queued (logical)
     # Per rank (not replicated): the owned shard of every hit was checked.
     kv_checked_tokens: int = 0  # owned tokens of hits compared with the pattern
     kv_mismatches: int = 0
@@ -57,7 +57,7 @@ class RankResult:
     hot_path_collectives: Dict[str, int]
     allowed_collectives: int
     bytes_per_token: int
-    d2h_bytes: int  # this rank's physical D2H (controller counter or logical on cp 1)
+    d2h_bytes: int  # this rank's physical D2H (owned pages; every token on cp 1)
     h2d_bytes: int
     host_peak_physical_bytes: int
     host_peak_logical_bytes: int

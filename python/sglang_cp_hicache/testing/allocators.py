@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_cp_hicache.mem_cache.cp_shared_allocator import (
-    IN_SEQ_SPLIT,
-    CPSharedPagedTokenToKVPoolAllocator,
-)
+from sglang_cp_hicache.mem_cache.cp_shared_allocator import CPSharedPagedTokenToKVPoolAllocator
 
 
 def build_cp_allocator(
@@ -16,7 +13,6 @@ def build_cp_allocator(
     page_size: int,
     pages_per_lane: int,
     cp_rank: int = 0,
-    split_mode: str = IN_SEQ_SPLIT,
     need_sort: bool = False,
 ) -> CPSharedPagedTokenToKVPoolAllocator:
     """Rank ``cp_rank``'s allocator with ``pages_per_lane`` pages in every owner lane."""
@@ -29,7 +25,6 @@ def build_cp_allocator(
         need_sort=need_sort,
         cp_size=cp_size,
         cp_rank=cp_rank,
-        split_mode=split_mode,
     )
 
 

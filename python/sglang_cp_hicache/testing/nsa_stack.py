@@ -32,7 +32,6 @@ class StackConfig:
     hicache_size: int = 0
     io_backend: str = "direct"
     mem_layout: str = "layer_first"
-    split_mode: str = "round-robin-split"
     req_pool_size: int = 64
     max_context_len: int = 8192
     write_policy: str = "write_through"
@@ -107,7 +106,8 @@ def build_rank_stack(
     from sglang_cp_hicache.mem_cache.cp_shared_allocator import (
         CPSharedPagedTokenToKVPoolAllocator,
     )
-    from sglang_cp_hicache.mem_cache.hiradix_cache import _UPSTREAM, CpHiRadixCache
+    from sglang_cp_hicache.mem_cache.fast_hiradix_cache import UPSTREAM
+    from sglang_cp_hicache.mem_cache.hiradix_cache import CpHiRadixCache
 
     kv_pool = build_kv_pool(cfg)
     common = dict(page_size=cfg.page_size, dtype=torch.bfloat16, device="cpu", kvcache=kv_pool)
@@ -117,13 +117,12 @@ def build_rank_stack(
             need_sort=False,
             cp_size=cfg.cp_size,
             cp_rank=cp_rank,
-            split_mode=cfg.split_mode,
             **common,
         )
         default_cls, layout = CpHiRadixCache, allocator.layout
     else:
         allocator = PagedTokenToKVPoolAllocator(cfg.physical_tokens, need_sort=False, **common)
-        default_cls, layout = _UPSTREAM["HiRadixCache"], None
+        default_cls, layout = UPSTREAM["HiRadixCache"], None
     req_to_token_pool = ReqToTokenPool(
         cfg.req_pool_size, cfg.max_context_len, device="cpu", enable_memory_saver=False
     )

@@ -187,13 +187,6 @@ def test_request_too_long_for_the_pool_is_rejected_early() -> None:
         plan_steps(generate_workload(cfg), cfg)
 
 
-def test_split_modes_match_the_allocator() -> None:
-    from sglang_cp_hicache.mem_cache.cp_shared_allocator import CP_SPLIT_MODES
-    from sglang_cp_hicache.sim.config import CP_SPLIT_MODES as SIM_SPLIT_MODES
-
-    assert set(SIM_SPLIT_MODES) == set(CP_SPLIT_MODES)
-
-
 # --------------------------------------------------------------------------- CLI
 def test_cli_json(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
@@ -236,12 +229,13 @@ def test_plot_is_written(cp2_report: SimReport, tmp_path: Path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_in_seq_split_lanes_held_by_the_batch_do_not_crash_prefill():
-    """Regression: at cp 4 in-seq-split, short extends pile new pages onto lane 0 while the
-    batch itself holds that lane; allocation must place them elsewhere, not raise OOM."""
+def test_lanes_held_by_the_batch_do_not_crash_prefill():
+    """Regression: at cp 4 with two requests a batch, short extends used to pile new pages
+    onto lane 0 while the batch itself held that lane; prefill must never raise OOM while
+    the lanes together have room."""
     report = run_simulation(
         SimConfig(
-            cp_size=4, split_mode="in-seq-split", batch_size=2, seed=7, hicache_ratio=3.0,
+            cp_size=4, batch_size=2, seed=7, hicache_ratio=3.0,
             num_requests=150, baseline=False, physical_tokens=512, max_prompt_len=448,
             system_prompt_len=128, turn_len_min=32, turn_len_max=96, reply_len=32,
         )

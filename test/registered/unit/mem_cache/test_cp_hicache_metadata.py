@@ -1,5 +1,6 @@
-"""CpHiCacheNodeMetadata and CpHostPageTable (seed 000 required coverage 1)."""
+"""CpHiCacheNodeMetadata, PageRun and CpHostPageTable: the host tier's translation."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -7,10 +8,9 @@ from sglang_cp_hicache.mem_cache.cp_hicache_metadata import (
     CpHiCacheMetadataError,
     CpHiCacheNodeMetadata,
     CpHostPageTable,
-    expand_valid_locs,
-    pages_to_token_locs,
+    PageRun,
 )
-from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout, page_token_locs
 
 PS = 4
 
@@ -108,32 +108,56 @@ def _table(cp_size=2, cp_rank=0, physical_pages=4):
 def test_host_table_admission_is_per_lane_and_rank_invariant():
     tables = [_table(cp_rank=r) for r in range(2)]
     # Logical device pages 2..7 (owners 0,1,0,1,0,1), then lane 0 heavy: 8, 10, 12.
-    first = pages_to_token_locs(torch.arange(2, 8), PS)
-    lane0_heavy = pages_to_token_locs(torch.tensor([8, 10]), PS)
+    first = PageRun.of(page_token_locs(np.arange(2, 8), PS), PS)
+    lane0_heavy = PageRun.of(page_token_locs(np.array([8, 10]), PS), PS)
     for table in tables:
         plan = table.plan_write(first)
-        assert plan.lane_pages.tolist() == [3, 3]
-        assert not table.lane_deficit(plan).any()
-        owned_count = int(plan.lane_pages[table.layout.cp_rank])
-        table.commit_write(plan, torch.arange(owned_count))
-        assert table.lane_deficit(table.plan_write(lane0_heavy)).tolist() == [1, 0]
-    assert [t.lane_used_pages.tolist() for t in tables] == [[3, 3], [3, 3]]
+        assert plan.lane_pages == [3, 3]
+        assert not any(table.lane_deficit(plan.lane_pages))
+        owned_count = plan.lane_pages[table.layout.cp_rank]
+        table.commit_write(plan, np.arange(owned_count))
+        assert table.lane_deficit(table.plan_write(lane0_heavy).lane_pages) == [1, 0]
+    assert [t.lane_used_pages() for t in tables] == [[3, 3], [3, 3]]
 
 
 def test_host_table_metadata_release_round_trip():
     table = _table(cp_size=3, cp_rank=1, physical_pages=5)
-    device_locs = pages_to_token_locs(torch.tensor([4, 5, 6, 7]), PS)[: 3 * PS + 2]  # valid tail
-    plan = table.plan_write(device_locs)
+    device_locs = page_token_locs(np.array([4, 5, 6, 7]), PS)[: 3 * PS + 2]  # valid tail
+    plan = table.plan_write(PageRun.of(device_locs, PS))
     assert plan.page_owners.tolist() == [1, 2, 0, 1]
-    logical_pages = table.commit_write(plan, torch.tensor([3, 0]))
-    host_locs = expand_valid_locs(pages_to_token_locs(logical_pages, PS), device_locs, PS)
-    assert len(host_locs) == len(device_locs)
-    meta = table.node_metadata(host_locs, node_id=11)
+    host_locs = table.commit_write(plan, np.array([3, 0]))
+    # Logical host pages 0..3, each loc at its device loc's in-page offset.
+    assert host_locs.tolist() == list(range(3 * PS + 2))
+    meta = table.node_metadata(torch.from_numpy(host_locs), node_id=11)
     assert meta.logical_len == 3 * PS + 2
     assert meta.owned_positions.tolist() == [0, 1, 2, 3, 12, 13]
     assert meta.host_indices.tolist() == [12, 13, 14, 15, 0, 1]
+    assert table.lane_pages(host_locs).tolist() == [1, 2, 1]
     physical, lane_freed = table.release(host_locs, node_id=11)
-    assert sorted(physical.tolist()) == [0, 3] and lane_freed.tolist() == [1, 2, 1]
-    assert table.used_logical_tokens() == 0 and not table.lane_used_pages.any()
+    assert sorted(physical.tolist()) == [0, 3] and lane_freed == [1, 2, 1]
+    assert table.used_logical_tokens() == 0 and not any(table.lane_used_pages())
     with pytest.raises(CpHiCacheMetadataError, match="node 11 on CP rank 1"):
         table.release(host_locs, node_id=11)
+
+
+@pytest.mark.parametrize(
+    "locs,page_of_loc",
+    [
+        (page_token_locs(np.array([9, 2, 5]), PS), None),  # whole pages in order
+        (page_token_locs(np.array([9, 2]), PS)[: PS + 1], [0, 0, 0, 0, 1]),  # valid tail
+        (np.array([37, 38, 8, 9, 10, 11]), [0, 0, 1, 1, 1, 1]),  # starts mid-page
+    ],
+)
+def test_page_run_finds_pages_in_order_and_relocates_offsets(locs, page_of_loc):
+    run = PageRun.of(locs, PS)
+    expected_pages = [int(p) for i, p in enumerate(locs // PS) if i == 0 or p != locs[i - 1] // PS]
+    assert run.pages.tolist() == expected_pages
+    assert (run.page_of_loc is None) == (page_of_loc is None)
+    if page_of_loc is not None:
+        assert run.page_of_loc.tolist() == page_of_loc
+    new_pages = np.arange(100, 100 + len(run.pages))
+    moved = run.relocate(new_pages)
+    assert (moved % PS).tolist() == (locs % PS).tolist()
+    assert (moved // PS).tolist() == [100 + expected_pages.index(p) for p in (locs // PS).tolist()]
+    head, tail = run.split(PS)
+    assert head.locs.tolist() + tail.locs.tolist() == locs.tolist()

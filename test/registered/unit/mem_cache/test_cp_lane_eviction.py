@@ -1,70 +1,73 @@
-"""Owner-lane exhaustion on the scheduler's extend path is recovered by lane-targeted eviction."""
+"""plan_lane_victims: per-lane victim planning, on hand-built trees (no cache needed)."""
 
-import pytest
-import torch
-from sglang.srt.mem_cache import common as sglang_common
-from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+from typing import Dict, List, Optional, Set
 
-from sglang_cp_hicache.mem_cache.common import alloc_paged_token_slots_extend_around
-from sglang_cp_hicache.testing import nsa_stack
+import numpy as np
+from sglang.srt.mem_cache.radix_cache import TreeNode
 
-PS = 64
-UPSTREAM_ALLOC = getattr(
-    sglang_common.alloc_paged_token_slots_extend,
-    "__wrapped__",
-    sglang_common.alloc_paged_token_slots_extend,
-)
+from sglang_cp_hicache.mem_cache.cp_lane_eviction import plan_lane_victims
 
 
-def _lane0_full_of_cache(gloo_world1):
-    cfg = nsa_stack.StackConfig(cp_size=2, physical_tokens=PS * 8, split_mode="round-robin-split")
-    stack = nsa_stack.build_rank_stack(cfg, 0, None, gloo_world1)
-    allocator = stack.allocator
-    lane0 = int(allocator.lane_available_pages()[0])
-    cached = allocator.alloc_pages_with_owners(torch.zeros(lane0, dtype=torch.int64))
-    tokens = list(range(10, 10 + len(cached)))
-    stack.cache.insert(InsertParams(key=nsa_stack.radix_key(tokens), value=cached))
-    stack.cache.check_hicache_events()
-    assert allocator.lane_available_pages().tolist() == [0, lane0]
-    return stack
+class Tree:
+    """Nodes with a priority and per-lane pages; a parent frees once its children are planned."""
+
+    def __init__(self) -> None:
+        self.root = TreeNode()
+        self.lanes: Dict[TreeNode, np.ndarray] = {}
+        self.priority: Dict[TreeNode, float] = {}
+
+    def add(self, parent: Optional[TreeNode], priority: float, lanes: List[int]) -> TreeNode:
+        node = TreeNode()
+        node.parent = parent or self.root
+        node.parent.children[len(node.parent.children)] = node
+        self.lanes[node] = np.array(lanes)
+        self.priority[node] = priority
+        return node
+
+    def leaves(self) -> List[TreeNode]:
+        leaves = [n for n in self.lanes if not n.children]
+        return sorted(leaves, key=lambda n: (self.priority[n], n.id))
+
+    def freed_parent(self, node: TreeNode, planned: Set[TreeNode]) -> Optional[TreeNode]:
+        parent = node.parent
+        if parent is self.root or any(c not in planned for c in parent.children.values()):
+            return None
+        return parent
+
+    def plan(self, deficit: List[int]) -> Optional[List[TreeNode]]:
+        return plan_lane_victims(
+            (leaf for leaf in self.leaves()), np.array(deficit), self.lanes.__getitem__,
+            self.freed_parent, self.priority.__getitem__,
+        )  # fmt: skip
 
 
-def _extend(alloc_fn, stack, seq_len=4 * PS):
-    zero = torch.zeros(1, dtype=torch.int64)
-    seq = torch.tensor([seq_len])
-    return alloc_fn(stack.cache, zero, zero, seq, seq, torch.tensor([-1]), seq_len)
+def test_only_nodes_with_pages_on_a_short_lane_are_planned_in_eviction_order():
+    tree = Tree()
+    old_lane1 = tree.add(None, 1.0, [0, 3])
+    lane0_a = tree.add(None, 2.0, [1, 0])
+    lane0_b = tree.add(None, 3.0, [2, 1])
+    tree.add(None, 4.0, [5, 0])
+    assert tree.plan([3, 0]) == [lane0_a, lane0_b]  # stops once lane 0 is covered
+    assert old_lane1 not in tree.plan([1, 0])
 
 
-def test_upstream_scalar_eviction_cannot_recover_a_lane(gloo_world1):
-    stack = _lane0_full_of_cache(gloo_world1)
-    # Total free (lane 1) covers the request, so upstream evicts nothing and fails.
-    with pytest.raises(RuntimeError, match="Prefill out of memory"):
-        _extend(UPSTREAM_ALLOC, stack)
-    stack.close()
+def test_a_parent_competes_once_its_children_are_planned():
+    tree = Tree()
+    parent = tree.add(None, 0.5, [4, 0])  # oldest, but not a leaf
+    child = tree.add(parent, 5.0, [1, 0])
+    newer = tree.add(None, 6.0, [2, 0])
+    assert tree.plan([3, 0]) == [child, parent]  # parent (0.5) pops before `newer` (6.0)
+    assert newer not in tree.plan([5, 0])
+    # A child that frees nothing on the short lane is never planned, so neither is its parent.
+    tree2 = Tree()
+    blocked = tree2.add(None, 0.5, [4, 0])
+    tree2.add(blocked, 1.0, [0, 2])
+    assert tree2.plan([2, 0]) is None
 
 
-def test_lane_targeted_eviction_recovers_and_keeps_owner_pattern(gloo_world1):
-    stack = _lane0_full_of_cache(gloo_world1)
-    locs = _extend(lambda *a: alloc_paged_token_slots_extend_around(UPSTREAM_ALLOC, *a), stack)
-    assert len(locs) == 4 * PS
-    assert stack.layout.page_owners_of_locs(locs).tolist() == [0, 1, 0, 1]
-    stack.close()
-
-
-def test_lane_held_by_running_requests_places_pages_on_free_lanes(gloo_world1, caplog):
-    cfg = nsa_stack.StackConfig(cp_size=2, physical_tokens=PS * 8, split_mode="round-robin-split")
-    stack = nsa_stack.build_rank_stack(cfg, 0, None, gloo_world1)
-    allocator = stack.allocator
-    # Lane 0 is held by running requests (not in the tree, so nothing can be evicted).
-    held = allocator.alloc_pages_with_owners(torch.zeros(int(allocator.lane_available_pages()[0]) - 1, dtype=torch.int64))
-    assert allocator.lane_available_pages().tolist() == [1, 8]
-    with pytest.raises(RuntimeError, match="Prefill out of memory"):
-        _extend(UPSTREAM_ALLOC, stack)
-    with caplog.at_level("WARNING"):
-        locs = _extend(lambda *a: alloc_paged_token_slots_extend_around(UPSTREAM_ALLOC, *a), stack)
-    assert len(locs) == 4 * PS
-    # Lane-balanced placement keeps the free counts as even as possible: [1, 8] -> [1, 4].
-    assert stack.layout.page_owners_of_locs(locs).tolist() == [1, 1, 1, 1]
-    assert "freest lanes" in caplog.text
-    allocator.free(torch.cat([held, locs]))
-    stack.close()
+def test_a_shortfall_the_candidates_cannot_cover_plans_nothing():
+    tree = Tree()
+    tree.add(None, 1.0, [1, 1])
+    tree.add(None, 2.0, [0, 5])
+    assert tree.plan([2, 0]) is None
+    assert tree.plan([1, 6]) == tree.leaves()

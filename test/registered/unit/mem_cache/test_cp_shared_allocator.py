@@ -1,35 +1,26 @@
-"""Tests of CPSharedPagedTokenToKVPoolAllocator: owner lanes, upstream parity, recovery."""
+"""CPSharedPagedTokenToKVPoolAllocator: owner lanes, balanced placement, upstream parity."""
 
-import sglang_cp_hicache.testing
+from dataclasses import dataclass, field
+from typing import List, Optional
 
-sglang_cp_hicache.testing.install()
-
-from dataclasses import dataclass, field  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
-from typing import List, Optional  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from sglang.srt.layers.attention.nsa import utils as nsa_utils  # noqa: E402
-from sglang.srt.layers.utils import cp_utils  # noqa: E402
-from sglang.srt.mem_cache import allocator as upstream_allocator  # noqa: E402
-from sglang.srt.mem_cache.allocator import (  # noqa: E402
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sglang.srt.mem_cache import allocator as upstream_allocator
+from sglang.srt.mem_cache import common as sglang_common
+from sglang.srt.mem_cache.allocator import (
     PagedTokenToKVPoolAllocator,
     alloc_extend_naive,
 )
 
-from sglang_cp_hicache.mem_cache.cp_shared_allocator import (  # noqa: E402
-    CP_SPLIT_MODES,
-    IN_SEQ_SPLIT,
-    ROUND_ROBIN_SPLIT,
+from sglang_cp_hicache.mem_cache.cp_shared_allocator import (
     CPSharedPagedTokenToKVPoolAllocator,
-    build_batch_page_compute_owners,
-    build_page_compute_owners,
+    balanced_lane_counts,
+    balanced_page_owners,
 )
-from sglang_cp_hicache.testing.allocators import (  # noqa: E402
+from sglang_cp_hicache.testing.allocators import (
     NaiveExtendLaunch,
     build_cp_allocator,
 )
@@ -83,104 +74,77 @@ def test_sizes_and_lanes_after_construction(cp_size, page_size):
         assert pages.tolist() == [p * cp_size + lane for p in range(1, 6)]
 
 
-def test_rejects_unknown_split_mode():
-    with pytest.raises(ValueError):
-        make_allocator(2, 16, 4, split_mode="zigzag")
-    with pytest.raises(ValueError):
-        build_page_compute_owners(0, 64, 16, 2, "zigzag")
+# ------------------------------------------------------------------- placement
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 20), min_size=1, max_size=8), st.integers(0, 60))
+def test_balanced_counts_water_fill_the_free_lanes(lane_free, num_pages):
+    counts = balanced_lane_counts(lane_free, num_pages)
+    if num_pages > sum(lane_free):
+        assert counts is None and balanced_page_owners(lane_free, num_pages) is None
+        return
+    assert sum(counts) == num_pages
+    assert all(0 <= c <= free for c, free in zip(counts, lane_free))
+    left = [free - c for free, c in zip(lane_free, counts)]
+    # No page could move to a lane with more left without making the spread worse.
+    for taker, c in enumerate(counts):
+        if c:
+            assert all(left[taker] + 1 >= left[other] for other in range(len(left)))
+    owners = balanced_page_owners(lane_free, num_pages)
+    assert np.bincount(owners, minlength=len(lane_free)).tolist() == counts
+    # Dealt round by round: every prefix of the pages is as even as the counts allow.
+    for end in range(1, num_pages + 1):
+        prefix = np.bincount(owners[:end], minlength=len(lane_free))
+        used = [lane for lane, c in enumerate(counts) if c > prefix[lane]]
+        assert all(prefix[lane] >= prefix.max() - 1 for lane in used)
 
 
-# -------------------------------------------------------------- compute owners
-class _TorchWithHostTensors:
-    """``torch`` for cp_utils with ``torch.tensor(device="cuda")`` kept on the host."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def tensor(data, *args, device=None, **kwargs):
-        return torch.tensor(data, *args, **kwargs)
-
-
-def sglang_in_seq_split_token_ranks(extend_len: int, seq_len: int, cp_size: int) -> np.ndarray:
-    """Rank that SGLang's in-seq-split assigns to each extend token, via SGLang itself."""
-    token_ranks = np.full(extend_len, -1)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(nsa_utils, "is_nsa_enable_prefill_cp", lambda: True)
-        patch.setattr(nsa_utils, "is_nsa_prefill_cp_round_robin_split", lambda: False)
-        patch.setattr(cp_utils, "torch", _TorchWithHostTensors())
-        for rank in range(cp_size):
-            metadata = cp_utils.prepare_context_parallel_metadata(
-                extend_len, rank, cp_size, [seq_len]
-            )
-            positions = cp_utils.cp_split_and_rebuild_data(
-                SimpleNamespace(attn_cp_metadata=metadata),
-                torch.arange(extend_len).view(-1, 1),
-            )
-            assert np.all(token_ranks[positions.view(-1).numpy()] == -1)
-            token_ranks[positions.view(-1).numpy()] = rank
-    assert np.all(token_ranks >= 0)
-    return token_ranks
+def test_sixteen_one_page_requests_at_cp8_spread_over_every_lane():
+    allocator = make_allocator(8, 64, pages_per_lane=8)
+    zeros = [0] * 16
+    locs = allocator.alloc_extend(*extend_args(zeros, [64] * 16, [-1] * 16))
+    owners = allocator.layout.page_owners_of_locs(locs)
+    assert torch.bincount(owners, minlength=8).tolist() == [2] * 8
+    # One page at a time (one request per batch) spreads too.
+    single = make_allocator(8, 64, pages_per_lane=8)
+    firsts = [int(single.alloc_extend(*extend_args([0], [64], [-1]))[0]) // 64 % 8 for _ in range(16)]
+    assert sorted(np.bincount(firsts, minlength=8).tolist()) == [2] * 8
 
 
-@settings(max_examples=40, deadline=None)
-@given(
-    st.sampled_from(CP_SIZES),
-    st.sampled_from(PAGE_SIZES),
-    st.integers(0, 300),
-    st.integers(1, 2000),
-)
-def test_in_seq_split_owner_is_sglang_zigzag_rank_of_first_extend_token(
-    cp_size, page_size, prefix_len, extend_len
-):
-    seq_len = prefix_len + extend_len
-    token_ranks = sglang_in_seq_split_token_ranks(extend_len, seq_len, cp_size)
-
-    owners = build_page_compute_owners(prefix_len, seq_len, page_size, cp_size, IN_SEQ_SPLIT)
-
-    first_new_page = -(-prefix_len // page_size)
-    page_starts = np.arange(first_new_page, -(-seq_len // page_size)) * page_size
-    np.testing.assert_array_equal(owners.numpy(), token_ranks[page_starts - prefix_len])
+def test_extend_is_placed_on_the_free_lanes_when_others_are_held():
+    allocator = make_allocator(2, 64, pages_per_lane=8)
+    held = allocator.alloc_pages_with_owners([0] * 7)  # lane 0 held by running requests
+    assert allocator.lane_free_pages() == [1, 8]
+    # Exactly the nine free pages: the boundary where every free page is needed.
+    locs = allocator.alloc_extend(*extend_args([0], [9 * 64], [-1]))
+    assert locs is not None and allocator.available_size() == 0
+    assert torch.bincount(allocator.layout.page_owners_of_locs(locs), minlength=2).tolist() == [1, 8]
+    allocator.free(torch.cat([held, locs]))
+    assert allocator.lane_free_pages() == [8, 8]
 
 
-@settings(max_examples=40, deadline=None)
-@given(
-    st.sampled_from(CP_SIZES),
-    st.sampled_from(PAGE_SIZES),
-    st.integers(0, 500),
-    st.integers(1, 3000),
-)
-def test_round_robin_owners_are_page_index_mod_cp(cp_size, page_size, prefix_len, extend_len):
-    seq_len = prefix_len + extend_len
-    owners = build_page_compute_owners(prefix_len, seq_len, page_size, cp_size, ROUND_ROBIN_SPLIT)
+def test_upstream_extend_path_needs_no_eviction_while_any_lane_has_room(gloo_world1):
+    """SGLang's own alloc_paged_token_slots_extend (scalar eviction) never evicts cache that
+    sits on one lane while the other lanes' free pages cover the batch."""
+    from sglang_cp_hicache.testing import nsa_stack
 
-    seq_pages = torch.arange(-(-prefix_len // page_size), -(-seq_len // page_size))
-    assert torch.equal(owners, seq_pages % cp_size)
-    counts = torch.bincount(owners, minlength=cp_size)
-    assert int(counts.max() - counts.min()) <= 1
-
-
-@settings(max_examples=30, deadline=None)
-@given(
-    st.sampled_from(CP_SPLIT_MODES),
-    st.sampled_from(CP_SIZES),
-    st.sampled_from(PAGE_SIZES),
-    st.lists(st.tuples(st.integers(0, 400), st.integers(0, 400)), min_size=1, max_size=4),
-)
-def test_batch_owners_are_per_request_owners_concatenated(split_mode, cp_size, page_size, requests):
-    prefix_lens = [p for p, _ in requests]
-    seq_lens = [p + e for p, e in requests]
-
-    batch = build_batch_page_compute_owners(
-        torch.tensor(prefix_lens), torch.tensor(seq_lens), page_size, cp_size, split_mode
+    cfg = nsa_stack.StackConfig(cp_size=2, physical_tokens=64 * 8)
+    stack = nsa_stack.build_rank_stack(cfg, 0, None, gloo_world1)
+    allocator = stack.allocator
+    held = allocator.alloc_pages_with_owners([0] * 8)  # lane 0: running requests
+    cached = allocator.alloc_pages_with_owners([1] * 3)  # lane 1: cache, 5 pages free
+    nsa_stack.insert_at_root(stack, list(range(10, 10 + 3 * 64)), cached)
+    stack.cache.check_hicache_events()
+    evictable = stack.cache.evictable_size()
+    seq = torch.tensor([4 * 64])
+    zero = torch.zeros(1, dtype=torch.int64)
+    locs = sglang_common.alloc_paged_token_slots_extend(
+        stack.cache, zero, zero, seq, seq, torch.tensor([-1]), 4 * 64
     )
-
-    expected = [
-        build_page_compute_owners(p, s, page_size, cp_size, split_mode)
-        for p, s in zip(prefix_lens, seq_lens)
-    ]
-    assert torch.equal(batch, torch.cat(expected))
-    assert batch.dtype == torch.int64
+    assert len(locs) == 4 * 64
+    assert stack.cache.evictable_size() == evictable == 3 * 64
+    assert allocator.layout.page_owners_of_locs(locs).tolist() == [1, 1, 1, 1]
+    allocator.free(torch.cat([held, locs]))
+    stack.close()
 
 
 # ------------------------------------------------------ alloc_extend vs upstream
@@ -195,18 +159,13 @@ def upstream_alloc_extend(
 
 @settings(max_examples=40, deadline=None)
 @given(
-    st.sampled_from(CP_SPLIT_MODES),
     st.sampled_from(CP_SIZES),
     st.sampled_from(PAGE_SIZES),
     st.lists(st.tuples(st.integers(0, 200), st.integers(1, 300)), min_size=1, max_size=3),
 )
-def test_alloc_extend_matches_upstream_layout_and_compute_owners(
-    split_mode, cp_size, page_size, requests
-):
+def test_alloc_extend_matches_upstream_layout_and_balances_new_pages(cp_size, page_size, requests):
     # Room for every page of the batch in any single lane.
-    ours = make_allocator(
-        cp_size, page_size, pages_per_lane=1500 // page_size + 8, split_mode=split_mode
-    )
+    ours = make_allocator(cp_size, page_size, pages_per_lane=1500 // page_size + 8)
     upstream = PagedTokenToKVPoolAllocator(ours.size, page_size, torch.bfloat16, "cpu", None, False)
     prefix_lens = [p for p, _ in requests]
     seq_lens = [p + e for p, e in requests]
@@ -222,6 +181,7 @@ def test_alloc_extend_matches_upstream_layout_and_compute_owners(
         our_last.append(int(our_prefix[-1]))
         upstream_last.append(int(upstream_alloc_extend(upstream, [0], [prefix_len], [-1])[-1]))
 
+    lane_free = ours.lane_free_pages()
     our_locs = ours.alloc_extend(*extend_args(prefix_lens, seq_lens, our_last))
     upstream_locs = upstream_alloc_extend(upstream, prefix_lens, seq_lens, upstream_last)
 
@@ -240,11 +200,9 @@ def test_alloc_extend_matches_upstream_layout_and_compute_owners(
     prefix, _, seq, _, last_loc, _ = extend_args(prefix_lens, seq_lens, our_last)
     alloc_extend_naive(prefix, seq, last_loc, new_pages, reference, page_size, "cpu")
     assert torch.equal(our_locs, reference)
-    # Each new page sits in its compute owner's lane.
-    expected_owners = build_batch_page_compute_owners(
-        torch.tensor(prefix_lens), torch.tensor(seq_lens), page_size, cp_size, split_mode
-    )
-    assert torch.equal(ours.layout.owner_for_logical_pages(new_pages), expected_owners)
+    # The new pages are the balanced placement from the lanes' free counts before the call.
+    expected_owners = balanced_page_owners(lane_free, len(new_pages))
+    assert ours.layout.owner_for_logical_pages(new_pages).tolist() == expected_owners.tolist()
 
 
 def test_cpu_path_never_launches_triton(monkeypatch):
@@ -317,36 +275,24 @@ def test_alloc_balances_lanes_and_uses_all_capacity(cp_size):
     pages = torch.cat([first, rest]) // 16
     assert len(torch.unique(pages)) == 3 * cp_size
     assert allocator.alloc(16) is None
-    assert allocator.last_lane_deficit.sum() == 1
 
 
 # ---------------------------------------------------------- exhaustion and recovery
 @pytest.mark.parametrize("need_sort", [False, True])
-@pytest.mark.parametrize("split_mode", CP_SPLIT_MODES)
-def test_lane_exhaustion_is_recoverable_by_targeted_free(need_sort, split_mode):
+def test_new_pages_fail_only_when_all_lanes_together_are_short(need_sort):
     cp_size, page_size = 4, 16
-    allocator = make_allocator(
-        cp_size, page_size, pages_per_lane=2, split_mode=split_mode, need_sort=need_sort
-    )
+    allocator = make_allocator(cp_size, page_size, pages_per_lane=2, need_sort=need_sort)
     drained = allocator.alloc_pages_with_owners([0, 0])  # lane 0 is now empty
+    assert allocator.alloc_extend(*extend_args([0], [4 * page_size], [-1])) is not None
     before_lists, before_size = lane_lists(allocator), allocator.available_size()
+    request = extend_args([0], [3 * page_size], [-1])  # two pages are left in all
 
-    request = extend_args([0], [4 * page_size], [-1])
     assert allocator.alloc_extend(*request) is None
 
     assert lane_lists(allocator) == before_lists
     assert allocator.available_size() == before_size
-    assert allocator.last_lane_deficit.tolist() == [1, 0, 0, 0]
-    # Freeing a page of another lane does not help; freeing lane 0 does.
-    other = allocator.alloc_pages_with_owners([1])
-    allocator.free(other)
-    assert allocator.alloc_extend(*request) is None
     allocator.free(drained[:page_size])
-    locs = allocator.alloc_extend(*request)
-    assert locs is not None
-    assert allocator.last_lane_deficit.tolist() == [0, 0, 0, 0]
-    expected_owners = build_page_compute_owners(0, 4 * page_size, page_size, cp_size, split_mode)
-    assert torch.equal(allocator.layout.page_owners_of_locs(locs), expected_owners)
+    assert allocator.alloc_extend(*request) is not None
 
 
 def test_lane_deficit_matches_failed_call_without_allocating():
@@ -354,12 +300,12 @@ def test_lane_deficit_matches_failed_call_without_allocating():
     owners = [2, 2, 2, 0, 1, 1, 1, 1]
     before = lane_lists(allocator)
 
-    deficit = allocator.lane_deficit(owners)
+    deficit = allocator.lane_deficit(allocator.lane_demand(np.array(owners)))
 
-    assert deficit.tolist() == [0, 2, 1]
+    assert deficit == [0, 2, 1]
     assert lane_lists(allocator) == before
     assert allocator.alloc_pages_with_owners(owners) is None
-    assert torch.equal(allocator.last_lane_deficit, deficit)
+    assert lane_lists(allocator) == before
 
 
 # ---------------------------------------------------------------- bookkeeping
@@ -414,16 +360,15 @@ class Driver:
     def main(self) -> CPSharedPagedTokenToKVPoolAllocator:
         return self.allocators[0]
 
-    def call(self, method: str, *args, expected_deficit: Optional[torch.Tensor] = None):
+    def call(self, method: str, *args, expected_short: Optional[bool] = None):
         before = [(lane_lists(a), a.available_size()) for a in self.allocators]
         results = [getattr(a, method)(*args) for a in self.allocators]
+        if expected_short is not None:
+            assert (results[0] is None) == expected_short
         for allocator, result, (lists, size) in zip(self.allocators, results, before):
             assert (result is None) == (results[0] is None)
             if result is None:
                 assert lane_lists(allocator) == lists and allocator.available_size() == size
-                assert bool(allocator.last_lane_deficit.any())
-                if expected_deficit is not None:
-                    assert torch.equal(allocator.last_lane_deficit, expected_deficit)
             else:
                 assert torch.equal(result, results[0])  # rank-invariant locs
         return results[0]
@@ -452,20 +397,16 @@ class Driver:
 @given(
     st.sampled_from(CP_SIZES),
     st.sampled_from(PAGE_SIZES),
-    st.sampled_from(CP_SPLIT_MODES),
     st.booleans(),
     st.integers(1, 6),
     st.data(),
 )
 def test_random_call_sequences_conserve_pages_and_agree_across_ranks(
-    cp_size, page_size, split_mode, need_sort, pages_per_lane, data
+    cp_size, page_size, need_sort, pages_per_lane, data
 ):
     ranks = sorted({0, cp_size - 1})
     driver = Driver(
-        [
-            make_allocator(cp_size, page_size, pages_per_lane, r, split_mode, need_sort)
-            for r in ranks
-        ]
+        [make_allocator(cp_size, page_size, pages_per_lane, r, need_sort) for r in ranks]
     )
     for _ in range(data.draw(st.integers(1, 25), label="num_ops")):
         op = data.draw(st.sampled_from(["extend", "decode", "alloc", "owners", "free"]), label="op")
@@ -481,8 +422,9 @@ def test_random_call_sequences_conserve_pages_and_agree_across_ranks(
                 driver.held.append(Held(locs))
         elif op == "owners":
             owners = data.draw(st.lists(st.integers(0, cp_size - 1), max_size=6), label="owners")
-            deficit = driver.main.lane_deficit(owners)
-            locs = driver.call("alloc_pages_with_owners", owners, expected_deficit=deficit)
+            demand = driver.main.lane_demand(np.array(owners, dtype=np.int64))
+            short = any(driver.main.lane_deficit(demand))
+            locs = driver.call("alloc_pages_with_owners", owners, expected_short=short)
             if locs is not None:
                 assert driver.main.layout.page_owners_of_locs(locs).tolist() == owners
                 driver.held.append(Held(locs))
@@ -512,14 +454,11 @@ def run_extend(driver: Driver, data, page_size: int) -> None:
         data.draw(st.integers(1, 3 * page_size), label="extend_len") for _ in prefix_lens
     ]
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    main = driver.main
-    owners = build_batch_page_compute_owners(
-        torch.tensor(prefix_lens), torch.tensor(seq_lens), page_size, main.cp_size, main.split_mode
-    )
+    new_pages = sum(-(-s // page_size) - -(-p // page_size) for p, s in zip(prefix_lens, seq_lens))
     locs = driver.call(
         "alloc_extend",
         *extend_args(prefix_lens, seq_lens, last_locs),
-        expected_deficit=main.lane_deficit(owners),
+        expected_short=new_pages > driver.main.available_size() // page_size,
     )
     if locs is None:
         return

@@ -22,7 +22,8 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
-from sglang_cp_hicache.mem_cache.hiradix_cache import CpHiRadixCache, NodeIdTieBreak
+from sglang_cp_hicache.mem_cache.fast_hiradix_cache import NodeIdTieBreak
+from sglang_cp_hicache.mem_cache.hiradix_cache import CpHiRadixCache
 from sglang_cp_hicache.testing import nsa_stack
 
 PS = 64

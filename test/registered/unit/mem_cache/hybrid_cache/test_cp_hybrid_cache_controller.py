@@ -1,12 +1,14 @@
-"""CpHybridCacheController write/load mapping on the real NSA HiCache stack (seed 000 cases 2-3).
+"""CpHybridCacheController: write and load plans executed on the real NSA HiCache stack.
 
 Each test builds rank ``r`` of a CP group in this process: its decisions need no peer.
 """
 
+import numpy as np
 import pytest
 import torch
 
-from sglang_cp_hicache.mem_cache.cp_hicache_metadata import pages_to_token_locs
+from sglang_cp_hicache.mem_cache.cp_hicache_metadata import CpHiCacheMetadataError, PageRun
+from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import page_token_locs
 from sglang_cp_hicache.testing import nsa_stack
 
 PS = 64
@@ -139,13 +141,17 @@ def test_zero_owned_load_skips_transfer_returns_full_logical_locs_and_acks(rank_
 def test_mixed_loads_ack_every_node_in_one_producer(rank_stack):
     controller = rank_stack.cache.cache_controller
     _, zero_owned, _, _ = _write_node(rank_stack, [1, 1])
-    _, owned, _, _ = _write_node(rank_stack, [0, 1])
+    _, owned, ids, pos = _write_node(rank_stack, [0, 1])
+    nsa_stack.wipe_device_kv(rank_stack)
     extra = rank_stack.cache._get_extra_pools
     controller.load(zero_owned, node_id=41, **extra())
-    controller.load(owned, node_id=42, **extra())
+    new_locs = controller.load(owned, node_id=42, **extra())
     controller.start_loading()
     (ack,) = controller.ack_load_queue
     assert list(ack.node_ids) == [41, 42]
+    # The owned node's bytes came back (its zero-owned neighbour moved nothing).
+    assert nsa_stack.count_kv_mismatches(rank_stack, new_locs, ids, pos) == 0
+    assert int(rank_stack.layout.owned_mask(new_locs).sum()) == PS
 
 
 def test_valid_tail_load_exposes_only_valid_tokens(rank_stack):
@@ -181,11 +187,79 @@ def test_host_full_write_is_refused_identically_with_lane_deficit(gloo_world1):
         remaining = lane_pages
         while remaining:
             chunk = min(remaining, 8)
-            fill = pages_to_token_locs(torch.arange(chunk) * 2 + 2, PS)
+            fill = page_token_locs(torch.arange(chunk) * 2 + 2, PS)
             assert controller.write(fill, node_id=1, **extra()) is not None
             remaining -= chunk
-        assert controller.host_table.lane_free_pages().tolist() == [0, lane_pages]
-        refused = controller.write(pages_to_token_locs(torch.tensor([2]), PS), node_id=2, **extra())
-        outcomes.append((refused is None, controller.last_host_deficit.tolist()))
+        assert controller.host_table.lane_free_pages() == [0, lane_pages]
+        one_more = page_token_locs(torch.tensor([2]), PS)
+        plan = controller.host_table.plan_write(PageRun.of(one_more.numpy(), PS))
+        refused = controller.write(one_more, node_id=2, plan=plan, **extra())
+        outcomes.append((refused is None, controller.host_table.lane_deficit(plan.lane_pages)))
         stack.close()
     assert outcomes == [(True, [1, 0]), (True, [1, 0])]
+
+
+LOAD_CASES = [
+    # (cp_size, cp_rank, page owners, valid tokens in the last page)
+    (2, 0, [0, 0, 0], PS),  # owns everything
+    (2, 0, [1, 1], PS),  # owns nothing
+    (2, 0, [0, 1, 1, 0, 1], PS),
+    (2, 1, [0, 1, 0], 10),  # partial tail page
+    (3, 1, [2, 1, 0, 1], 33),
+    (3, 2, [0, 0], 1),
+]
+
+
+@pytest.mark.parametrize("cp_size,cp_rank,owners,tail", LOAD_CASES)
+def test_load_queues_owned_pages_and_returns_valid_locs_at_their_offsets(
+    gloo_world1, cp_size, cp_rank, owners, tail
+):
+    cfg = nsa_stack.StackConfig(cp_size=cp_size, physical_tokens=PS * 16, layer_num=1)
+    stack = nsa_stack.build_rank_stack(cfg, cp_rank, None, gloo_world1)
+    controller = stack.cache.cache_controller
+    extra = stack.cache._get_extra_pools
+    full = stack.allocator.alloc_pages_with_owners(torch.tensor(owners))
+    host_locs = controller.write(full[: len(full) - PS + tail], node_id=7, **extra())
+    metadata = controller.host_table.node_metadata(host_locs, 7)
+
+    new_locs = controller.load(host_locs, node_id=8, **extra())
+    (op,) = controller.load_queue
+    # Reference, loc by loc: the k-th distinct host page maps onto the k-th new page.
+    host_pages, page_index = torch.unique_consecutive(host_locs // PS, return_inverse=True)
+    new_pages = new_locs[::PS] // PS  # every page of the node starts at a multiple of PS
+    assert len(new_pages) == len(host_pages)
+    assert torch.equal(new_locs, new_pages[page_index] * PS + host_locs % PS)
+    assert stack.layout.page_owners_of_locs(new_locs).tolist() == owners
+    owned = metadata.page_owners == cp_rank
+    owned_host_pages = metadata.host_indices[metadata.owned_positions % PS == 0] // PS
+    assert torch.equal(op.host_indices, page_token_locs(owned_host_pages, PS))
+    physical_pages = stack.layout.logical_pages_to_physical(new_pages[owned])
+    assert torch.equal(op.device_indices, page_token_locs(physical_pages, PS))
+    assert op.node_ids == [8]
+    stack.close()
+
+
+def test_load_of_an_unallocated_host_page_names_node_and_rank(gloo_world1):
+    cfg = nsa_stack.StackConfig(cp_size=2, physical_tokens=PS * 16, layer_num=1)
+    stack = nsa_stack.build_rank_stack(cfg, 1, None, gloo_world1)
+    controller = stack.cache.cache_controller
+    host_locs = controller.write(stack.allocator.alloc(2 * PS), node_id=3, **stack.cache._get_extra_pools())
+    controller.release_host(host_locs)
+    with pytest.raises(CpHiCacheMetadataError, match="node 4 on CP rank 1"):
+        controller.load(host_locs, node_id=4)
+    stack.close()
+
+
+def test_load_refused_for_a_short_lane_changes_nothing(rank_stack):
+    controller = rank_stack.cache.cache_controller
+    _, host_locs, _, _ = _write_node(rank_stack, [0, 1])
+    allocator = rank_stack.allocator
+    lane1 = allocator.lane_free_pages()[1]
+    held = allocator.alloc_pages_with_owners(torch.ones(lane1, dtype=torch.int64))
+    state = allocator.backup_state()
+    assert controller.load(host_locs, node_id=9, **rank_stack.cache._get_extra_pools()) is None
+    assert [list(map(len, lanes)) for lanes in allocator.backup_state()] == [
+        list(map(len, lanes)) for lanes in state
+    ]
+    assert controller.load_queue == []
+    allocator.free(held)
