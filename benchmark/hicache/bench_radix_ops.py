@@ -38,6 +38,7 @@ import sglang_cp_hicache.testing
 
 sglang_cp_hicache.testing.install()
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import (  # noqa: E402
@@ -238,13 +239,13 @@ class Bench:
     def _evict_host(self, rng: random.Random) -> float:
         num_tokens = len(self.shape) * PAGE // 100
         if getattr(self.cache, "uses_cp_hicache", False):
-            # CP host eviction frees what a refused write lacked, lane by lane: ask for
-            # the lane pages of the 1% least recently used host leaves.
-            controller = self.cache.cache_controller
+            # CP host eviction makes room lane by lane for a backup: ask for the lane
+            # pages of the 1% least recently used host leaves beyond what is free.
             oldest = self.cache.evictable_host_leaves.ordered()[: num_tokens // PAGE]
-            table = controller.host_table
-            deficit = sum(table.lane_pages_of(node.host_value) for node in oldest)
-            controller.last_host_deficit.copy_(deficit)
+            table = self.cache.host_table
+            wanted = np.sum([node.cp_host_lanes for node in oldest], axis=0)
+            lane_pages = (wanted + np.asarray(table.lane_free_pages())).tolist()
+            return timed(lambda: self.cache._make_host_room(lane_pages))
         return timed(lambda: self.cache.evict_host(num_tokens))
 
     def _load_back(self, rng: random.Random) -> float:

@@ -19,9 +19,10 @@ it adds only the CP deltas, as policy; the controller is mechanism:
   recomputes its prefix, as upstream does when room runs out);
 * load-back admission counts device-evictable cache in its quota.
 
-Per node, the replicated lane state the planners read is kept as the node changes (never
-recomputed per eviction call): ``cp_device_run`` (a host copy of the node's logical device
-locs), ``cp_device_lanes`` and ``cp_host_lanes`` (pages per owner lane on each tier).
+Per node, the replicated lane state the planners read is kept on the node (never recomputed
+per eviction call): ``cp_device_run`` (a host copy of the node's logical device locs, derived on
+first use and kept until the value changes; splits split it), ``cp_device_lanes`` and
+``cp_host_lanes`` (pages per owner lane on each tier).
 """
 
 from __future__ import annotations
@@ -110,14 +111,28 @@ class CpHiRadixCache(FastHiRadixCache):
 
     # ------------------------------------------------------- per-node lane state
     def _on_device_value(self, node: TreeNode) -> None:
-        if self.uses_cp_hicache:
-            self._set_device_run(node, PageRun.of(host_int64(node.value), self.page_size))
+        # Derived on first use by a planner, then kept until the value changes: a load or an
+        # insert pays nothing for it, and the host copy is read once per value.
+        node.cp_device_run = None
 
-    def _set_device_run(self, node: TreeNode, run: PageRun) -> None:
+    def _device_run(self, node: TreeNode) -> PageRun:
+        """The node's logical device locs on the host (replicated state)."""
+        run = getattr(node, "cp_device_run", None)
+        if run is None:
+            run = self._set_device_run(node, PageRun.of(host_int64(node.value), self.page_size))
+        return run
+
+    def _device_lanes(self, node: TreeNode) -> np.ndarray:
+        """The node's device pages per owner lane."""
+        self._device_run(node)
+        return node.cp_device_lanes
+
+    def _set_device_run(self, node: TreeNode, run: PageRun) -> PageRun:
         node.cp_device_run = run
         node.cp_device_lanes = np.bincount(
             self.layout.owner_for_logical_pages(run.pages), minlength=self.layout.cp_size
         )
+        return run
 
     def node_host_metadata(self, node: TreeNode) -> Optional[CpHiCacheNodeMetadata]:
         """This rank's host shard of ``node`` (None if the node is not backed up)."""
@@ -130,7 +145,8 @@ class CpHiRadixCache(FastHiRadixCache):
             return super()._split_node(key, child, split_len)
         before = self.node_host_metadata(child)
         new_node = super()._split_node(key, child, split_len)
-        if child.value is not None:
+        new_node.cp_device_run = None
+        if child.value is not None and getattr(child, "cp_device_run", None) is not None:
             parent_run, child_run = child.cp_device_run.split(split_len)
             self._set_device_run(new_node, parent_run)
             self._set_device_run(child, child_run)
@@ -157,7 +173,7 @@ class CpHiRadixCache(FastHiRadixCache):
         # Backed-up nodes form a contiguous prefix from the root (write-through).
         if not write_back and node.parent is not self.root_node and not node.parent.backuped:
             return 0
-        plan = self.host_table.plan_write(node.cp_device_run)
+        plan = self.host_table.plan_write(self._device_run(node))
         if not self._make_host_room(plan.lane_pages):
             self._refuse("host_writes", node, plan.lane_pages, self.host_table.lane_free_pages())
             return 0
@@ -252,7 +268,7 @@ class CpHiRadixCache(FastHiRadixCache):
         victims = plan_lane_victims(
             self.evictable_leaves.victims(),
             np.asarray(deficit),
-            lambda node: node.cp_device_lanes,
+            self._device_lanes,
             self._freed_device_parent,
             self.eviction_strategy.strategy.get_priority,
         )
