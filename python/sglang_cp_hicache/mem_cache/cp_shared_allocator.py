@@ -222,7 +222,7 @@ class OwnerLaneFreePages:
 
     def put(self, logical_pages: np.ndarray) -> None:
         """Return unique logical pages to their owner lanes (prepended, like upstream)."""
-        lanes = logical_pages % self.cp_size
+        lanes = self.layout.owner_for_logical_pages(logical_pages)
         pages_by_lane = logical_pages[np.argsort(lanes, kind="stable")]
         counts = np.bincount(lanes, minlength=self.cp_size).tolist()
         target = self.release_pages if self.need_sort else self.free_pages

@@ -141,8 +141,8 @@ class CpSharedKVLayout:
         no host sync, no data-dependent shape)."""
         offsets = logical_locs % self.page_size
         logical_pages = logical_locs // self.page_size
-        owned = (logical_pages % self.cp_size) == self.cp_rank
-        physical = (logical_pages // self.cp_size) * self.page_size + offsets
+        owned = self.owner_for_logical_pages(logical_pages) == self.cp_rank
+        physical = self.logical_pages_to_physical(logical_pages, validate=False) * self.page_size + offsets
         if isinstance(logical_locs, np.ndarray):
             return np.where(owned, physical, offsets)
         return torch.where(owned, physical, offsets)

@@ -1,4 +1,4 @@
-"""Fork fixes that sglang 0.5.12.post1 already has; these tests keep them fixed in our walks.
+"""Upstream fixes that sglang 0.5.12.post1 already has; these tests keep them fixed in our walks.
 
 Each runs on upstream ``HiRadixCache`` and on ours with CP off and on (our tree walks
 replace upstream's, so they must keep the same guards):
