@@ -166,20 +166,6 @@ def test_in_flight_backup_is_not_host_visible(stack):
     assert node.id not in stack.cache.ongoing_write_through and node.lock_ref == 0
 
 
-def test_eviction_ties_break_by_node_id(stack):
-    prompts = [list(range(i * 1000, i * 1000 + PS)) for i in range(1, 5)]
-    for prompt in prompts:
-        _prefill(stack, prompt)
-    nodes = [_node_of(stack, p) for p in prompts]
-    for node in nodes:
-        node.last_access_time = 1.0  # equal LRU priority everywhere
-    evicted = []
-    for _ in nodes:
-        stack.cache.evict(EvictParams(num_tokens=1))
-        evicted.append(next(n.id for n in nodes if n.evicted and n.id not in evicted))
-    assert evicted == sorted(n.id for n in nodes)
-
-
 def test_load_back_quota_counts_device_evictable_cache(stack):
     resident = list(range(50000, 50000 + 10 * PS))
     _prefill(stack, resident)  # device-resident, evictable
