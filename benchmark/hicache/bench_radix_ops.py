@@ -243,7 +243,7 @@ class Bench:
             # pages of the 1% least recently used host leaves beyond what is free.
             oldest = self.cache.evictable_host_leaves.ordered()[: num_tokens // PAGE]
             table = self.cache.host_table
-            wanted = np.sum([node.cp_host_lanes for node in oldest], axis=0)
+            wanted = np.sum([np.asarray(node.cp_host_lanes) for node in oldest], axis=0)
             lane_pages = (wanted + np.asarray(table.lane_free_pages())).tolist()
             return timed(lambda: self.cache._make_host_room(lane_pages))
         return timed(lambda: self.cache.evict_host(num_tokens))

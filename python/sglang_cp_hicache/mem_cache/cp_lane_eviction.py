@@ -15,14 +15,12 @@ lane page counts, lane free counts): every rank plans the same victims, no colle
 from __future__ import annotations
 
 import heapq
-from contextlib import closing
-from typing import Any, Callable, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Set, Tuple
 
-import numpy as np
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
-# The node's pages per owner lane (int64 [cp_size]) in the tier being planned.
-LanePages = Callable[[TreeNode], np.ndarray]
+# The node's pages per owner lane in the tier being planned.
+LanePages = Callable[[TreeNode], Sequence[int]]
 # The parent that becomes a leaf of the tier once ``node`` and the planned set are gone.
 FreedParent = Callable[[TreeNode, Set[TreeNode]], Optional[TreeNode]]
 # A node's eviction key without the id tie-break (the strategy's priority).
@@ -31,39 +29,38 @@ Priority = Callable[[TreeNode], Any]
 
 def plan_lane_victims(
     candidates: Iterator[TreeNode],
-    deficit: np.ndarray,
+    deficit: List[int],
     lane_pages: LanePages,
     freed_parent: FreedParent,
     priority: Priority,
 ) -> Optional[List[TreeNode]]:
     """Victims, in eviction order, that together free ``deficit`` pages per lane.
 
-    ``candidates``: the tier's evictable leaves in (priority, node id) order (the leaf
-    set's ``victims()`` iterator; closed here, which keeps every leaf in the set). A
-    candidate that frees nothing on a lane still short is never planned.
+    ``candidates``: the tier's evictable leaves in (priority, node id) order (a leaf set's
+    ``victims()`` iterator, which the caller closes after evicting the plan, so planned
+    leaves never go back on the heap). A candidate that frees nothing on a lane still short
+    is never planned. Lane counts are Python ints: a handful of lanes, where NumPy's cost
+    per call would dominate.
     """
-    need = np.asarray(deficit, dtype=np.int64).copy()
+    need = list(deficit)
     planned: List[TreeNode] = []
     planned_set: Set[TreeNode] = set()
     freed_parents: List[Tuple[Any, int, TreeNode]] = []
-    with closing(candidates):
-        head = next(candidates, None)
-        while (need > 0).any():
-            if freed_parents and (
-                head is None or freed_parents[0][:2] < (priority(head), head.id)
-            ):
-                node = heapq.heappop(freed_parents)[2]
-            elif head is not None:
-                node, head = head, next(candidates, None)
-            else:
-                return None
-            pages = lane_pages(node)
-            if not (pages[need > 0] > 0).any():
-                continue
-            planned.append(node)
-            planned_set.add(node)
-            need -= pages
-            parent = freed_parent(node, planned_set)
-            if parent is not None:
-                heapq.heappush(freed_parents, (priority(parent), parent.id, parent))
+    head = next(candidates, None)
+    while any(n > 0 for n in need):
+        if freed_parents and (head is None or freed_parents[0][:2] < (priority(head), head.id)):
+            node = heapq.heappop(freed_parents)[2]
+        elif head is not None:
+            node, head = head, next(candidates, None)
+        else:
+            return None
+        pages = lane_pages(node)
+        if not any(p and n > 0 for p, n in zip(pages, need)):
+            continue
+        planned.append(node)
+        planned_set.add(node)
+        need = [n - p for n, p in zip(need, pages)]
+        parent = freed_parent(node, planned_set)
+        if parent is not None:
+            heapq.heappush(freed_parents, (priority(parent), parent.id, parent))
     return planned

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any, List, Optional, Set
 
@@ -122,7 +123,7 @@ class CpHiRadixCache(FastHiRadixCache):
             run = self._set_device_run(node, PageRun.of(host_int64(node.value), self.page_size))
         return run
 
-    def _device_lanes(self, node: TreeNode) -> np.ndarray:
+    def _device_lanes(self, node: TreeNode) -> List[int]:
         """The node's device pages per owner lane."""
         self._device_run(node)
         return node.cp_device_lanes
@@ -131,7 +132,7 @@ class CpHiRadixCache(FastHiRadixCache):
         node.cp_device_run = run
         node.cp_device_lanes = np.bincount(
             self.layout.owner_for_logical_pages(run.pages), minlength=self.layout.cp_size
-        )
+        ).tolist()
         return run
 
     def node_host_metadata(self, node: TreeNode) -> Optional[CpHiCacheNodeMetadata]:
@@ -161,7 +162,9 @@ class CpHiRadixCache(FastHiRadixCache):
                         f"CP HiCache split of node {child.id} on CP rank "
                         f"{self.layout.cp_rank}: host shards diverged from metadata"
                     )
-                node.cp_host_lanes = self.host_table.lane_pages(host_int64(node.host_value), node.id)
+                node.cp_host_lanes = self.host_table.lane_pages(
+                    host_int64(node.host_value), node.id
+                ).tolist()
         return new_node
 
     # -------------------------------------------------------------- backup (D2H)
@@ -186,7 +189,7 @@ class CpHiRadixCache(FastHiRadixCache):
                 "its lanes short of host pages"
             )
         node.host_value = host_value
-        node.cp_host_lanes = np.asarray(plan.lane_pages, dtype=np.int64)
+        node.cp_host_lanes = plan.lane_pages
         self.ongoing_write_through[node.id] = node
         if not write_back:
             self.inc_lock_ref(node)
@@ -198,19 +201,21 @@ class CpHiRadixCache(FastHiRadixCache):
         deficit = self.host_table.lane_deficit(lane_pages)
         if not any(deficit):
             return True
-        victims = plan_lane_victims(
-            self.evictable_host_leaves.victims(host_evictable),
-            np.asarray(deficit),
-            lambda node: node.cp_host_lanes,
-            self._freed_host_parent,
-            self.eviction_strategy.strategy.get_priority,
-        )
-        if victims is None:
-            return False
-        with self.cache_controller.batched_host_frees():
-            for node in victims:
-                self._detach_host_leaf(node)
-                self.cache_controller.release_host(node.host_value, node.id)
+        candidates = self.evictable_host_leaves.victims(host_evictable)
+        with closing(candidates):
+            victims = plan_lane_victims(
+                candidates,
+                deficit,
+                lambda node: node.cp_host_lanes,
+                self._freed_host_parent,
+                self.eviction_strategy.strategy.get_priority,
+            )
+            if victims is None:
+                return False
+            with self.cache_controller.batched_host_frees():
+                for node in victims:
+                    self._detach_host_leaf(node)
+                    self.cache_controller.release_host(node.host_value, node.id)
         return True
 
     def _freed_host_parent(self, node: TreeNode, planned: Set[TreeNode]) -> Optional[TreeNode]:
@@ -265,15 +270,22 @@ class CpHiRadixCache(FastHiRadixCache):
         deficit = allocator.lane_deficit(lane_pages)
         if not any(deficit):
             return True
-        victims = plan_lane_victims(
-            self.evictable_leaves.victims(),
-            np.asarray(deficit),
-            self._device_lanes,
-            self._freed_device_parent,
-            self.eviction_strategy.strategy.get_priority,
-        )
-        if victims is None:
-            return False
+        candidates = self.evictable_leaves.victims()
+        with closing(candidates):
+            victims = plan_lane_victims(
+                candidates,
+                deficit,
+                self._device_lanes,
+                self._freed_device_parent,
+                self.eviction_strategy.strategy.get_priority,
+            )
+            if victims is None:
+                return False
+            return self._evict_planned_device(victims, lane_pages)
+
+    def _evict_planned_device(self, victims: List[TreeNode], lane_pages: List[int]) -> bool:
+        """Evict the planned device victims in plan order; whether ``lane_pages`` fit now."""
+        allocator: CPSharedPagedTokenToKVPoolAllocator = self.token_to_kv_pool_allocator
         start_time = time.perf_counter()
         write_back = self.cache_controller.write_policy == "write_back"
         if write_back:

@@ -2,7 +2,6 @@
 
 from typing import Dict, List, Optional, Set
 
-import numpy as np
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
 from sglang_cp_hicache.mem_cache.cp_lane_eviction import plan_lane_victims
@@ -13,14 +12,14 @@ class Tree:
 
     def __init__(self) -> None:
         self.root = TreeNode()
-        self.lanes: Dict[TreeNode, np.ndarray] = {}
+        self.lanes: Dict[TreeNode, List[int]] = {}
         self.priority: Dict[TreeNode, float] = {}
 
     def add(self, parent: Optional[TreeNode], priority: float, lanes: List[int]) -> TreeNode:
         node = TreeNode()
         node.parent = parent or self.root
         node.parent.children[len(node.parent.children)] = node
-        self.lanes[node] = np.array(lanes)
+        self.lanes[node] = lanes
         self.priority[node] = priority
         return node
 
@@ -36,7 +35,7 @@ class Tree:
 
     def plan(self, deficit: List[int]) -> Optional[List[TreeNode]]:
         return plan_lane_victims(
-            (leaf for leaf in self.leaves()), np.array(deficit), self.lanes.__getitem__,
+            iter(self.leaves()), deficit, self.lanes.__getitem__,
             self.freed_parent, self.priority.__getitem__,
         )  # fmt: skip
 
