@@ -1,27 +1,23 @@
 """Tests of CPSharedPagedTokenToKVPoolAllocator: owner lanes, upstream parity, recovery."""
 
-import sglang_cp_hicache.testing
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import List, Optional
 
-sglang_cp_hicache.testing.install()
-
-from dataclasses import dataclass, field  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
-from typing import List, Optional  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from sglang.srt.layers.attention.nsa import utils as nsa_utils  # noqa: E402
-from sglang.srt.layers.utils import cp_utils  # noqa: E402
-from sglang.srt.mem_cache import allocator as upstream_allocator  # noqa: E402
-from sglang.srt.mem_cache.allocator import (  # noqa: E402
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sglang.srt.layers.attention.nsa import utils as nsa_utils
+from sglang.srt.layers.utils import cp_utils
+from sglang.srt.mem_cache import allocator as upstream_allocator
+from sglang.srt.mem_cache.allocator import (
     PagedTokenToKVPoolAllocator,
     alloc_extend_naive,
 )
 
-from sglang_cp_hicache.mem_cache.cp_shared_allocator import (  # noqa: E402
+from sglang_cp_hicache.mem_cache.cp_shared_allocator import (
     CP_SPLIT_MODES,
     IN_SEQ_SPLIT,
     ROUND_ROBIN_SPLIT,
@@ -29,7 +25,7 @@ from sglang_cp_hicache.mem_cache.cp_shared_allocator import (  # noqa: E402
     build_batch_page_compute_owners,
     build_page_compute_owners,
 )
-from sglang_cp_hicache.testing.allocators import (  # noqa: E402
+from sglang_cp_hicache.testing.allocators import (
     NaiveExtendLaunch,
     build_cp_allocator,
 )
