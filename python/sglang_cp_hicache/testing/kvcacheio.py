@@ -218,8 +218,8 @@ def _check_index_layout(op: str, name: str, t: Tensor) -> None:
     """The C++ reads ``data_ptr<int64_t>()`` in memory order, not in logical order."""
     if not t.is_contiguous():
         raise ValueError(
-            f"{op}: {name} is not contiguous (strides {t.stride()}); the kernel would read "
-            "its raw memory order"
+            f"{op}: {name} is not contiguous (strides {t.stride()}); the real op would read "
+            "it in raw memory order"
         )
 
 
