@@ -1,4 +1,8 @@
-"""Repository-wide pytest set-up: the CPU runtime must be in place before SGLang is imported."""
+"""Repository-wide pytest set-up: the CPU runtime must be in place before SGLang is imported.
+
+``install()`` adds only what this machine lacks: on a GPU box with a working ``sgl_kernel``
+it adds nothing, so tests there run the real kernels on pinned host memory.
+"""
 
 import pytest
 

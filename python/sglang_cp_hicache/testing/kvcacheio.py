@@ -18,12 +18,26 @@ Two families of ops:
   - pointer table (tbl): lf addressing from ``table[layer_id]``, a raw address held in a
     uint64 tensor (the all-layer ops).
 
-  Items whose source or destination index is negative are skipped (except page_head, which
-  the CUDA kernel does not guard). Tensor bases are bounds-checked against the bytes the
-  tensor spans; pointer-table bases cannot be and are trusted like the kernel trusts them.
+  Tensor bases are bounds-checked against the bytes the tensor spans; pointer-table bases
+  cannot be and are trusted like the kernel trusts them.
 
 * **direct** ops copy whole rows along dim 0 with ``Tensor.copy_`` over maximal runs of
   consecutive indices, like ``transfer_page_direct`` in the C++ source.
+
+Never more forgiving than sglang-kernel 0.4.2.post2: where the real launcher raises, crashes
+or misreads, the stand-in raises (``ValueError``/``TypeError``/``IndexError`` naming the op):
+
+* kernel ops (the shared launcher): index tensors int64, on the stand-in's device (see
+  :data:`KERNEL_DEVICE`), contiguous (the kernel reads ``data_ptr`` in memory order), equal
+  lengths, **not empty** (the launcher computes ``div_up(0, 0)``: SIGFPE), **no negative
+  index** (the sm_90 kernel has no skip and addresses memory before the base);
+  ``item_size % 8 == 0``; pointer tables uint64.
+* direct ops: index tensors int64 (the C++ reads ``data_ptr<int64_t>()``), contiguous (``.cpu()``
+  of a CPU tensor is the tensor itself, read in memory order), no negative index (a negative
+  slice start wraps around), runs inside both buffers. Empty indices are a no-op, as in C++.
+* page-first direct ops additionally check what ``cudaMemcpyBatchAsync`` relies on: it copies
+  ``page_size * stride(0) * element_size`` bytes per page and layer from addresses computed
+  with the strides of ``ptrs[0]`` only (see :func:`_check_page_first_direct`).
 """
 
 from __future__ import annotations
@@ -45,6 +59,12 @@ _is_hip = is_hip()
 
 # Upper bound for index checks that only need to reject negative indices.
 _ANY_ROW = 1 << 62
+
+# The launcher requires CUDA index tensors: indices on the GPU that runs the kernel, even when
+# one side of the copy is pinned host memory. The stand-in runs that "GPU" on the CPU (it is
+# registered only where CUDA is unavailable), so kernel-op indices must be CPU tensors here;
+# a CUDA or meta index tensor is refused as the launcher refuses a host one.
+KERNEL_DEVICE = torch.device("cpu")
 
 
 # --------------------------------------------------------------------------------------
@@ -166,7 +186,9 @@ def _ph_items(
 
 
 def _table_addresses(table: Tensor, num_layers: int, what: str) -> List[int]:
-    """Per-layer base addresses from a uint64 pointer table (host memory only)."""
+    """Per-layer base addresses from a uint64 pointer table (on :data:`KERNEL_DEVICE`)."""
+    if table.dtype != torch.uint64:  # the launcher reads data_ptr<uintptr_t>()
+        raise TypeError(f"{what}: pointer table must be uint64, got {table.dtype}")
     if table.device.type != "cpu":
         raise RuntimeError(f"{what}: the CPU reference cannot dereference {table.device} pointers")
     addresses = [int(a) for a in table.reshape(-1).tolist()]
@@ -187,22 +209,49 @@ def _table_items(address: int, item_size: int, idx: Tensor, what: str) -> _Strid
     return _StridedItems(rows, what)
 
 
+def _check_index_dtype(op: str, name: str, t: Tensor) -> None:
+    if t.dtype != torch.int64:
+        raise TypeError(f"{op}: {name} must be int64, got {t.dtype}")
+
+
+def _check_index_layout(op: str, name: str, t: Tensor) -> None:
+    """The C++ reads ``data_ptr<int64_t>()`` in memory order, not in logical order."""
+    if not t.is_contiguous():
+        raise ValueError(
+            f"{op}: {name} is not contiguous (strides {t.stride()}); the real op would read "
+            "it in raw memory order"
+        )
+
+
+def _check_not_negative(op: str, name: str, t: Tensor) -> None:
+    if t.numel() and int(t.min()) < 0:
+        raise IndexError(f"{op}: {name} holds negative index {int(t.min())}")
+
+
 def _kernel_indices(
-    src_indices: Tensor, dst_indices: Tensor, item_size: int, skip_negative: bool = True
+    op: str, src_indices: Tensor, dst_indices: Tensor, item_size: int
 ) -> Tuple[Tensor, Tensor]:
-    """Validate kernel-op indices as the launcher does; drop items with a negative index."""
-    if src_indices.dtype != torch.long or dst_indices.dtype != torch.long:
-        raise TypeError("Source and destination indices must be of type long")
+    """Validate kernel-op indices as the launcher does, and refuse what it would crash on
+    or misread; return them flattened."""
+    for name, t in (("src_indices", src_indices), ("dst_indices", dst_indices)):
+        if t.device != KERNEL_DEVICE:
+            raise ValueError(
+                f"{op}: {name} must be on {KERNEL_DEVICE} (the kernel's device), got {t.device}"
+            )
+        _check_index_dtype(op, name, t)
     if src_indices.numel() != dst_indices.numel():
-        raise ValueError("Source and destination indices must have the same length")
+        raise ValueError(f"{op}: src_indices and dst_indices must have the same length")
     if item_size % 8:
-        raise ValueError("Item byte size must be divisible by 8")
-    src, dst = src_indices.reshape(-1).cpu(), dst_indices.reshape(-1).cpu()
-    if skip_negative:
-        keep = (src >= 0) & (dst >= 0)
-        if not bool(keep.all()):
-            src, dst = src[keep], dst[keep]
-    return src, dst
+        raise ValueError(f"{op}: item_size {item_size} is not divisible by 8")
+    if src_indices.numel() == 0:
+        raise ValueError(
+            f"{op}: empty index tensors (the real launcher computes div_up(0, 0) and dies "
+            "with SIGFPE); the caller must skip the transfer"
+        )
+    for name, t in (("src_indices", src_indices), ("dst_indices", dst_indices)):
+        _check_index_layout(op, name, t)
+        _check_not_negative(op, name, t)
+    return src_indices.reshape(-1), dst_indices.reshape(-1)
 
 
 _Items = Union[_StridedItems, _PageHeadItems]
@@ -235,9 +284,9 @@ def transfer_kv_per_layer(
     num_warps_per_block: int = 16 if _is_hip else 32,
 ) -> None:
     """K and V, lf -> lf: item ``i`` at ``base + i * item_size`` on both sides."""
-    src_idx, dst_idx = _kernel_indices(src_indices, dst_indices, item_size)
-    if src_idx.numel() == 0:
-        return
+    src_idx, dst_idx = _kernel_indices(
+        "transfer_kv_per_layer", src_indices, dst_indices, item_size
+    )
     for name, src, dst in (("k", src_k, dst_k), ("v", src_v, dst_v)):
         _copy_items(
             _lf_items(src, item_size, f"transfer_kv_per_layer src_{name}"),
@@ -262,9 +311,9 @@ def transfer_kv_per_layer_pf_lf(
 ) -> None:
     """K and V, pf -> lf: src ``base + i * src_layout_dim + layer_id * item_size``,
     dst ``base + i * item_size`` (dst is the one layer's buffer)."""
-    src_idx, dst_idx = _kernel_indices(src_indices, dst_indices, item_size)
-    if src_idx.numel() == 0:
-        return
+    src_idx, dst_idx = _kernel_indices(
+        "transfer_kv_per_layer_pf_lf", src_indices, dst_indices, item_size
+    )
     for name, src, dst in (("k", src_k, dst_k), ("v", src_v, dst_v)):
         what = f"transfer_kv_per_layer_pf_lf {{}}_{name}"
         _copy_items(
@@ -292,10 +341,9 @@ def transfer_kv_per_layer_ph_lf(
 ) -> None:
     """K and V, ph -> lf: src heads of token ``i`` in page_head layout for ``layer_id``,
     dst ``base + i * item_size`` with heads contiguous."""
-    # The page-head CUDA kernel has no negative-index guard; bounds checks catch them here.
-    src_idx, dst_idx = _kernel_indices(src_indices, dst_indices, item_size, skip_negative=False)
-    if src_idx.numel() == 0:
-        return
+    src_idx, dst_idx = _kernel_indices(
+        "transfer_kv_per_layer_ph_lf", src_indices, dst_indices, item_size
+    )
     for name, src, dst in (("k", src_k, dst_k), ("v", src_v, dst_v)):
         what = f"transfer_kv_per_layer_ph_lf {{}}_{name}"
         _copy_items(
@@ -318,9 +366,9 @@ def transfer_kv_per_layer_mla(
     num_warps_per_block: int = 16 if _is_hip else 32,
 ) -> None:
     """One buffer, lf -> lf: item ``i`` at ``base + i * item_size`` on both sides."""
-    src_idx, dst_idx = _kernel_indices(src_indices, dst_indices, item_size)
-    if src_idx.numel() == 0:
-        return
+    src_idx, dst_idx = _kernel_indices(
+        "transfer_kv_per_layer_mla", src_indices, dst_indices, item_size
+    )
     _copy_items(
         _lf_items(src, item_size, "transfer_kv_per_layer_mla src"),
         _lf_items(dst, item_size, "transfer_kv_per_layer_mla dst"),
@@ -342,9 +390,9 @@ def transfer_kv_per_layer_mla_pf_lf(
 ) -> None:
     """One buffer, pf -> lf: src ``base + i * src_layout_dim + layer_id * item_size``,
     dst ``base + i * item_size``."""
-    src_idx, dst_idx = _kernel_indices(src_indices, dst_indices, item_size)
-    if src_idx.numel() == 0:
-        return
+    src_idx, dst_idx = _kernel_indices(
+        "transfer_kv_per_layer_mla_pf_lf", src_indices, dst_indices, item_size
+    )
     _copy_items(
         _pf_items(src, layer_id, item_size, src_layout_dim, "transfer_kv_per_layer_mla_pf_lf src"),
         _lf_items(dst, item_size, "transfer_kv_per_layer_mla_pf_lf dst"),
@@ -372,9 +420,9 @@ def transfer_kv_all_layer(
 ) -> None:
     """K and V, tbl -> tbl: for each layer ``l``, ``table[l] + i * item_size`` on both sides."""
     _check_num_layers(src_k_layers, num_layers, "source k tensor")
-    src_idx, dst_idx = _kernel_indices(src_indices, dst_indices, item_size)
-    if src_idx.numel() == 0:
-        return
+    src_idx, dst_idx = _kernel_indices(
+        "transfer_kv_all_layer", src_indices, dst_indices, item_size
+    )
     tables = (("k", src_k_layers, dst_k_layers), ("v", src_v_layers, dst_v_layers))
     for name, src_tbl, dst_tbl in tables:
         what = f"transfer_kv_all_layer {{}}_{name}_layers"
@@ -405,9 +453,9 @@ def transfer_kv_all_layer_lf_pf(
     """K and V, tbl -> pf: src ``table[l] + i * item_size``,
     dst ``base + i * dst_layout_dim + l * item_size``."""
     _check_num_layers(src_k_layers, num_layers, "source k tensor")
-    src_idx, dst_idx = _kernel_indices(src_indices, dst_indices, item_size)
-    if src_idx.numel() == 0:
-        return
+    src_idx, dst_idx = _kernel_indices(
+        "transfer_kv_all_layer_lf_pf", src_indices, dst_indices, item_size
+    )
     for name, src_tbl, dst in (("k", src_k_layers, dst_k), ("v", src_v_layers, dst_v)):
         what = f"transfer_kv_all_layer_lf_pf {{}}_{name}"
         src_addrs = _table_addresses(src_tbl, num_layers, what.format("src"))
@@ -438,9 +486,9 @@ def transfer_kv_all_layer_lf_ph(
     """K and V, tbl -> ph: src ``table[l] + i * item_size`` (heads contiguous),
     dst heads of token ``i`` in page_head layout for layer ``l``."""
     _check_num_layers(src_k_layers, num_layers, "source k tensor")
-    src_idx, dst_idx = _kernel_indices(src_indices, dst_indices, item_size, skip_negative=False)
-    if src_idx.numel() == 0:
-        return
+    src_idx, dst_idx = _kernel_indices(
+        "transfer_kv_all_layer_lf_ph", src_indices, dst_indices, item_size
+    )
     for name, src_tbl, dst in (("k", src_k_layers, dst_k), ("v", src_v_layers, dst_v)):
         what = f"transfer_kv_all_layer_lf_ph {{}}_{name}"
         src_addrs = _table_addresses(src_tbl, num_layers, what.format("src"))
@@ -473,9 +521,9 @@ def transfer_kv_all_layer_mla(
 ) -> None:
     """One buffer per layer, tbl -> tbl: ``table[l] + i * item_size`` on both sides."""
     _check_num_layers(src_layers, num_layers, "source tensor")
-    src_idx, dst_idx = _kernel_indices(src_indices, dst_indices, item_size)
-    if src_idx.numel() == 0:
-        return
+    src_idx, dst_idx = _kernel_indices(
+        "transfer_kv_all_layer_mla", src_indices, dst_indices, item_size
+    )
     what = "transfer_kv_all_layer_mla {}_layers"
     src_addrs = _table_addresses(src_layers, num_layers, what.format("src"))
     dst_addrs = _table_addresses(dst_layers, num_layers, what.format("dst"))
@@ -502,9 +550,9 @@ def transfer_kv_all_layer_mla_lf_pf(
     """One buffer, tbl -> pf: src ``table[l] + i * item_size``,
     dst ``base + i * dst_layout_dim + l * item_size``."""
     _check_num_layers(src_layers, num_layers, "source tensor")
-    src_idx, dst_idx = _kernel_indices(src_indices, dst_indices, item_size)
-    if src_idx.numel() == 0:
-        return
+    src_idx, dst_idx = _kernel_indices(
+        "transfer_kv_all_layer_mla_lf_pf", src_indices, dst_indices, item_size
+    )
     what = "transfer_kv_all_layer_mla_lf_pf {}"
     src_addrs = _table_addresses(src_layers, num_layers, what.format("src_layers"))
     for layer_id, src_addr in enumerate(src_addrs):
@@ -522,21 +570,24 @@ def transfer_kv_all_layer_mla_lf_pf(
 
 
 def _direct_indices(
-    src_indices: Tensor, dst_indices: Tensor, page_size: int
+    op: str, src_indices: Tensor, dst_indices: Tensor, page_size: int
 ) -> Tuple[Tensor, Tensor]:
-    """Validate direct-op indices as the C++ does; return them as int64 on the CPU."""
+    """Validate direct-op indices as the C++ does (and refuse what it would misread); return
+    them flattened on the CPU. Any device is fine: the C++ calls ``.cpu()`` first."""
     if src_indices.numel() != dst_indices.numel():
-        raise ValueError("Source and destination indices must have the same length")
+        raise ValueError(f"{op}: src_indices and dst_indices must have the same length")
     if page_size <= 0:
-        raise ValueError("Page size must be positive")
+        raise ValueError(f"{op}: page_size must be positive, got {page_size}")
     if src_indices.numel() % page_size:
-        raise ValueError("Source indices size must be divisible by page size")
-    src = src_indices.reshape(-1).cpu().long()
-    dst = dst_indices.reshape(-1).cpu().long()
-    # A negative start would wrap around in slicing; refuse it instead.
-    _check_bounds(src, _ANY_ROW, "direct transfer src_indices")
-    _check_bounds(dst, _ANY_ROW, "direct transfer dst_indices")
-    return src, dst
+        raise ValueError(f"{op}: {src_indices.numel()} indices are not whole pages of {page_size}")
+    for name, t in (("src_indices", src_indices), ("dst_indices", dst_indices)):
+        _check_index_dtype(op, name, t)  # data_ptr<int64_t>() raises on any other dtype
+        # .cpu() of a CPU tensor is the tensor itself, read in memory order.
+        if t.device.type == "cpu":
+            _check_index_layout(op, name, t)
+        # A negative start would wrap around in slicing.
+        _check_not_negative(op, name, t)
+    return src_indices.reshape(-1).cpu(), dst_indices.reshape(-1).cpu()
 
 
 def _runs(src: Tensor, dst: Tensor, src_step: int, dst_step: int) -> List[Tuple[int, int, int]]:
@@ -570,7 +621,7 @@ def transfer_kv_direct(
     copied as runs where both index lists are consecutive."""
     if len(src_layers) != len(dst_layers):
         raise ValueError("Source and destination layers must have the same number of layers")
-    src, dst = _direct_indices(src_indices, dst_indices, page_size)
+    src, dst = _direct_indices("transfer_kv_direct", src_indices, dst_indices, page_size)
     for s, d, n in _runs(src, dst, 1, 1):
         for src_layer, dst_layer in zip(src_layers, dst_layers):
             _copy_rows(src_layer[s : s + n], dst_layer[d : d + n])
@@ -588,9 +639,10 @@ def transfer_kv_per_layer_direct_pf_lf(
     ``[page, layer, page_size, ...]``; ``dst_ptrs`` is ``[layer_0..]`` or ``[k_0.., v_0..]``.
     Per page ``i``: ``dst[j][d : d + page_size] = src[src_indices[i*ps] // ps][layer_id + j]``
     with ``d = dst_indices[i*ps]``."""
-    src, dst = _direct_indices(src_indices, dst_indices, page_size)
+    op = "transfer_kv_per_layer_direct_pf_lf"
+    src, dst = _direct_indices(op, src_indices, dst_indices, page_size)
+    num_layers = _check_page_first_direct(op, src_ptrs, dst_ptrs, src_indices, page_size)
     is_mla = len(src_ptrs) == 1
-    num_layers = len(dst_ptrs) if is_mla else len(dst_ptrs) // 2
     src_pages = torch.div(src[::page_size], page_size, rounding_mode="floor")
     # Consecutive source pages landing on consecutive destination pages merge into one copy.
     for s, d, k in _runs(src_pages, dst[::page_size], 1, page_size):
@@ -613,9 +665,10 @@ def transfer_kv_all_layer_direct_lf_pf(
     ``[page, layer, page_size, ...]``.
     Per page ``i``: ``dst[dst_indices[i*ps] // ps][j][:page_size] = src[j][s : s + page_size]``
     with ``s = src_indices[i*ps]``."""
-    src, dst = _direct_indices(src_indices, dst_indices, page_size)
+    op = "transfer_kv_all_layer_direct_lf_pf"
+    src, dst = _direct_indices(op, src_indices, dst_indices, page_size)
+    num_layers = _check_page_first_direct(op, dst_ptrs, src_ptrs, src_indices, page_size)
     is_mla = len(dst_ptrs) == 1
-    num_layers = len(src_ptrs) if is_mla else len(src_ptrs) // 2
     dst_pages = torch.div(dst[::page_size], page_size, rounding_mode="floor")
     for s, d, k in _runs(src[::page_size], dst_pages, page_size, 1):
         for j in range(num_layers):
@@ -623,6 +676,51 @@ def transfer_kv_all_layer_direct_lf_pf(
                 rows = src_ptrs[j + part * num_layers][s : s + k * page_size]
                 pages = dst_ptrs[part][d : d + k].select(1, j)[:, :page_size]
                 _copy_rows(_split_rows(rows, k, page_size), pages)
+
+
+def _check_page_first_direct(
+    op: str, pf_ptrs: List[Tensor], lf_ptrs: List[Tensor], indices: Tensor, page_size: int
+) -> int:
+    """Refuse buffers the real batch copy would misaddress; return the layer count.
+
+    On CUDA >= 12.8 the C++ copies, per page and layer, ``page_size * lf_ptrs[0].stride(0) *
+    element_size`` raw bytes between ``lf_ptrs[j].data_ptr() + row * stride0`` and
+    ``pf_ptrs[p].data_ptr() + page * pf_ptrs[0].stride(0) + layer * pf_ptrs[0].stride(1)``.
+    That equals the shape-checked ``copy_`` done here only if: one element size throughout;
+    every lf buffer is contiguous with ``lf_ptrs[0]``'s row stride (a strided layer view
+    would spill into its neighbour); every pf buffer has ``pf_ptrs[0]``'s page and layer
+    strides; and one layer of one page is a contiguous block of ``page_size`` lf rows.
+    """
+    if indices.dim() != 1:  # the C++ takes size(0) / page_size pages
+        raise ValueError(f"{op}: indices must be 1-D, got shape {tuple(indices.shape)}")
+    if len(pf_ptrs) not in (1, 2):
+        raise ValueError(f"{op}: expected [kv] or [k, v] page-first buffers, got {len(pf_ptrs)}")
+    if len(lf_ptrs) % len(pf_ptrs):
+        raise ValueError(f"{op}: {len(lf_ptrs)} layer buffers do not split into k and v")
+    element_size = pf_ptrs[0].element_size()
+    if any(t.element_size() != element_size for t in [*pf_ptrs, *lf_ptrs]):
+        raise ValueError(f"{op}: buffers differ in element size; the batch copy uses one")
+    row_stride = lf_ptrs[0].stride(0)
+    for j, t in enumerate(lf_ptrs):
+        if not t.is_contiguous() or t.stride(0) != row_stride or t[0].numel() != row_stride:
+            raise ValueError(
+                f"{op}: layer buffer {j} (shape {tuple(t.shape)}, strides {t.stride()}) is not "
+                f"contiguous rows of stride {row_stride}, which the batch copy assumes"
+            )
+    for p, t in enumerate(pf_ptrs):
+        if t.stride()[:2] != pf_ptrs[0].stride()[:2]:
+            raise ValueError(f"{op}: page-first buffer {p} strides {t.stride()} differ from 0's")
+        block = t[0, 0, :page_size]
+        if block.shape[0] != page_size or not block.is_contiguous():
+            raise ValueError(
+                f"{op}: page-first buffer {p} does not hold contiguous pages of {page_size} rows"
+            )
+        if block.numel() != page_size * row_stride:
+            raise ValueError(
+                f"{op}: a page of page-first buffer {p} holds {block.numel()} elements, the "
+                f"batch copy moves {page_size * row_stride}"
+            )
+    return len(lf_ptrs) // len(pf_ptrs)
 
 
 def _split_rows(rows: Tensor, num_pages: int, page_size: int) -> Tensor:

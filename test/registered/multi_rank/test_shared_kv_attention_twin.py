@@ -6,17 +6,13 @@ Two planted faults (a wrong page remap, a materialisation that drops the owners'
 must make the comparison fail, proving it can.
 """
 
-import sglang_cp_hicache.testing
+import contextlib
+import dataclasses
 
-sglang_cp_hicache.testing.install()
+import pytest
+import torch
 
-import contextlib  # noqa: E402
-import dataclasses  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from sglang_cp_hicache.testing.dist import run_ranks  # noqa: E402
+from sglang_cp_hicache.testing.dist import run_ranks
 
 VARIANTS = [(s, p) for s in ("all_reduce", "all_gather") for p in (False, True)]
 

@@ -1,26 +1,22 @@
 """PD transfer under shared KV: every page sent once, by its owner, to the right slot."""
 
-import sglang_cp_hicache.testing
+import dataclasses
+from types import SimpleNamespace
 
-sglang_cp_hicache.testing.install()
+import numpy as np
+import pytest
 
-import dataclasses  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from sglang_cp_hicache.disaggregation.mooncake.conn import (  # noqa: E402
+from sglang_cp_hicache.disaggregation.mooncake.conn import (
     filter_nsa_state_indices,
     maybe_send_extra_around,
     owned_state_pages,
 )
-from sglang_cp_hicache.disaggregation.utils import (  # noqa: E402
+from sglang_cp_hicache.disaggregation.utils import (
     filter_kv_indices_for_cp_rank_around,
     filter_kv_indices_for_shared_kv,
     owned_pages_for_transfer,
 )
-from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout  # noqa: E402
+from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 
 PAGE = 64
 

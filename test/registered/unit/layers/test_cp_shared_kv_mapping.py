@@ -1,17 +1,13 @@
 """Batch mapping: dense layout, owner plan, device-side remap of logical locs/pages."""
 
-import sglang_cp_hicache.testing
+import numpy as np
+import torch
 
-sglang_cp_hicache.testing.install()
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from sglang_cp_hicache.layers.attention.cp_shared_kv_mapping import (  # noqa: E402
+from sglang_cp_hicache.layers.attention.cp_shared_kv_mapping import (
     build_batch_mapping,
     read_request_logical_pages,
 )
-from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout  # noqa: E402
+from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 
 PAGE = 4
 

@@ -1,15 +1,11 @@
 """Dense buffers against SGLang's real NSATokenToKVPool (CPU), and the layer pipeline."""
 
-import sglang_cp_hicache.testing
+from dataclasses import dataclass, field
 
-sglang_cp_hicache.testing.install()
+import pytest
+import torch
 
-from dataclasses import dataclass, field  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from sglang_cp_hicache.layers.attention.cp_shared_kv_materialize import (  # noqa: E402
+from sglang_cp_hicache.layers.attention.cp_shared_kv_materialize import (
     DEFAULT_STRATEGY,
     STRATEGIES,
     DenseLayerKV,
@@ -19,8 +15,8 @@ from sglang_cp_hicache.layers.attention.cp_shared_kv_materialize import (  # noq
     PoolPageReader,
     make_strategy,
 )
-from sglang_cp_hicache.layers.attention.nsa_backend_hooks import dense_pool_view  # noqa: E402
-from sglang_cp_hicache.testing.nsa_stack import StackConfig, build_kv_pool  # noqa: E402
+from sglang_cp_hicache.layers.attention.nsa_backend_hooks import dense_pool_view
+from sglang_cp_hicache.testing.nsa_stack import StackConfig, build_kv_pool
 
 
 @pytest.fixture(scope="module")

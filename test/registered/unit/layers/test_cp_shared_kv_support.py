@@ -1,14 +1,10 @@
 """unsupported_serving_modes: what the shared-KV attention runtime refuses at startup."""
 
-import sglang_cp_hicache.testing
+from types import SimpleNamespace
 
-sglang_cp_hicache.testing.install()
+import pytest
 
-from types import SimpleNamespace  # noqa: E402
-
-import pytest  # noqa: E402
-
-from sglang_cp_hicache.layers.attention.cp_shared_kv_support import (  # noqa: E402
+from sglang_cp_hicache.layers.attention.cp_shared_kv_support import (
     ALL_CP_RANKS_TRANSFER_ENV,
     unsupported_serving_modes,
 )

@@ -1,17 +1,13 @@
 """Write path: logical out_cache_loc -> physical locs (owned) / padding page (not owned)."""
 
-import sglang_cp_hicache.testing
+import pytest
+import torch
 
-sglang_cp_hicache.testing.install()
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from sglang_cp_hicache.layers.attention.cp_shared_kv_write import (  # noqa: E402
+from sglang_cp_hicache.layers.attention.cp_shared_kv_write import (
     WritePathLocs,
     translate_out_cache_loc,
 )
-from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout  # noqa: E402
+from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 
 
 @pytest.mark.parametrize("cp_size", [2, 4])

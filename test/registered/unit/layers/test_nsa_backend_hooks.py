@@ -1,22 +1,18 @@
 """Hook glue: targets exist with compatible signatures; scopes restore; guards fire."""
 
-import sglang_cp_hicache.testing
+import inspect
+import pkgutil
+from types import SimpleNamespace
 
-sglang_cp_hicache.testing.install()
+import numpy as np
+import pytest
+import torch
 
-import inspect  # noqa: E402
-import pkgutil  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from sglang_cp_hicache.disaggregation import utils as disagg_utils  # noqa: E402
-from sglang_cp_hicache.disaggregation.mooncake import conn as mooncake_conn  # noqa: E402
-from sglang_cp_hicache.layers.attention import nsa_backend_hooks as hooks  # noqa: E402
-from sglang_cp_hicache.layers.attention.cp_shared_kv_mapping import build_batch_mapping  # noqa: E402
-from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout  # noqa: E402
+from sglang_cp_hicache.disaggregation import utils as disagg_utils
+from sglang_cp_hicache.disaggregation.mooncake import conn as mooncake_conn
+from sglang_cp_hicache.layers.attention import nsa_backend_hooks as hooks
+from sglang_cp_hicache.layers.attention.cp_shared_kv_mapping import build_batch_mapping
+from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 
 ALL_SPECS = hooks.HOOK_SPECS + disagg_utils.HOOK_SPECS + mooncake_conn.HOOK_SPECS
 

@@ -1,21 +1,17 @@
 """Tests of CPSharedPagedTokenToKVPoolAllocator.alloc_pages_with_owners (HiCache load-back)."""
 
-import sglang_cp_hicache.testing
+from typing import List
 
-sglang_cp_hicache.testing.install()
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from typing import List  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from sglang_cp_hicache.mem_cache.cp_shared_allocator import (  # noqa: E402
+from sglang_cp_hicache.mem_cache.cp_shared_allocator import (
     CPSharedPagedTokenToKVPoolAllocator,
 )
-from sglang_cp_hicache.testing.allocators import build_cp_allocator  # noqa: E402
+from sglang_cp_hicache.testing.allocators import build_cp_allocator
 
 CP_SIZES = (1, 2, 3, 4, 8)
 PAGE_SIZES = (1, 16, 64)

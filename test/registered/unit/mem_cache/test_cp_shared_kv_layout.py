@@ -1,16 +1,12 @@
 """Property tests of CpSharedKVLayout: logical <-> physical page ownership."""
 
-import sglang_cp_hicache.testing
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-sglang_cp_hicache.testing.install()
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout  # noqa: E402
+from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 
 CP_SIZES = (1, 2, 3, 4, 8)
 PAGE_SIZES = (1, 16, 64)

@@ -1,15 +1,11 @@
 """scripts/gpu_check_shared_kv.sh: --dry-run, and the same driver on CPU (torch reference)."""
 
-import sglang_cp_hicache.testing
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
 
-sglang_cp_hicache.testing.install()
-
-import importlib.util  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from sglang_cp_hicache.testing.dist import run_ranks  # noqa: E402
+from sglang_cp_hicache.testing.dist import run_ranks
 
 ROOT = Path(__file__).resolve().parents[4]
 SCRIPT = ROOT / "scripts" / "gpu_check_shared_kv.sh"

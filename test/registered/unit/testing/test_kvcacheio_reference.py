@@ -4,21 +4,17 @@ backup/load round trip through SGLang's real MLA/NSA device and host pools on CP
 from __future__ import annotations
 
 import inspect
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
-import sglang_cp_hicache.testing
-
-sglang_cp_hicache.testing.install()  # before anything imports sglang
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, NSATokenToKVPool  # noqa: E402
-from sglang.srt.mem_cache.memory_pool_host import (  # noqa: E402
+import pytest
+import torch
+from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, NSATokenToKVPool
+from sglang.srt.mem_cache.memory_pool_host import (
     MLATokenToKVPoolHost,
     NSAIndexerPoolHost,
 )
 
-from sglang_cp_hicache.testing import kvcacheio as kio  # noqa: E402
+from sglang_cp_hicache.testing import kvcacheio as kio
 
 Tensor = torch.Tensor
 
@@ -293,18 +289,6 @@ def test_transfer_kv_all_layer_mla_lf_pf(gen: torch.Generator) -> None:
     _check(host, before, assign, dev[:, dev_idx].transpose(0, 1))
 
 
-def test_kernel_ops_skip_negative_indices(gen: torch.Generator) -> None:
-    host, dev = _mla_rand(L, HOST_TOKENS, gen), _mla_rand(L, DEV_TOKENS, gen)
-    src, dst = torch.tensor([3, -1, 7]), torch.tensor([5, 9, -1])
-    before = dev.clone()
-    kio.transfer_kv_all_layer_mla(_table(host), _table(dev), src, dst, MLA_ITEM, L)
-
-    def assign(t, v):
-        t[:, [5]] = v
-
-    _check(dev, before, assign, host[:, [3]])
-
-
 def test_tensor_bases_are_bounds_checked(gen: torch.Generator) -> None:
     host, dev = _mla_rand(L, HOST_TOKENS, gen), _mla_rand(L, DEV_TOKENS, gen)
     host_pf = host.transpose(0, 1).contiguous()
@@ -386,6 +370,258 @@ def test_transfer_kv_all_layer_direct_lf_pf(
         t[:, page, :, slot] = v  # [n, part, layer, head, dim]: split advanced indices lead
 
     _check(host, before, assign, dev[:, :, dev_idx].permute(2, 0, 1, 3, 4))
+
+
+# --- launcher rules: refuse what the real kernel would crash on or misread
+
+OpCall = Callable[[Tensor, Tensor], None]
+KERNEL_OPS = [name for name in SIGNATURES if "block_quota" in SIGNATURES[name]]
+DIRECT_OPS = [name for name in SIGNATURES if "block_quota" not in SIGNATURES[name]]
+# Valid on every source and destination buffer below (all hold >= DEV_TOKENS rows).
+SRC, DST = torch.tensor([3, 4, 7]), torch.tensor([5, 6, 9])
+
+
+def _kernel_calls(gen: torch.Generator) -> Dict[str, Tuple[OpCall, Tensor]]:
+    """Every kernel op bound to fresh buffers: ``name -> (call(src, dst), written buffer)``."""
+    mha_h, mha_d = _rand((2, L, HOST_TOKENS, H, D), gen), _rand((2, L, DEV_TOKENS, H, D), gen)
+    pf, ph = _rand((2, HOST_TOKENS, L, H, D), gen), _rand((2, HOST_TOKENS, H, 1, L, D), gen)
+    mla_h, mla_d = _mla_rand(L, HOST_TOKENS, gen), _mla_rand(L, DEV_TOKENS, gen)
+    mla_pf = _mla_rand(HOST_TOKENS, L, gen)
+    dk, dv, hk, hv = _table(mha_d[0]), _table(mha_d[1]), _table(mha_h[0]), _table(mha_h[1])
+    one = (mha_d[0, 0], mha_d[1, 0])
+    return {
+        "transfer_kv_per_layer": (
+            lambda s, d: kio.transfer_kv_per_layer(
+                mha_h[0, 0], one[0], mha_h[1, 0], one[1], s, d, ITEM
+            ),
+            mha_d,
+        ),
+        "transfer_kv_per_layer_pf_lf": (
+            lambda s, d: kio.transfer_kv_per_layer_pf_lf(
+                pf[0], one[0], pf[1], one[1], s, d, 0, ITEM, L * ITEM
+            ),
+            mha_d,
+        ),
+        "transfer_kv_per_layer_ph_lf": (
+            lambda s, d: kio.transfer_kv_per_layer_ph_lf(
+                ph[0], one[0], ph[1], one[1], s, d, 0, ITEM, L * ITEM, 1, H
+            ),
+            mha_d,
+        ),
+        "transfer_kv_all_layer": (
+            lambda s, d: kio.transfer_kv_all_layer(dk, hk, dv, hv, s, d, ITEM, L),
+            mha_h,
+        ),
+        "transfer_kv_all_layer_lf_pf": (
+            lambda s, d: kio.transfer_kv_all_layer_lf_pf(
+                dk, pf[0], dv, pf[1], s, d, ITEM, L * ITEM, L
+            ),
+            pf,
+        ),
+        "transfer_kv_all_layer_lf_ph": (
+            lambda s, d: kio.transfer_kv_all_layer_lf_ph(
+                dk, ph[0], dv, ph[1], s, d, ITEM, L * ITEM, L, 1, H
+            ),
+            ph,
+        ),
+        "transfer_kv_per_layer_mla": (
+            lambda s, d: kio.transfer_kv_per_layer_mla(mla_h[0], mla_d[0], s, d, MLA_ITEM),
+            mla_d,
+        ),
+        "transfer_kv_per_layer_mla_pf_lf": (
+            lambda s, d: kio.transfer_kv_per_layer_mla_pf_lf(
+                mla_pf, mla_d[0], s, d, 0, MLA_ITEM, L * MLA_ITEM
+            ),
+            mla_d,
+        ),
+        "transfer_kv_all_layer_mla": (
+            lambda s, d: kio.transfer_kv_all_layer_mla(
+                _table(mla_d), _table(mla_h), s, d, MLA_ITEM, L
+            ),
+            mla_h,
+        ),
+        "transfer_kv_all_layer_mla_lf_pf": (
+            lambda s, d: kio.transfer_kv_all_layer_mla_lf_pf(
+                _table(mla_d), mla_pf, s, d, MLA_ITEM, L * MLA_ITEM, L
+            ),
+            mla_pf,
+        ),
+    }
+
+
+def _refuses(
+    calls: Dict[str, Tuple[OpCall, Tensor]],
+    name: str,
+    src: Tensor,
+    dst: Tensor,
+    error: type,
+    match: str,
+) -> None:
+    """Op ``name`` of ``calls`` raises ``error`` naming itself and leaves its destination as is."""
+    call, written = calls[name]
+    before = written.clone()
+    with pytest.raises(error, match=f"{name}: {match}"):
+        call(src, dst)
+    assert torch.equal(_bytes(written), _bytes(before))
+
+
+def test_kernel_op_table_covers_every_kernel_op(gen: torch.Generator) -> None:
+    assert sorted(_kernel_calls(gen)) == sorted(KERNEL_OPS)
+
+
+@pytest.mark.parametrize("name", KERNEL_OPS)
+def test_kernel_ops_copy_valid_indices(gen: torch.Generator, name: str) -> None:
+    """The bound calls are valid, so the refusals below are the rules, not bad set-ups."""
+    call, written = _kernel_calls(gen)[name]
+    before = written.clone()
+    call(SRC, DST)
+    assert not torch.equal(_bytes(written), _bytes(before))
+
+
+@pytest.mark.parametrize("name", KERNEL_OPS)
+def test_kernel_ops_refuse_negative_indices(gen: torch.Generator, name: str) -> None:
+    # The sm_90 kernel has no negative-index skip: it would write before the buffer base.
+    calls = _kernel_calls(gen)
+    _refuses(calls, name, torch.tensor([3, -1, 7]), DST, IndexError, "src_indices holds negative")
+    _refuses(calls, name, SRC, torch.tensor([5, 9, -1]), IndexError, "dst_indices holds negative")
+
+
+@pytest.mark.parametrize("name", KERNEL_OPS)
+def test_kernel_ops_refuse_empty_indices(gen: torch.Generator, name: str) -> None:
+    # The launcher computes div_up(0, 0) for zero items: SIGFPE kills the process.
+    none = torch.empty(0, dtype=torch.int64)
+    calls = _kernel_calls(gen)
+    _refuses(calls, name, none, none, ValueError, "empty index tensors")
+
+
+@pytest.mark.parametrize("name", KERNEL_OPS)
+def test_kernel_ops_refuse_non_contiguous_indices(gen: torch.Generator, name: str) -> None:
+    # Logically [3, 4, 7]; the kernel reads data_ptr in memory order: 3, 40, 4.
+    strided = torch.tensor([3, 40, 4, 41, 7, 42])[::2]
+    calls = _kernel_calls(gen)
+    _refuses(calls, name, strided, DST, ValueError, "src_indices is not contiguous")
+    strided_dst = torch.tensor([5, 40, 6, 41, 9, 42])[::2]
+    _refuses(calls, name, SRC, strided_dst, ValueError, "dst_indices is not contiguous")
+
+
+@pytest.mark.parametrize("name", KERNEL_OPS)
+def test_kernel_ops_refuse_indices_off_the_kernel_device(gen: torch.Generator, name: str) -> None:
+    # The launcher refuses non-CUDA indices; the stand-in's "CUDA" is the CPU.
+    elsewhere = SRC.to("meta")
+    calls = _kernel_calls(gen)
+    _refuses(calls, name, elsewhere, DST, ValueError, "src_indices must be on cpu")
+    _refuses(calls, name, SRC, elsewhere, ValueError, "dst_indices must be on cpu")
+
+
+def test_pointer_tables_must_be_uint64(gen: torch.Generator) -> None:
+    dev, host = _mla_rand(L, DEV_TOKENS, gen), _mla_rand(L, HOST_TOKENS, gen)
+    signed = _table(dev).view(torch.int64)  # data_ptr<uintptr_t>() refuses it
+    with pytest.raises(TypeError, match="pointer table must be uint64"):
+        kio.transfer_kv_all_layer_mla(signed, _table(host), SRC, DST, MLA_ITEM, L)
+
+
+def _direct_calls(gen: torch.Generator) -> Dict[str, Tuple[OpCall, Tensor]]:
+    """Every direct op (MLA, page size 1) on fresh buffers: ``name -> (call, written)``."""
+    dev, host_lf = _mla_rand(L, DEV_TOKENS, gen), _mla_rand(L, HOST_TOKENS, gen)
+    host_pf = _mla_rand(HOST_TOKENS, L, gen).unsqueeze(2)  # [page, layer, page_size=1, 1, dim]
+    return {
+        "transfer_kv_direct": (
+            lambda s, d: kio.transfer_kv_direct(list(dev), list(host_lf), s, d, 1),
+            host_lf,
+        ),
+        "transfer_kv_per_layer_direct_pf_lf": (
+            lambda s, d: kio.transfer_kv_per_layer_direct_pf_lf([host_pf], [dev[0]], s, d, 0, 1),
+            dev,
+        ),
+        "transfer_kv_all_layer_direct_lf_pf": (
+            lambda s, d: kio.transfer_kv_all_layer_direct_lf_pf(list(dev), [host_pf], s, d, 1),
+            host_pf,
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", DIRECT_OPS)
+def test_direct_ops_copy_valid_indices_and_skip_empty_ones(
+    gen: torch.Generator, name: str
+) -> None:
+    # The C++ loops over zero pages for empty indices: a no-op, not a crash.
+    call, written = _direct_calls(gen)[name]
+    before = written.clone()
+    call(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
+    assert torch.equal(_bytes(written), _bytes(before))
+    call(SRC, DST)
+    assert not torch.equal(_bytes(written), _bytes(before))
+
+
+@pytest.mark.parametrize("name", list(SIGNATURES))
+def test_ops_refuse_int32_indices(gen: torch.Generator, name: str) -> None:
+    # Kernel ops: TORCH_CHECK(kLong); direct ops: data_ptr<int64_t>() raises for int32.
+    calls = {**_kernel_calls(gen), **_direct_calls(gen)}
+    _refuses(calls, name, SRC.int(), DST, TypeError, "src_indices must be int64")
+    _refuses(calls, name, SRC, DST.int(), TypeError, "dst_indices must be int64")
+
+
+@pytest.mark.parametrize("name", DIRECT_OPS)
+def test_direct_ops_refuse_negative_indices(gen: torch.Generator, name: str) -> None:
+    # A negative slice start wraps around to the end of the buffer.
+    calls = _direct_calls(gen)
+    _refuses(calls, name, torch.tensor([-1]), DST[:1], IndexError, "src_indices")
+    _refuses(calls, name, SRC[:1], torch.tensor([-1]), IndexError, "dst_indices")
+
+
+@pytest.mark.parametrize("name", DIRECT_OPS)
+def test_direct_ops_refuse_non_contiguous_cpu_indices(gen: torch.Generator, name: str) -> None:
+    # .cpu() of a CPU tensor is the tensor itself; data_ptr reads it in memory order.
+    strided = torch.tensor([3, 40, 4, 41, 7, 42])[::2]
+    calls = _direct_calls(gen)
+    _refuses(calls, name, strided, DST, ValueError, "src_indices is not contiguous")
+
+
+PS = 4
+
+
+def _pf_direct_buffers(gen: torch.Generator) -> Tuple[Tensor, Tensor]:
+    """Device ``[layer, token, head, dim]`` and page_first_direct host
+    ``[page, layer, page_size, head, dim]`` buffers, both contiguous."""
+    dev = _rand((L, DEV_TOKENS, H, D), gen)
+    return dev, _rand((HOST_TOKENS // PS, L, PS, H, D), gen)
+
+
+def _pf_direct_both(lf: List[Tensor], pf: List[Tensor], match: str) -> None:
+    """Both page-first direct ops refuse these buffers with ``match``."""
+    idx = _tokens([1, 2], PS)
+    with pytest.raises(ValueError, match=f"transfer_kv_all_layer_direct_lf_pf: {match}"):
+        kio.transfer_kv_all_layer_direct_lf_pf(lf, pf, idx, idx, PS)
+    with pytest.raises(ValueError, match=f"transfer_kv_per_layer_direct_pf_lf: {match}"):
+        kio.transfer_kv_per_layer_direct_pf_lf(pf, lf, idx, idx, 0, PS)
+
+
+def test_page_first_direct_refuses_strided_layer_views(gen: torch.Generator) -> None:
+    # Token-major device buffer: layer j is a strided view; the batch copy of page_size *
+    # stride(0) bytes would move every layer's rows, spilling into the neighbours.
+    _, host = _pf_direct_buffers(gen)
+    token_major = _rand((DEV_TOKENS, L, H, D), gen)
+    _pf_direct_both([token_major[:, j] for j in range(L)], [host], "layer buffer 0")
+
+
+def test_page_first_direct_refuses_mismatched_pf_strides(gen: torch.Generator) -> None:
+    # The batch copy addresses v's pages with k's strides.
+    dev, k = _pf_direct_buffers(gen)
+    v = _rand((HOST_TOKENS // PS, L + 1, PS, H, D), gen)[:, :L]
+    _pf_direct_both(list(dev) + list(dev), [k, v], "page-first buffer 1 strides")
+
+
+def test_page_first_direct_refuses_padded_pages(gen: torch.Generator) -> None:
+    # Rows padded to 2*D: copy_ would copy the D columns, the batch copy raw padded bytes.
+    dev, _ = _pf_direct_buffers(gen)
+    padded = _rand((HOST_TOKENS // PS, L, PS, H, 2 * D), gen)[..., :D]
+    _pf_direct_both(list(dev), [padded], "page-first buffer 0 does not hold contiguous pages")
+
+
+def test_page_first_direct_refuses_mixed_element_sizes(gen: torch.Generator) -> None:
+    # copy_ would convert bf16 to fp32; the batch copy moves raw bytes of one element size.
+    dev, host = _pf_direct_buffers(gen)
+    _pf_direct_both([t.float() for t in dev], [host], "buffers differ in element size")
 
 
 # --- real SGLang pools

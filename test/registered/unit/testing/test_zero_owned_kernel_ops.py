@@ -1,0 +1,59 @@
+"""Zero-owned CP ranks never hand the real kernel launcher an empty transfer.
+
+A CP rank that owns none of a write's or a load's pages has nothing to move; with the kernel
+io backend an empty index tensor would reach the launcher, which divides by zero (SIGFPE).
+The strict stand-in raises there instead, so these round trips on the real NSA stack (KV and
+the indexer sidecar, both kernel layouts) fail if any path lets an empty op through. The
+direct backend loops over zero pages harmlessly, so it proves nothing here.
+"""
+
+import pytest
+import torch
+
+from sglang_cp_hicache.testing import nsa_stack
+
+PS = 64
+RANK = 0
+
+
+@pytest.fixture(params=["layer_first", "page_first"])
+def kernel_stack(gloo_world1, request):
+    """Rank 0 of a CP-2 stack on the kernel io backend."""
+    cfg = nsa_stack.StackConfig(
+        cp_size=2, physical_tokens=PS * 16, io_backend="kernel", mem_layout=request.param
+    )
+    stack = nsa_stack.build_rank_stack(cfg, RANK, None, gloo_world1)
+    yield stack
+    stack.close()
+
+
+def _write(stack, page_owners, node_id):
+    """Store a node's KV and indexer bytes, back it up; return (host locs, ids, positions)."""
+    logical_locs = stack.allocator.alloc_pages_with_owners(torch.tensor(page_owners))
+    ids, pos = torch.arange(len(logical_locs)) + 100 * node_id, torch.arange(len(logical_locs))
+    nsa_stack.write_prefill_kv(stack, logical_locs, ids, pos)
+    controller = stack.cache.cache_controller
+    host_locs = controller.write(logical_locs, node_id=node_id, **stack.cache._get_extra_pools())
+    return host_locs, ids, pos
+
+
+def _load(stack, host_locs, node_id):
+    controller = stack.cache.cache_controller
+    return controller.load(host_locs, node_id=node_id, **stack.cache._get_extra_pools())
+
+
+def test_zero_owned_write_and_load_launch_nothing(kernel_stack):
+    host_locs, _, _ = _write(kernel_stack, [1, 1], node_id=1)  # rank 0 owns neither page
+    nsa_stack.wipe_device_kv(kernel_stack)
+    assert len(_load(kernel_stack, host_locs, node_id=1)) == 2 * PS
+    kernel_stack.cache.cache_controller.start_loading()
+
+
+def test_mixed_loads_move_only_the_owned_pages_exactly(kernel_stack):
+    zero_owned, _, _ = _write(kernel_stack, [1, 1], node_id=1)
+    owned, ids, pos = _write(kernel_stack, [1, 0, 1, 0], node_id=2)
+    nsa_stack.wipe_device_kv(kernel_stack)
+    _load(kernel_stack, zero_owned, node_id=1)
+    new_locs = _load(kernel_stack, owned, node_id=2)
+    kernel_stack.cache.cache_controller.start_loading()
+    assert nsa_stack.count_kv_mismatches(kernel_stack, new_locs, ids, pos) == 0
