@@ -51,12 +51,12 @@ def variants() -> List[tuple]:
 
 
 def _config_and_pool(device: str):
-    from sglang_cp_hicache.layers.attention.reference_sparse_mla import (
+    from sglang_cp_hicache.testing.reference_sparse_mla import (
         TINY_CONFIG,
         ReferenceNSAPool,
         SparseMLAConfig,
     )
-    from sglang_cp_hicache.layers.attention.shared_kv_twin import TwinBatchSpec
+    from sglang_cp_hicache.testing.shared_kv_twin import TwinBatchSpec
 
     if device == "cpu":
         return TINY_CONFIG, TwinBatchSpec(), ReferenceNSAPool, "torch reference pool"
@@ -93,7 +93,7 @@ def check_rank(ctx: RankContext, options: dict) -> dict:
     ``asdict(CheckOptions)``: plain values unpickle in any launcher's child."""
     import torch
 
-    from sglang_cp_hicache.layers.attention.shared_kv_twin import TwinRank, compare_shared_to_replicated
+    from sglang_cp_hicache.testing.shared_kv_twin import TwinRank, compare_shared_to_replicated
 
     options = CheckOptions(**options)
     config, spec, pool_factory, pool_name = _config_and_pool(options.device)

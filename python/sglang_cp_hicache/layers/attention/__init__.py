@@ -7,12 +7,13 @@ pages they do not own through a per-layer cross-rank materialisation:
 * :mod:`.cp_shared_kv_mapping`: the batch's dense page layout, built once per forward;
 * :mod:`.cp_shared_kv_materialize`: per-layer dense buffers (all-reduce or all-gather);
 * :mod:`.nsa_backend_hooks`: the AROUND hooks on SGLang's NSA backend, indexer and model;
-* :mod:`.cp_shared_kv_support`: the serving modes refused at startup;
-* :mod:`.reference_sparse_mla`, :mod:`.shared_kv_twin`: torch reference and twin harness.
+* :mod:`.cp_shared_kv_support`: the serving modes refused at startup.
 
-Until the hooks are registered with the plugin and their serving modes validated, a real
-server refuses to serve (:func:`require_shared_kv_read_path`) rather than read pages that
-were never written on this rank.
+The torch reference of NSA sparse MLA prefill and the shared-vs-replicated twin harness
+are test-only and live in :mod:`sglang_cp_hicache.testing`.
+
+The read path is implemented and its hooks are registered, but it has not run on a GPU
+yet, so a real server still refuses to serve (:func:`require_shared_kv_read_path`).
 """
 
 from __future__ import annotations
