@@ -158,7 +158,6 @@ def check_server_args_after(result: Any, self: Any) -> None:
     """Main process, before schedulers spawn: the checks that only a real launch needs."""
     validate_cp_shared_kv_args(self)
     if is_cp_shared_kv_enabled(self):
-        from sglang_cp_hicache.layers.attention import require_shared_kv_read_path
         from sglang_cp_hicache.layers.attention.cp_shared_kv_support import (
             unsupported_serving_modes,
         )
@@ -166,5 +165,4 @@ def check_server_args_after(result: Any, self: Any) -> None:
         problems = unsupported_serving_modes(self)
         if problems:
             raise CpSharedKVConfigError("; ".join(problems))
-        require_shared_kv_read_path()
     return None

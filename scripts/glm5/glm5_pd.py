@@ -43,7 +43,7 @@ LOG_ERROR_PATTERNS = (
     r"\bERROR\b",
     r"CUDA error",
     r"SharedKVUnsupportedPath",
-    r"SharedKVReadPathMissing",
+    r"SharedKVSelfTestFailed",
     r"KVTransferError",
     r"out of memory",
 )

@@ -12,26 +12,7 @@ pages they do not own through a per-layer cross-rank materialisation:
 The torch reference of NSA sparse MLA prefill and the shared-vs-replicated twin harness
 are test-only and live in :mod:`sglang_cp_hicache.testing`.
 
-The read path is implemented and its hooks are registered, but it has not run on a GPU
-yet, so a real server still refuses to serve (:func:`require_shared_kv_read_path`).
+A real server proves the read path on its own GPUs before serving: every rank runs
+:mod:`.cp_shared_kv_selftest` at init (hook on ``ModelRunner.init_memory_pool``) and
+refuses to serve, naming the failing stage, on any mismatch.
 """
-
-from __future__ import annotations
-
-
-class SharedKVReadPathMissing(RuntimeError):
-    """Raised when a real forward pass would need the prefix materialisation read path."""
-
-
-SHARED_KV_READ_PATH_AVAILABLE = False
-
-
-def require_shared_kv_read_path() -> None:
-    if not SHARED_KV_READ_PATH_AVAILABLE:
-        raise SharedKVReadPathMissing(
-            "--enable-nsa-prefill-cp-shared-kv: this build of sglang-cp-hicache has the "
-            "owner-lane KV substrate and CP HiCache, but not yet the NSA prefix "
-            "materialisation read path, so a real server would attend to KV pages this "
-            "rank does not hold. Refusing to serve. Use `python -m sglang_cp_hicache.sim` "
-            "(CPU simulator) to exercise the cache stack, or run without the flag."
-        )

@@ -27,6 +27,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -45,6 +46,9 @@ from sglang_cp_hicache.layers.attention.cp_shared_kv_materialize import (
     prefetch_from_env,
     strategy_from_env,
 )
+from sglang_cp_hicache.disaggregation.mooncake.conn import (
+    send_kvcache_hisparse_around as _send_kvcache_hisparse_around,
+)
 from sglang_cp_hicache.layers.attention.cp_shared_kv_write import WritePathLocs
 from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 
@@ -52,7 +56,9 @@ logger = logging.getLogger(__name__)
 
 STATE_ATTR = "cp_shared_kv_state"
 RUNTIME_ATTR = "_cp_shared_kv_runtime"
+SELFTEST_ATTR = "cp_shared_kv_selftest"
 _NOT_RESOLVED = object()
+_dummy_run_scope = threading.local()
 
 
 class SharedKVUnsupportedPath(RuntimeError):
@@ -87,12 +93,18 @@ def dense_pool_view(pool: Any, layer_id: int, dense: DenseLayerKV) -> Any:
     return view
 
 
-def logical_capacity_view(pool: Any, logical_size: int) -> Any:
-    """Shallow copy of ``pool`` reporting the logical capacity.
+def logical_capacity_size(pool: Any, layout: CpSharedKVLayout) -> int:
+    """``size`` the logical view of ``pool`` reports.
 
-    ``init_forward_metadata`` bounds logical page-table entries by ``pool.size``; under
-    shared KV the entries are logical (up to ``cp_size`` times the physical size).
+    SGLang bounds page-table entries by ``size + page_size`` (RAGGED top-k / MHA dequant
+    with prefix sharing). Logical locs reach ``cp * (size + page) - 1`` because every lane
+    keeps a padding page, so the view reports ``cp * (size + page) - page``.
     """
+    return layout.cp_size * (pool.size + layout.page_size) - layout.page_size
+
+
+def logical_capacity_view(pool: Any, logical_size: int) -> Any:
+    """Shallow copy of ``pool`` reporting the logical capacity ``logical_size``."""
     view = copy.copy(pool)
     view.size = logical_size
     return view
@@ -251,6 +263,11 @@ def _is_shared_kv_extend(forward_batch: Any) -> bool:
         return forward_batch.batch_size > 0
     if mode == ForwardMode.IDLE:
         return False
+    if mode == ForwardMode.DECODE and in_dummy_run():
+        # Warm-up / autotune: buffers of zeros, every loc on the padding page, outputs
+        # discarded. Nothing reads a page this rank does not hold.
+        _warn_dummy_decode_once()
+        return False
     raise SharedKVUnsupportedPath(
         f"--enable-nsa-prefill-cp-shared-kv: forward mode {mode.name} would read KV pages "
         "this rank does not hold; only EXTEND batches (disaggregated prefill) are supported"
@@ -270,7 +287,60 @@ def active_state(forward_batch: Any) -> Optional[CpSharedKVForwardState]:
     return state
 
 
+def in_dummy_run() -> bool:
+    """True inside ``ModelRunner._dummy_run`` (warm-up / FlashInfer autotune)."""
+    return getattr(_dummy_run_scope, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def dummy_run_scope() -> Iterator[None]:
+    _dummy_run_scope.depth = getattr(_dummy_run_scope, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _dummy_run_scope.depth -= 1
+
+
+_warned_dummy_decode = False
+
+
+def _warn_dummy_decode_once() -> None:
+    global _warned_dummy_decode
+    if not _warned_dummy_decode:
+        _warned_dummy_decode = True
+        logger.warning(
+            "CP shared KV: a warm-up/autotune dummy DECODE run passes through unmodified "
+            "(its locs are all on the padding page); real DECODE batches are refused"
+        )
+
+
+def startup_runtime(model_runner: Any) -> Optional[CpSharedKVRuntime]:
+    """The runtime the model runner's NSA backend will resolve (``None``: flag off)."""
+    return CpSharedKVRuntime.from_sglang(model_runner.token_to_kv_pool.page_size)
+
+
 # ------------------------------------------------------------------------- hooks
+def init_memory_pool_around(original: Callable, self: Any, *args, **kwargs) -> Any:
+    """After the pools exist: the startup self-test on this rank's GPU and CP group.
+
+    Raises :class:`SharedKVSelfTestFailed` (naming the stage) before the rank serves.
+    """
+    result = original(self, *args, **kwargs)
+    if getattr(self, "is_draft_worker", False):
+        return result
+    runtime = startup_runtime(self)
+    if runtime is not None:
+        from sglang_cp_hicache.layers.attention.cp_shared_kv_selftest import run_startup_selftest
+
+        setattr(self, SELFTEST_ATTR, run_startup_selftest(self, runtime))
+    return result
+
+
+def dummy_run_around(original: Callable, self: Any, *args, **kwargs) -> Any:
+    with dummy_run_scope():
+        return original(self, *args, **kwargs)
+
+
 def init_forward_metadata_around(original: Callable, self: Any, forward_batch: Any) -> Any:
     runtime = runtime_for(self)
     if runtime is None:
@@ -279,7 +349,7 @@ def init_forward_metadata_around(original: Callable, self: Any, forward_batch: A
     if not _is_shared_kv_extend(forward_batch):
         return original(self, forward_batch)
     pool = forward_batch.token_to_kv_pool
-    logical_size = pool.size * runtime.layout.cp_size
+    logical_size = logical_capacity_size(pool, runtime.layout)
     with swap_attributes(forward_batch, token_to_kv_pool=logical_capacity_view(pool, logical_size)):
         result = original(self, forward_batch)
     setattr(forward_batch, STATE_ATTR, CpSharedKVForwardState.build(runtime, self, forward_batch))
@@ -345,4 +415,15 @@ HOOK_SPECS = (
     (f"{_INDEXER}.forward_cuda", indexer_forward_around, "AROUND"),
     (f"{_INDEXER}._store_index_k_cache", store_index_k_cache_around, "AROUND"),
     ("sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.forward", model_forward_around, "AROUND"),
+    (
+        "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin.init_memory_pool",
+        init_memory_pool_around,
+        "AROUND",
+    ),
+    ("sglang.srt.model_executor.model_runner.ModelRunner._dummy_run", dummy_run_around, "AROUND"),
+    (
+        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache_hisparse",
+        _send_kvcache_hisparse_around,
+        "AROUND",
+    ),
 )
