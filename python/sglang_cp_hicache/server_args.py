@@ -8,7 +8,8 @@ Extends ``sglang.srt.server_args.ServerArgs`` through hooks (no class replacemen
 * ``__init__`` (AROUND) accepts the keyword and stores it as an instance attribute before the
   dataclass ``__init__`` runs, so ``__post_init__`` and pickling (spawned schedulers) see it;
 * ``__post_init__`` (AFTER) rejects every unsupported combination with one clear message;
-* ``check_server_args`` (AFTER) stops a real launch while the attention read path is missing.
+* ``check_server_args`` (AFTER) stops a real launch in an unsupported serving mode (the
+  read path itself is proven per rank at init by the startup self-test).
 """
 
 from __future__ import annotations

@@ -33,6 +33,12 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from sglang_cp_hicache.layers.attention.cp_shared_kv_collectives import (
+    create_materialize_group,
+    materialize_choice,
+    materialize_group,
+    resolve_strategy,
+)
 from sglang_cp_hicache.layers.attention.cp_shared_kv_mapping import (
     CpSharedKVBatchMapping,
     build_batch_mapping,
@@ -44,7 +50,6 @@ from sglang_cp_hicache.layers.attention.cp_shared_kv_materialize import (
     PoolPageReader,
     make_strategy,
     prefetch_from_env,
-    strategy_from_env,
 )
 from sglang_cp_hicache.disaggregation.mooncake.conn import (
     send_kvcache_hisparse_around as _send_kvcache_hisparse_around,
@@ -134,22 +139,20 @@ class CpSharedKVRuntime:
     @classmethod
     def from_sglang(cls, page_size: int) -> Optional["CpSharedKVRuntime"]:
         """From SGLang's globals; ``None`` when ``--enable-nsa-prefill-cp-shared-kv`` is off."""
-        from sglang.srt.layers.dp_attention import (
-            get_attention_cp_group,
-            get_attention_cp_rank,
-            get_attention_cp_size,
-        )
+        from sglang.srt.layers.dp_attention import get_attention_cp_rank, get_attention_cp_size
         from sglang.srt.server_args import get_global_server_args
 
         from sglang_cp_hicache.server_args import is_cp_shared_kv_enabled
 
-        if not is_cp_shared_kv_enabled(get_global_server_args()):
+        server_args = get_global_server_args()
+        if not is_cp_shared_kv_enabled(server_args):
             return None
         layout = CpSharedKVLayout(get_attention_cp_size(), get_attention_cp_rank(), page_size)
+        group = materialize_group()  # own communicator, same ranks as the attention CP group
         runtime = cls(
             layout=layout,
-            group=get_attention_cp_group().device_group,
-            strategy=strategy_from_env(),
+            group=group,
+            strategy=resolve_strategy(materialize_choice(server_args), torch.distributed.get_backend(group)),
             prefetch=prefetch_from_env(),
             side_stream=torch.cuda.Stream() if torch.cuda.is_available() else None,
         )
@@ -315,7 +318,15 @@ def _warn_dummy_decode_once() -> None:
 
 
 def startup_runtime(model_runner: Any) -> Optional[CpSharedKVRuntime]:
-    """The runtime the model runner's NSA backend will resolve (``None``: flag off)."""
+    """At init, every rank: the dedicated materialisation group (a world collective), then
+    the runtime the NSA backend will resolve. ``None`` when the flag is off."""
+    from sglang.srt.layers.dp_attention import get_attention_cp_group
+
+    from sglang_cp_hicache.server_args import is_cp_shared_kv_enabled
+
+    if not is_cp_shared_kv_enabled(model_runner.server_args):
+        return None
+    create_materialize_group(get_attention_cp_group().ranks)
     return CpSharedKVRuntime.from_sglang(model_runner.token_to_kv_pool.page_size)
 
 
