@@ -33,6 +33,11 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from sglang_cp_hicache.layers.attention.cp_shared_kv_budget import (
+    DenseBufferBudget,
+    active_budget,
+    profile_available_bytes_around,
+)
 from sglang_cp_hicache.layers.attention.cp_shared_kv_collectives import (
     create_materialize_group,
     materialize_choice,
@@ -135,6 +140,7 @@ class CpSharedKVRuntime:
     strategy: str
     prefetch: bool = True
     side_stream: Optional[torch.cuda.Stream] = None
+    budget: Optional[DenseBufferBudget] = None  # dense-buffer memory reserved at init
 
     @classmethod
     def from_sglang(cls, page_size: int) -> Optional["CpSharedKVRuntime"]:
@@ -155,6 +161,7 @@ class CpSharedKVRuntime:
             strategy=resolve_strategy(materialize_choice(server_args), torch.distributed.get_backend(group)),
             prefetch=prefetch_from_env(),
             side_stream=torch.cuda.Stream() if torch.cuda.is_available() else None,
+            budget=active_budget(),
         )
         logger.info(
             "CP shared KV attention: rank %d/%d, materialise=%s, prefetch=%s",
@@ -206,6 +213,8 @@ class CpSharedKVForwardState:
         mapping = build_batch_mapping(
             layout, logical_pages, forward_batch.extend_prefix_lens_cpu, forward_batch.out_cache_loc.device
         )
+        if runtime.budget is not None:  # refuse before any dense buffer is allocated
+            runtime.budget.check_batch(mapping.num_dense_pages - 1)
         write_locs = WritePathLocs.build(layout, forward_batch.out_cache_loc)
         metadata = backend.forward_metadata
         return cls(
@@ -432,6 +441,11 @@ HOOK_SPECS = (
         "AROUND",
     ),
     ("sglang.srt.model_executor.model_runner.ModelRunner._dummy_run", dummy_run_around, "AROUND"),
+    (
+        "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin._profile_available_bytes",
+        profile_available_bytes_around,
+        "AROUND",
+    ),
     (
         "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache_hisparse",
         _send_kvcache_hisparse_around,
