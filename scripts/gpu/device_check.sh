@@ -28,7 +28,7 @@ done
 PY="${PYTHON:-python3}"
 [ "$DEVICE" = cpu ] && [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
 SITE="${GPUCHECK_SITE:-$(mktemp -d -t gpucheck-site.XXXXXX)}"
-CHECK_CMD="timeout 420 $PY scripts/gpu/device_check.py --device $DEVICE --cp $CP --timeout 360"
+CHECK_CMD="timeout 360 $PY scripts/gpu/device_check.py --device $DEVICE --cp $CP --timeout 300"
 INSTALL_CMD="$PY scripts/gpu/bundle.py check $BUNDLE && $PY -m pip install --quiet --no-index --no-deps --no-compile --target $SITE $BUNDLE/wheels/*.whl"
 
 if [ "$DRY_RUN" = 1 ]; then
@@ -57,6 +57,6 @@ if [ "$DEVICE" = cuda ]; then
 fi
 $CHECK_CMD
 status=$?
-[ $status -eq 124 ] && echo "FAIL check timed out after 420 s"
+[ $status -eq 124 ] && echo "FAIL check timed out after 360 s"
 echo "wall: $(( $(date +%s) - start )) s"
 exit $status
