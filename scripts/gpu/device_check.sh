@@ -27,7 +27,7 @@ done
 
 PY="${PYTHON:-python3}"
 [ "$DEVICE" = cpu ] && [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
-SITE="${GPUCHECK_SITE:-$(mktemp -d -t gpucheck-site.XXXXXX)}"
+SITE="${GPUCHECK_SITE:-<temp dir>}"
 CHECK_CMD="timeout 360 $PY scripts/gpu/device_check.py --device $DEVICE --cp $CP --timeout 300"
 INSTALL_CMD="$PY scripts/gpu/bundle.py check $BUNDLE && $PY -m pip install --quiet --no-index --no-deps --no-compile --target $SITE $BUNDLE/wheels/*.whl"
 
@@ -38,6 +38,7 @@ if [ "$DRY_RUN" = 1 ]; then
 fi
 
 start=$(date +%s)
+[ "$SITE" = "<temp dir>" ] && SITE="$(mktemp -d -t gpucheck-site.XXXXXX)" && INSTALL_CMD="${INSTALL_CMD//<temp dir>/$SITE}"
 export PYTHONPATH="python${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$DEVICE" = cuda ]; then
     if [ ! -d "$BUNDLE/wheels" ]; then
