@@ -13,6 +13,10 @@ rank) with each strategy.
 
 Prints one table row per (world size, prefix, strategy) and the strategy that wins most
 configurations.
+
+    # Cost model only (arithmetic, no ranks): bytes per forward per rank per strategy,
+    # NVLink time and the chunk's compute time per layer side by side
+    PYTHONPATH=python python benchmark/bench_cp_shared_kv_materialize.py --model glm5 --prefix 131072 --cp 8
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import datetime
 import os
 import socket
 import statistics
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -39,6 +44,10 @@ from sglang_cp_hicache.layers.attention.cp_shared_kv_materialize import (
     make_strategy,
 )
 from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cp_shared_kv_cost_model import MODELS  # noqa: E402
+from cp_shared_kv_cost_model import report as cost_report  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -137,7 +146,7 @@ def run(world: int, cfg: BenchConfig) -> list:
     return rows
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="nccl" if torch.cuda.device_count() > 1 else "gloo")
     parser.add_argument("--world-sizes", default="2,4")
@@ -148,7 +157,15 @@ def main() -> None:
     parser.add_argument("--index-bytes-per-token", type=int, default=132, help="fp8 index K + fp32 scale")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=7)
-    args = parser.parse_args()
+    parser.add_argument("--model", choices=sorted(MODELS), help="print the cost model only (no ranks)")
+    parser.add_argument("--prefix", type=int, default=131072, help="--model: cached prefix tokens")
+    parser.add_argument("--cp", type=int, default=8, help="--model: CP size")
+    parser.add_argument("--chunk", type=int, default=8192, help="--model: extend tokens per forward (all ranks)")
+    parser.add_argument("--kv-dtype", choices=("fp8", "bf16"), default="fp8", help="--model: KV cache dtype")
+    args = parser.parse_args(argv)
+    if args.model:
+        print("\n".join(cost_report(args.model, args.prefix, args.chunk, args.cp, args.kv_dtype == "fp8")))
+        return
     cfg = BenchConfig(
         backend=args.backend,
         prefix_tokens=tuple(int(x) for x in args.prefix_tokens.split(",")),

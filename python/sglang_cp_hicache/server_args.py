@@ -8,7 +8,8 @@ Extends ``sglang.srt.server_args.ServerArgs`` through hooks (no class replacemen
 * ``__init__`` (AROUND) accepts the keyword and stores it as an instance attribute before the
   dataclass ``__init__`` runs, so ``__post_init__`` and pickling (spawned schedulers) see it;
 * ``__post_init__`` (AFTER) rejects every unsupported combination with one clear message;
-* ``check_server_args`` (AFTER) stops a real launch while the attention read path is missing.
+* ``check_server_args`` (AFTER) stops a real launch in an unsupported serving mode (the
+  read path itself is proven per rank at init by the startup self-test).
 """
 
 from __future__ import annotations
@@ -158,7 +159,6 @@ def check_server_args_after(result: Any, self: Any) -> None:
     """Main process, before schedulers spawn: the checks that only a real launch needs."""
     validate_cp_shared_kv_args(self)
     if is_cp_shared_kv_enabled(self):
-        from sglang_cp_hicache.layers.attention import require_shared_kv_read_path
         from sglang_cp_hicache.layers.attention.cp_shared_kv_support import (
             unsupported_serving_modes,
         )
@@ -166,5 +166,4 @@ def check_server_args_after(result: Any, self: Any) -> None:
         problems = unsupported_serving_modes(self)
         if problems:
             raise CpSharedKVConfigError("; ".join(problems))
-        require_shared_kv_read_path()
     return None

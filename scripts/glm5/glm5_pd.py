@@ -1,7 +1,12 @@
 """GLM-5 PD disaggregation with CP shared KV + HiCache: launch, workloads, hit rates.
 
-For a node with 16 GPUs (prefill on 0-7, decode on 8-15; use --decode-host for a second
-node) and the zai-org/GLM-5-FP8 weights. Subcommands:
+One node with 16 GPUs (prefill on 0-7, decode on 8-15), or two 8-GPU nodes
+(``--nodes 2``: decode on GPUs 0-7 of the second node, started there with
+``glm5_pd.py decode --nodes 2 --host <prefill ip> --decode-host <decode ip>``; the workloads on
+the prefill node then launch prefill + router only and wait for the remote decode;
+``--host``/``--decode-host`` must be routable addresses, ``--ib-device`` names the RDMA NIC
+for Mooncake). Needs the zai-org/GLM-5-FP8 weights, ``mooncake-transfer-engine`` and
+``sglang-router`` (checked up front). Subcommands:
 
 * ``prefill`` / ``decode`` / ``router``: run one component in the foreground, its output
   also in ``<log-dir>/<name>.log``; the prefill one prints hit rates every
@@ -9,7 +14,9 @@ node) and the zai-org/GLM-5-FP8 weights. Subcommands:
 * ``repeated-prefix``: launch all three (unless ``--no-launch``), send rounds of requests
   over more distinct long prefixes than the prefill device pool holds, so revisits are
   served by host load-back; print hit rates from the prefill server's metrics; fail on
-  request errors, errors in the logs, or no host hits;
+  request errors, errors in the logs, or no host hits. Probe prompts (a prefix + a fixed
+  suffix) are sent cold, again at once (device hit) and in later rounds (host hit); their
+  greedy outputs and first-token logprobs must agree, else the run fails;
 * ``host-pressure``: the same with a small ``--hicache-size`` so the host pool evicts too;
 * ``metrics``: print hit rates of a running prefill server.
 
@@ -43,7 +50,7 @@ LOG_ERROR_PATTERNS = (
     r"\bERROR\b",
     r"CUDA error",
     r"SharedKVUnsupportedPath",
-    r"SharedKVReadPathMissing",
+    r"SharedKVSelfTestFailed",
     r"KVTransferError",
     r"out of memory",
 )
@@ -60,6 +67,7 @@ class Deployment:
     router_port: int = 8000
     tp: int = 8
     decode_base_gpu: int = 8
+    nodes: int = 1
     hicache_ratio: float = 2.0
     hicache_size_gb: int = 0  # per rank; 0 = use the ratio
     ib_device: Optional[str] = None
@@ -116,6 +124,44 @@ def router_command(d: Deployment) -> List[str]:
     ]
 
 
+_LOOPBACK = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
+
+
+def topology_problems(d: Deployment) -> List[str]:
+    """Two nodes need addresses the other node (and the router) can reach."""
+    if d.nodes == 1:
+        return []
+    problems = []
+    if d.nodes != 2:
+        problems.append(f"--nodes {d.nodes}: 1 (16 GPUs) or 2 (two 8-GPU nodes)")
+    for flag, host in (("--host", d.host), ("--decode-host", d.decode_host)):
+        if host in _LOOPBACK:
+            problems.append(f"--nodes 2 needs a routable {flag} (the other node connects to it), got {host}")
+    if d.host == d.decode_host:
+        problems.append("--nodes 2: --host and --decode-host are the same address")
+    return problems
+
+
+# Python module -> pip package, for the components that need it.
+_DEPENDENCIES = {"mooncake": "mooncake-transfer-engine", "sglang_router": "sglang-router"}
+_COMPONENT_NEEDS = {"prefill": ("mooncake",), "decode": ("mooncake",), "router": ("sglang_router",)}
+
+
+def missing_dependencies(components: Sequence[str]) -> List[str]:
+    """``pip install`` names of the modules the components need and this Python lacks."""
+    import importlib.util
+
+    needed = dict.fromkeys(m for c in components for m in _COMPONENT_NEEDS.get(c, ()))
+    return [_DEPENDENCIES[m] for m in needed if importlib.util.find_spec(m) is None]
+
+
+def dependency_message(missing: Sequence[str]) -> str:
+    return (
+        f"missing {', '.join(missing)}: PD disaggregation needs them next to sglang "
+        f"(pip install {' '.join(missing)})"
+    )
+
+
 def shell_line(cmd: Sequence[str], env: Dict[str, str]) -> str:
     return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(c) for c in cmd])
 
@@ -158,25 +204,99 @@ class Workload:
         )
 
 
+    def probe(self, prefix_index: int) -> List[int]:
+        """A fixed prompt per prefix (prefix + probe suffix), the same in every round."""
+        prefix = self._tokens(self.seed * 1_000_003 + prefix_index, self.prefix_tokens)
+        return prefix + self._tokens(-(self.seed * 1_000_003 + prefix_index) * 101, self.suffix_tokens)
+
+
+@dataclass(frozen=True)
+class ProbeOutput:
+    """One probe response: greedy output ids, first output token's logprob, cached tokens."""
+
+    kind: str  # cold | device | host (what the schedule aims at; cached_tokens says what happened)
+    output_ids: tuple
+    first_logprob: float
+    cached_tokens: int
+
+
+def parse_probe(kind: str, response: dict) -> ProbeOutput:
+    meta = response.get("meta_info", {})
+    logprobs = meta.get("output_token_logprobs") or []
+    ids = response.get("output_ids") or [entry[1] for entry in logprobs]
+    first = float(logprobs[0][0]) if logprobs else float("nan")
+    return ProbeOutput(kind, tuple(ids), first, int(meta.get("cached_tokens", 0)))
+
+
+def probe_divergences(outputs: Sequence[ProbeOutput], logprob_tol: float) -> List[str]:
+    """Every way the device-hit / host-hit outputs differ from the cold one."""
+    cold = next((o for o in outputs if o.kind == "cold"), None)
+    if cold is None:
+        return ["no cold probe output"]
+    problems = []
+    for out in outputs:
+        if out is cold:
+            continue
+        if out.output_ids != cold.output_ids:
+            problems.append(f"{out.kind}-hit greedy output {list(out.output_ids)} != cold {list(cold.output_ids)}")
+        if not abs(out.first_logprob - cold.first_logprob) <= logprob_tol:
+            problems.append(
+                f"{out.kind}-hit first-token logprob {out.first_logprob:.5f} vs cold {cold.first_logprob:.5f} "
+                f"(tolerance {logprob_tol})"
+            )
+        if out.cached_tokens == 0:
+            problems.append(f"{out.kind}-hit probe had no cached tokens")
+    return problems
+
+
 def auto_num_prefixes(device_tokens: float, prefix_tokens: int, factor: float) -> int:
     """Enough distinct prefixes for ``factor`` times the device KV capacity (in tokens)."""
     return max(2, math.ceil(factor * device_tokens / prefix_tokens))
 
 
-def send_workload(url: str, workload: Workload, timeout_s: float = 600.0) -> List[str]:
-    """POST every request to ``/generate``; return the error messages."""
-    errors = []
-    for i, input_ids in enumerate(workload.requests()):
-        body = json.dumps(
-            {"input_ids": input_ids, "sampling_params": {"max_new_tokens": workload.max_new_tokens, "temperature": 0}}
-        ).encode()
-        request = urllib.request.Request(f"{url}/generate", data=body, headers={"Content-Type": "application/json"})
+def generate(url: str, input_ids: List[int], max_new_tokens: int, timeout_s: float, logprobs: bool = False) -> dict:
+    payload = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+    if logprobs:
+        payload["return_logprob"] = True
+    request = urllib.request.Request(
+        f"{url}/generate", data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}")
+        return json.loads(response.read().decode())
+
+
+def send_workload(
+    url: str, workload: Workload, timeout_s: float = 600.0, probes: int = 0, logprob_tol: float = 0.02
+) -> List[str]:
+    """POST every request to ``/generate``; return the error messages.
+
+    The first ``probes`` prefixes also get their probe prompt: cold and again at once
+    (device hit) before the prefix's first request, then once per later round (host hit,
+    every other prefix having been served in between). Divergent outputs are errors.
+    """
+    errors: List[str] = []
+    probe_outputs: Dict[int, List[ProbeOutput]] = {}
+
+    def probe(prefix_index: int, kind: str) -> None:
         try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                if response.status != 200:
-                    errors.append(f"request {i}: HTTP {response.status}")
+            response = generate(url, workload.probe(prefix_index), workload.max_new_tokens, timeout_s, logprobs=True)
+            probe_outputs.setdefault(prefix_index, []).append(parse_probe(kind, response))
+        except Exception as exc:
+            errors.append(f"probe {prefix_index} ({kind}): {type(exc).__name__}: {exc}")
+
+    for i, input_ids in enumerate(workload.requests()):
+        round_index, prefix_index = divmod(i, workload.num_prefixes)
+        if prefix_index < probes:
+            for kind in (("cold", "device") if round_index == 0 else ("host",)):
+                probe(prefix_index, kind)
+        try:
+            generate(url, input_ids, workload.max_new_tokens, timeout_s)
         except Exception as exc:  # report, keep going: the hit rates are still informative
             errors.append(f"request {i}: {type(exc).__name__}: {exc}")
+    for prefix_index, outputs in sorted(probe_outputs.items()):
+        errors += [f"probe {prefix_index}: {p}" for p in probe_divergences(outputs, logprob_tol)]
     return errors
 
 
@@ -319,14 +439,20 @@ def run_component(name: str, cmd: Sequence[str], env: Dict[str, str], d: Deploym
     return 1 if errors or rc else 0
 
 
-def run_workload(d: Deployment, workload: Workload, factor: float, launch: bool, startup_timeout_s: float) -> int:
+def run_workload(
+    d: Deployment, workload: Workload, factor: float, launch: bool, startup_timeout_s: float,
+    probes: int = 0, logprob_tol: float = 0.02,
+) -> int:
     log_dir = Path(d.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     launched = Launched(log_dir)
     try:
         if launch:
             launched.start("prefill", prefill_command(d))
-            launched.start("decode", decode_command(d))
+            if d.nodes == 1:
+                launched.start("decode", decode_command(d))
+            else:
+                print(f"waiting for the remote decode server at {d.decode_url}")
             if not (_wait_healthy(d.prefill_url, startup_timeout_s) and _wait_healthy(d.decode_url, startup_timeout_s)):
                 print(f"FAIL servers not healthy after {startup_timeout_s:.0f} s; logs in {log_dir}")
                 return 1
@@ -341,7 +467,7 @@ def run_workload(d: Deployment, workload: Workload, factor: float, launch: bool,
             )
             print(f"prefill device capacity {capacity:.0f} tokens; {factor}x that in distinct prefixes")
         print(workload.describe())
-        errors = send_workload(d.router_url, workload)
+        errors = send_workload(d.router_url, workload, probes=probes, logprob_tol=logprob_tol)
         rates = hit_rates(fetch_metrics(d.prefill_url))
         print(rates.line())
         errors += log_errors(launched.logs)
@@ -363,7 +489,11 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--decode-host", default="127.0.0.1")
     parser.add_argument("--tp", type=int, default=8)
-    parser.add_argument("--decode-base-gpu", type=int, default=8)
+    parser.add_argument("--decode-base-gpu", type=int, default=None, help="default: 8 (one node), 0 (--nodes 2)")
+    parser.add_argument("--nodes", type=int, choices=(1, 2), default=1,
+                        help="2: decode on a second 8-GPU node (start it there; workloads here do not launch it)")
+    parser.add_argument("--probes", type=int, default=2, help="repeated-prefix: prefixes probed cold/device/host")
+    parser.add_argument("--logprob-tol", type=float, default=0.02, help="probes: first-token logprob tolerance")
     parser.add_argument("--hicache-ratio", type=float, default=2.0)
     parser.add_argument("--hicache-size", type=int, default=0, help="GB per rank (0: use the ratio)")
     parser.add_argument("--ib-device", default=None)
@@ -393,11 +523,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "host-pressure":
         hicache_size = hicache_size or HOST_PRESSURE_HICACHE_GB
         factor = HOST_PRESSURE_FACTOR
+    decode_base_gpu = args.decode_base_gpu if args.decode_base_gpu is not None else (8 if args.nodes == 1 else 0)
     d = Deployment(
         model=args.model_path, host=args.host, decode_host=args.decode_host, tp=args.tp,
-        decode_base_gpu=args.decode_base_gpu, hicache_ratio=args.hicache_ratio,
+        decode_base_gpu=decode_base_gpu, nodes=args.nodes, hicache_ratio=args.hicache_ratio,
         hicache_size_gb=hicache_size, ib_device=args.ib_device, log_dir=args.log_dir,
     )
+    problems = topology_problems(d)
+    if problems:
+        print(f"FAIL {'; '.join(problems)}")
+        return 2
+    components = [args.command] if args.command in ("prefill", "decode", "router") else []
+    if args.command in ("repeated-prefix", "host-pressure") and not args.no_launch:
+        components = ["prefill", "router"] + (["decode"] if d.nodes == 1 else [])
+    missing = missing_dependencies(components)
+    if missing and not args.dry_run:
+        print(f"FAIL {dependency_message(missing)}")
+        return 2
+    if missing:
+        print(f"note: {dependency_message(missing)}")
     workload = Workload(num_prefixes=args.num_prefixes, prefix_tokens=args.prefix_tokens, rounds=args.rounds)
     single = {"prefill": prefill_command, "decode": decode_command, "router": router_command}
     if args.command in single:
@@ -416,7 +560,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.dry_run:
         if not args.no_launch:
             for name, builder in single.items():
+                if name == "decode" and d.nodes == 2:
+                    print(f"decode: remote, on the decode node: {shell_line(builder(d), ENV)}")
+                    continue
                 print(f"{name}: {shell_line(builder(d), ENV if name != 'router' else {})}")
+        if args.command == "repeated-prefix" and args.probes:
+            print(f"probes: {args.probes} prefixes x (cold, device hit, host hit per later round); "
+                  f"greedy outputs equal, first-token logprob within {args.logprob_tol}")
         if workload.num_prefixes == 0:
             print(f"prefixes: {factor}x sglang:max_total_num_tokens from {d.prefill_url}/metrics, "
                   f"{workload.prefix_tokens} tokens each")
@@ -424,7 +574,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(workload.describe())
         print(f"POST {d.router_url}/generate ({workload.rounds} rounds); GET {d.prefill_url}/metrics -> hit rates")
         return 0
-    return run_workload(d, workload, factor, launch=not args.no_launch, startup_timeout_s=args.startup_timeout)
+    probes = args.probes if args.command == "repeated-prefix" else 0
+    return run_workload(
+        d, workload, factor, launch=not args.no_launch, startup_timeout_s=args.startup_timeout,
+        probes=probes, logprob_tol=args.logprob_tol,
+    )
 
 
 if __name__ == "__main__":

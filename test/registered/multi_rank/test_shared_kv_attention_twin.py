@@ -56,8 +56,8 @@ def _planted(fault):
 
 
 def _rank(ctx, cp_size):
-    from sglang_cp_hicache.layers.attention.reference_sparse_mla import TINY_CONFIG
-    from sglang_cp_hicache.layers.attention.shared_kv_twin import (
+    from sglang_cp_hicache.testing.reference_sparse_mla import TINY_CONFIG
+    from sglang_cp_hicache.testing.shared_kv_twin import (
         TwinBatchSpec,
         TwinRank,
         compare_shared_to_replicated,

@@ -76,6 +76,53 @@ def maybe_send_extra_around(
     )
 
 
+def hisparse_token_transfer(
+    page_positions: np.ndarray, src_pages: np.ndarray, num_dst_tokens: int, page_size: int
+) -> Tuple[np.ndarray, np.ndarray]:
+    """Token-level ``(source locs, destination token positions)`` of a page transfer whose
+    destination is an index array of page positions (shared KV) instead of upstream's
+    contiguous ``slice``; tokens past the request's last (partial) page are dropped."""
+    offsets = np.arange(page_size, dtype=np.int64)
+    dst_tokens = (np.asarray(page_positions, dtype=np.int64)[:, None] * page_size + offsets).ravel()
+    src_tokens = (np.asarray(src_pages, dtype=np.int64)[:, None] * page_size + offsets).ravel()
+    keep = dst_tokens < num_dst_tokens
+    return src_tokens[keep], dst_tokens[keep]
+
+
+def send_kvcache_hisparse_around(
+    original: Callable,
+    self: Any,
+    mooncake_session_id: str,
+    prefill_kv_indices: np.ndarray,
+    dst_kv_ptrs: list,
+    dst_kv_indices: np.ndarray,
+    page_index_slice: Any,
+    executor: Any,
+):
+    """AROUND hook of ``MooncakeKVManager.send_kvcache_hisparse`` (decode ``--enable-hisparse``).
+
+    Upstream reads ``page_index_slice.start``; the shared-KV PD filter passes the owned
+    pages' positions as an ndarray, so expand those positions to tokens here.
+    """
+    if isinstance(page_index_slice, slice):
+        return original(
+            self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, page_index_slice, executor
+        )
+    page_size = self.kv_args.page_size
+    src_tokens, dst_positions = hisparse_token_transfer(
+        page_index_slice, prefill_kv_indices, len(dst_kv_indices), page_size
+    )
+    return self._send_kvcache_generic(
+        mooncake_session_id=mooncake_session_id,
+        src_data_ptrs=self.kv_args.kv_data_ptrs,
+        dst_data_ptrs=dst_kv_ptrs,
+        item_lens=[item_len // page_size for item_len in self.kv_args.kv_item_lens],
+        prefill_data_indices=src_tokens.astype(np.int32),
+        dst_data_indices=np.asarray(dst_kv_indices)[dst_positions],
+        executor=executor,
+    )
+
+
 HOOK_SPECS = (
     (
         "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.maybe_send_extra",
@@ -83,3 +130,5 @@ HOOK_SPECS = (
         "AROUND",
     ),
 )
+# send_kvcache_hisparse_around is registered from nsa_backend_hooks.HOOK_SPECS (new hooks
+# go there until the central hook table lands).

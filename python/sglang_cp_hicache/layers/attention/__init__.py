@@ -7,30 +7,12 @@ pages they do not own through a per-layer cross-rank materialisation:
 * :mod:`.cp_shared_kv_mapping`: the batch's dense page layout, built once per forward;
 * :mod:`.cp_shared_kv_materialize`: per-layer dense buffers (all-reduce or all-gather);
 * :mod:`.nsa_backend_hooks`: the AROUND hooks on SGLang's NSA backend, indexer and model;
-* :mod:`.cp_shared_kv_support`: the serving modes refused at startup;
-* :mod:`.reference_sparse_mla`, :mod:`.shared_kv_twin`: torch reference and twin harness.
+* :mod:`.cp_shared_kv_support`: the serving modes refused at startup.
 
-Until the hooks are registered with the plugin and their serving modes validated, a real
-server refuses to serve (:func:`require_shared_kv_read_path`) rather than read pages that
-were never written on this rank.
+The torch reference of NSA sparse MLA prefill and the shared-vs-replicated twin harness
+are test-only and live in :mod:`sglang_cp_hicache.testing`.
+
+A real server proves the read path on its own GPUs before serving: every rank runs
+:mod:`.cp_shared_kv_selftest` at init (hook on ``ModelRunner.init_memory_pool``) and
+refuses to serve, naming the failing stage, on any mismatch.
 """
-
-from __future__ import annotations
-
-
-class SharedKVReadPathMissing(RuntimeError):
-    """Raised when a real forward pass would need the prefix materialisation read path."""
-
-
-SHARED_KV_READ_PATH_AVAILABLE = False
-
-
-def require_shared_kv_read_path() -> None:
-    if not SHARED_KV_READ_PATH_AVAILABLE:
-        raise SharedKVReadPathMissing(
-            "--enable-nsa-prefill-cp-shared-kv: this build of sglang-cp-hicache has the "
-            "owner-lane KV substrate and CP HiCache, but not yet the NSA prefix "
-            "materialisation read path, so a real server would attend to KV pages this "
-            "rank does not hold. Refusing to serve. Use `python -m sglang_cp_hicache.sim` "
-            "(CPU simulator) to exercise the cache stack, or run without the flag."
-        )

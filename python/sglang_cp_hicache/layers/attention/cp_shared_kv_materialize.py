@@ -32,9 +32,7 @@ import torch.distributed as dist
 
 from sglang_cp_hicache.layers.attention.cp_shared_kv_mapping import CpSharedKVBatchMapping
 
-# Chosen from benchmark/bench_cp_shared_kv_materialize.py (see docs/attention_runtime.md).
-DEFAULT_STRATEGY = "all_reduce"
-STRATEGY_ENV = "SGLANG_CP_SHARED_KV_MATERIALIZE_STRATEGY"
+# The strategy is chosen by cp_shared_kv_collectives (flag, bytes moved, backend).
 PREFETCH_ENV = "SGLANG_CP_SHARED_KV_PREFETCH"
 
 _BLOCK_ALIGN_BYTES = 256
@@ -239,10 +237,6 @@ def make_strategy(name: str, group) -> MaterializeStrategy:
     if name not in STRATEGIES:
         raise ValueError(f"unknown CP shared-KV materialise strategy {name!r}; choose from {sorted(STRATEGIES)}")
     return STRATEGIES[name](group)
-
-
-def strategy_from_env() -> str:
-    return os.environ.get(STRATEGY_ENV, DEFAULT_STRATEGY)
 
 
 def prefetch_from_env() -> bool:

@@ -27,11 +27,23 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from sglang_cp_hicache.layers.attention.cp_shared_kv_budget import (
+    DenseBufferBudget,
+    active_budget,
+    profile_available_bytes_around,
+)
+from sglang_cp_hicache.layers.attention.cp_shared_kv_collectives import (
+    create_materialize_group,
+    materialize_choice,
+    materialize_group,
+    resolve_strategy,
+)
 from sglang_cp_hicache.layers.attention.cp_shared_kv_mapping import (
     CpSharedKVBatchMapping,
     build_batch_mapping,
@@ -43,7 +55,9 @@ from sglang_cp_hicache.layers.attention.cp_shared_kv_materialize import (
     PoolPageReader,
     make_strategy,
     prefetch_from_env,
-    strategy_from_env,
+)
+from sglang_cp_hicache.disaggregation.mooncake.conn import (
+    send_kvcache_hisparse_around as _send_kvcache_hisparse_around,
 )
 from sglang_cp_hicache.layers.attention.cp_shared_kv_write import WritePathLocs
 from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
@@ -52,7 +66,9 @@ logger = logging.getLogger(__name__)
 
 STATE_ATTR = "cp_shared_kv_state"
 RUNTIME_ATTR = "_cp_shared_kv_runtime"
+SELFTEST_ATTR = "cp_shared_kv_selftest"
 _NOT_RESOLVED = object()
+_dummy_run_scope = threading.local()
 
 
 class SharedKVUnsupportedPath(RuntimeError):
@@ -87,12 +103,18 @@ def dense_pool_view(pool: Any, layer_id: int, dense: DenseLayerKV) -> Any:
     return view
 
 
-def logical_capacity_view(pool: Any, logical_size: int) -> Any:
-    """Shallow copy of ``pool`` reporting the logical capacity.
+def logical_capacity_size(pool: Any, layout: CpSharedKVLayout) -> int:
+    """``size`` the logical view of ``pool`` reports.
 
-    ``init_forward_metadata`` bounds logical page-table entries by ``pool.size``; under
-    shared KV the entries are logical (up to ``cp_size`` times the physical size).
+    SGLang bounds page-table entries by ``size + page_size`` (RAGGED top-k / MHA dequant
+    with prefix sharing). Logical locs reach ``cp * (size + page) - 1`` because every lane
+    keeps a padding page, so the view reports ``cp * (size + page) - page``.
     """
+    return layout.cp_size * (pool.size + layout.page_size) - layout.page_size
+
+
+def logical_capacity_view(pool: Any, logical_size: int) -> Any:
+    """Shallow copy of ``pool`` reporting the logical capacity ``logical_size``."""
     view = copy.copy(pool)
     view.size = logical_size
     return view
@@ -118,28 +140,28 @@ class CpSharedKVRuntime:
     strategy: str
     prefetch: bool = True
     side_stream: Optional[torch.cuda.Stream] = None
+    budget: Optional[DenseBufferBudget] = None  # dense-buffer memory reserved at init
 
     @classmethod
     def from_sglang(cls, page_size: int) -> Optional["CpSharedKVRuntime"]:
         """From SGLang's globals; ``None`` when ``--enable-nsa-prefill-cp-shared-kv`` is off."""
-        from sglang.srt.layers.dp_attention import (
-            get_attention_cp_group,
-            get_attention_cp_rank,
-            get_attention_cp_size,
-        )
+        from sglang.srt.layers.dp_attention import get_attention_cp_rank, get_attention_cp_size
         from sglang.srt.server_args import get_global_server_args
 
         from sglang_cp_hicache.server_args import is_cp_shared_kv_enabled
 
-        if not is_cp_shared_kv_enabled(get_global_server_args()):
+        server_args = get_global_server_args()
+        if not is_cp_shared_kv_enabled(server_args):
             return None
         layout = CpSharedKVLayout(get_attention_cp_size(), get_attention_cp_rank(), page_size)
+        group = materialize_group()  # own communicator, same ranks as the attention CP group
         runtime = cls(
             layout=layout,
-            group=get_attention_cp_group().device_group,
-            strategy=strategy_from_env(),
+            group=group,
+            strategy=resolve_strategy(materialize_choice(server_args), torch.distributed.get_backend(group)),
             prefetch=prefetch_from_env(),
             side_stream=torch.cuda.Stream() if torch.cuda.is_available() else None,
+            budget=active_budget(),
         )
         logger.info(
             "CP shared KV attention: rank %d/%d, materialise=%s, prefetch=%s",
@@ -191,6 +213,8 @@ class CpSharedKVForwardState:
         mapping = build_batch_mapping(
             layout, logical_pages, forward_batch.extend_prefix_lens_cpu, forward_batch.out_cache_loc.device
         )
+        if runtime.budget is not None:  # refuse before any dense buffer is allocated
+            runtime.budget.check_batch(mapping.num_dense_pages - 1)
         write_locs = WritePathLocs.build(layout, forward_batch.out_cache_loc)
         metadata = backend.forward_metadata
         return cls(
@@ -251,6 +275,11 @@ def _is_shared_kv_extend(forward_batch: Any) -> bool:
         return forward_batch.batch_size > 0
     if mode == ForwardMode.IDLE:
         return False
+    if mode == ForwardMode.DECODE and in_dummy_run():
+        # Warm-up / autotune: buffers of zeros, every loc on the padding page, outputs
+        # discarded. Nothing reads a page this rank does not hold.
+        _warn_dummy_decode_once()
+        return False
     raise SharedKVUnsupportedPath(
         f"--enable-nsa-prefill-cp-shared-kv: forward mode {mode.name} would read KV pages "
         "this rank does not hold; only EXTEND batches (disaggregated prefill) are supported"
@@ -270,7 +299,68 @@ def active_state(forward_batch: Any) -> Optional[CpSharedKVForwardState]:
     return state
 
 
+def in_dummy_run() -> bool:
+    """True inside ``ModelRunner._dummy_run`` (warm-up / FlashInfer autotune)."""
+    return getattr(_dummy_run_scope, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def dummy_run_scope() -> Iterator[None]:
+    _dummy_run_scope.depth = getattr(_dummy_run_scope, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _dummy_run_scope.depth -= 1
+
+
+_warned_dummy_decode = False
+
+
+def _warn_dummy_decode_once() -> None:
+    global _warned_dummy_decode
+    if not _warned_dummy_decode:
+        _warned_dummy_decode = True
+        logger.warning(
+            "CP shared KV: a warm-up/autotune dummy DECODE run passes through unmodified "
+            "(its locs are all on the padding page); real DECODE batches are refused"
+        )
+
+
+def startup_runtime(model_runner: Any) -> Optional[CpSharedKVRuntime]:
+    """At init, every rank: the dedicated materialisation group (a world collective), then
+    the runtime the NSA backend will resolve. ``None`` when the flag is off."""
+    from sglang.srt.layers.dp_attention import get_attention_cp_group
+
+    from sglang_cp_hicache.server_args import is_cp_shared_kv_enabled
+
+    if not is_cp_shared_kv_enabled(model_runner.server_args):
+        return None
+    create_materialize_group(get_attention_cp_group().ranks)
+    return CpSharedKVRuntime.from_sglang(model_runner.token_to_kv_pool.page_size)
+
+
 # ------------------------------------------------------------------------- hooks
+def init_memory_pool_around(original: Callable, self: Any, *args, **kwargs) -> Any:
+    """After the pools exist: the startup self-test on this rank's GPU and CP group.
+
+    Raises :class:`SharedKVSelfTestFailed` (naming the stage) before the rank serves.
+    """
+    result = original(self, *args, **kwargs)
+    if getattr(self, "is_draft_worker", False):
+        return result
+    runtime = startup_runtime(self)
+    if runtime is not None:
+        from sglang_cp_hicache.layers.attention.cp_shared_kv_selftest import run_startup_selftest
+
+        setattr(self, SELFTEST_ATTR, run_startup_selftest(self, runtime))
+    return result
+
+
+def dummy_run_around(original: Callable, self: Any, *args, **kwargs) -> Any:
+    with dummy_run_scope():
+        return original(self, *args, **kwargs)
+
+
 def init_forward_metadata_around(original: Callable, self: Any, forward_batch: Any) -> Any:
     runtime = runtime_for(self)
     if runtime is None:
@@ -279,7 +369,7 @@ def init_forward_metadata_around(original: Callable, self: Any, forward_batch: A
     if not _is_shared_kv_extend(forward_batch):
         return original(self, forward_batch)
     pool = forward_batch.token_to_kv_pool
-    logical_size = pool.size * runtime.layout.cp_size
+    logical_size = logical_capacity_size(pool, runtime.layout)
     with swap_attributes(forward_batch, token_to_kv_pool=logical_capacity_view(pool, logical_size)):
         result = original(self, forward_batch)
     setattr(forward_batch, STATE_ATTR, CpSharedKVForwardState.build(runtime, self, forward_batch))
@@ -345,4 +435,20 @@ HOOK_SPECS = (
     (f"{_INDEXER}.forward_cuda", indexer_forward_around, "AROUND"),
     (f"{_INDEXER}._store_index_k_cache", store_index_k_cache_around, "AROUND"),
     ("sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.forward", model_forward_around, "AROUND"),
+    (
+        "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin.init_memory_pool",
+        init_memory_pool_around,
+        "AROUND",
+    ),
+    ("sglang.srt.model_executor.model_runner.ModelRunner._dummy_run", dummy_run_around, "AROUND"),
+    (
+        "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin._profile_available_bytes",
+        profile_available_bytes_around,
+        "AROUND",
+    ),
+    (
+        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache_hisparse",
+        _send_kvcache_hisparse_around,
+        "AROUND",
+    ),
 )

@@ -130,3 +130,40 @@ def test_maybe_send_extra_hook_sends_owned_index_pages_only():
     assert seen == [([[61, 63]], [[5, 6]])]
     assert req.dst_state_indices == [[60, 61, 62, 63]]  # caller's request untouched
     assert dataclasses.is_dataclass(req)
+
+
+def test_hisparse_sender_takes_the_owned_page_positions_of_the_shared_kv_filter():
+    """Decode with --enable-hisparse: upstream reads ``.start`` on the filter's result."""
+    from sglang_cp_hicache.disaggregation.mooncake.conn import send_kvcache_hisparse_around
+    from sglang_cp_hicache.disaggregation.utils import filter_kv_indices_for_shared_kv
+
+    page = 4
+    layout = CpSharedKVLayout(2, 1, page)
+    logical_pages = np.array([10, 7, 13, 4, 9], dtype=np.int32)  # owners 0, 1, 1, 0, 1
+    num_tokens = 5 * page - 2  # the last page is partial
+    dst_kv_indices = np.arange(1000, 1000 + num_tokens)
+    src_pages, positions = filter_kv_indices_for_shared_kv(layout, logical_pages, slice(0, 5))
+    assert isinstance(positions, np.ndarray)
+    mgr = SimpleNamespace(kv_args=SimpleNamespace(page_size=page, kv_item_lens=[8 * page], kv_data_ptrs=[1]))
+    sent = {}
+
+    def generic(**kwargs):
+        sent.update(kwargs)
+        return 0
+
+    mgr._send_kvcache_generic = generic
+
+    def upstream(*args):
+        raise AssertionError("upstream would read .start on an ndarray")
+
+    assert send_kvcache_hisparse_around(upstream, mgr, "s", src_pages, [2], dst_kv_indices, positions, None) == 0
+    # Owned pages 7, 13, 9 are physical 3, 6, 4, at request positions 1, 2, 4 (the last partial).
+    expected_src = [12, 13, 14, 15, 24, 25, 26, 27, 16, 17]
+    expected_dst = [1004, 1005, 1006, 1007, 1008, 1009, 1010, 1011, 1016, 1017]
+    assert sent["prefill_data_indices"].tolist() == expected_src
+    assert sent["dst_data_indices"].tolist() == expected_dst
+    assert sent["item_lens"] == [8]
+
+    calls = []
+    send_kvcache_hisparse_around(lambda *a: calls.append(a[5]), mgr, "s", src_pages, [2], dst_kv_indices, slice(0, 2), None)
+    assert calls == [slice(0, 2)]  # upstream's own slice passes through

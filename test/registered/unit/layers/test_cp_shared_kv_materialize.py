@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from sglang_cp_hicache.layers.attention.cp_shared_kv_materialize import (
-    DEFAULT_STRATEGY,
     STRATEGIES,
     DenseLayerKV,
     LayerMaterializationPipeline,
@@ -62,7 +61,6 @@ def test_dense_pool_view_reads_dense_for_one_layer_and_leaves_the_pool_alone(nsa
 
 def test_strategy_registry():
     assert set(STRATEGIES) == {"all_reduce", "all_gather"}
-    assert DEFAULT_STRATEGY in STRATEGIES
     with pytest.raises(ValueError, match="unknown"):
         make_strategy("broadcast", None)
 

@@ -92,6 +92,32 @@ def test_only_extend_batches_reach_the_read_path():
             hooks._is_shared_kv_extend(_batch(mode))
 
 
+def test_dummy_decode_runs_pass_through_but_real_decode_is_refused():
+    def dummy_run(runner):
+        return hooks._is_shared_kv_extend(_batch("DECODE"))
+
+    assert hooks.dummy_run_around(dummy_run, object()) is False
+    assert not hooks.in_dummy_run()
+    with pytest.raises(hooks.SharedKVUnsupportedPath, match="DECODE"):
+        hooks._is_shared_kv_extend(_batch("DECODE"))
+    with pytest.raises(hooks.SharedKVUnsupportedPath, match="TARGET_VERIFY"):
+        hooks.dummy_run_around(lambda runner: hooks._is_shared_kv_extend(_batch("TARGET_VERIFY")), object())
+
+
+@pytest.mark.parametrize("cp_size", [2, 4, 8])
+def test_logical_capacity_covers_the_highest_logical_loc(cp_size):
+    """SGLang bounds locs by ``size + page_size``; the top lane's last page must fit."""
+    page = 64
+    pool = SimpleNamespace(size=10 * page, page_size=page)
+    layout = CpSharedKVLayout(cp_size, cp_size - 1, page)
+    highest_physical_loc = pool.size + page - 1  # physical pages 0 (padding) .. 10
+    highest_logical = int(layout.physical_locs_to_logical(np.array([highest_physical_loc]))[0])
+    capacity = hooks.logical_capacity_size(pool, layout) + page
+    assert highest_logical == cp_size * (pool.size + page) - 1
+    assert highest_logical < capacity
+    assert capacity == cp_size * (pool.size + page)
+
+
 def test_hooks_pass_through_when_shared_kv_is_off():
     backend = SimpleNamespace(**{hooks.RUNTIME_ATTR: None})
     batch = _batch("DECODE")

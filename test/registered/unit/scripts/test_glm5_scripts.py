@@ -100,3 +100,69 @@ def test_component_run_tees_output_and_fails_on_error_lines(tmp_path, capsys):
     assert ok == 0 and (tmp_path / "router.log").read_text() == "ready\n"
     bad = glm5.run_component("decode", [sys.executable, "-c", "print('CUDA error: x')"], {}, d, 0)
     assert bad == 1 and "FAIL decode" in capsys.readouterr().out
+
+
+def test_two_nodes_decode_base_gpu_0_remote_decode_and_routable_hosts():
+    hosts = ("--host", "10.0.0.1", "--decode-host", "10.0.0.2", "--nodes", "2", "--ib-device", "mlx5_0")
+    decode = _dry_run("launch_decode.sh", *hosts)
+    assert "--base-gpu-id 0" in decode and "--host 10.0.0.2" in decode and "--disaggregation-ib-device mlx5_0" in decode
+    run = _dry_run("run_repeated_prefix.sh", *hosts)
+    assert run.count("sglang.launch_server") == 2 and "decode: remote, on the decode node" in run
+    assert "--prefill http://10.0.0.1:30000 8998 --decode http://10.0.0.2:30001" in run
+    out = subprocess.run(
+        ["bash", str(GLM5 / "run_repeated_prefix.sh"), "--dry-run", "--nodes", "2"],
+        capture_output=True, text=True, timeout=60, env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"},
+    )
+    assert out.returncode == 2 and "needs a routable --host" in out.stdout
+
+
+def test_missing_mooncake_or_router_fails_with_a_clear_message(monkeypatch, capsys):
+    glm5 = _glm5()
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name in ("mooncake", "sglang_router") else real(name))
+    assert glm5.missing_dependencies(["prefill", "router"]) == ["mooncake-transfer-engine", "sglang-router"]
+    assert glm5.main(["prefill"]) == 2
+    assert "FAIL missing mooncake-transfer-engine" in capsys.readouterr().out
+    assert glm5.main(["repeated-prefix", "--no-launch", "--dry-run", "--num-prefixes", "2"]) == 0
+    assert glm5.main(["router", "--dry-run"]) == 0
+    assert "note: missing sglang-router" in capsys.readouterr().out
+
+
+def test_probes_cold_device_host_must_agree():
+    glm5 = _glm5()
+
+    def response(ids, logprob, cached):
+        return {"output_ids": ids, "meta_info": {"cached_tokens": cached,
+                                                 "output_token_logprobs": [[logprob, ids[0], None]]}}
+
+    cold = glm5.parse_probe("cold", response([5, 6], -0.50, 0))
+    device = glm5.parse_probe("device", response([5, 6], -0.51, 960))
+    host = glm5.parse_probe("host", response([5, 6], -0.49, 960))
+    assert cold.output_ids == (5, 6) and cold.first_logprob == -0.5
+    assert glm5.probe_divergences([cold, device, host], 0.02) == []
+    diverged = glm5.parse_probe("host", response([5, 7], -0.80, 960))
+    problems = glm5.probe_divergences([cold, device, diverged], 0.02)
+    assert any("host-hit greedy output" in p for p in problems)
+    assert any("first-token logprob" in p for p in problems)
+    assert glm5.probe_divergences([cold, glm5.parse_probe("device", response([5, 6], -0.5, 0))], 0.02) == [
+        "device-hit probe had no cached tokens"
+    ]
+
+
+def test_send_workload_probes_cold_then_device_then_host_per_round(monkeypatch):
+    glm5 = _glm5()
+    workload = glm5.Workload(num_prefixes=3, prefix_tokens=8, suffix_tokens=2, rounds=2)
+    calls = []
+
+    def generate(url, input_ids, max_new_tokens, timeout_s, logprobs=False):
+        calls.append(("probe" if logprobs else "request", tuple(input_ids[:8])))
+        cached = 0 if len([c for c in calls if c[0] == "probe"]) == 1 else 8
+        return {"output_ids": [1], "meta_info": {"cached_tokens": cached, "output_token_logprobs": [[-0.1, 1, None]]}}
+
+    monkeypatch.setattr(glm5, "generate", generate)
+    assert glm5.send_workload("http://x", workload, probes=1) == []
+    kinds = [c[0] for c in calls]
+    assert kinds == ["probe", "probe", "request", "request", "request", "probe", "request", "request", "request"]
+    assert len({c[1] for c in calls if c[0] == "probe"}) == 1

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from sglang_cp_hicache.layers.attention import nsa_backend_hooks as hooks
 from sglang_cp_hicache.layers.attention.cp_shared_kv_write import translate_out_cache_loc
-from sglang_cp_hicache.layers.attention.reference_sparse_mla import (
+from sglang_cp_hicache.testing.reference_sparse_mla import (
     QueryTokens,
     ReferenceIndexer,
     ReferenceNSABackend,

@@ -1,0 +1,422 @@
+"""Driver of scripts/gpu/device_check.sh: the offline one-GPU check of CP shared KV.
+
+Four checks, one ``PASS``/``FAIL`` line, a JSON report (``$OUT/device_check.json`` when
+``OUT`` is set, or ``GPU_CHECK_JSON``):
+
+1. **self-test** (every rank): the server's startup self-test
+   (``cp_shared_kv_selftest.run_selftest``) for bf16 and fp8 KV, both materialise
+   strategies: SGLang's real readers and kernels (``GetKAndS``, ``GetK``/``GetS``,
+   ``fast_topk_transform_fused``, FlashMLA sparse and kv, ``dequantize_k_cache_paged``) on
+   a replicated pool vs the shared path, bitwise.
+2. **twin** (every rank): one prefill forward with a cached prefix, replicated vs shared,
+   through SGLang's real ``NSATokenToKVPool`` (Triton stores and index-K reads) and the
+   plugin's real hook functions, with side-stream prefetch.
+3. **bandwidth** (main process): one layer's owned shard of a GLM-5 prefix moved D2H and
+   H2D as page gathers, against a pinned contiguous copy of the same bytes (the peak).
+4. **hicache_jit** (main process, CUDA): ``sglang.jit_kernel.hicache``'s MLA one-layer
+   transfer, which HiCache uses on CUDA when ``can_use_hicache_jit_kernel`` allows, on the
+   owned pages, D2H and back, byte-exact.
+
+NCCL refuses two ranks on one GPU, so the CP ranks are ``--cp`` processes on the one
+device with a gloo CP group (gloo moves CUDA tensors through host staging). ``--device
+cpu`` runs the same checks with the CPU runtime's reference kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, List, Optional, Sequence
+
+STRATEGIES = ("all_reduce", "all_gather")
+KV_KINDS = ("bf16", "fp8")
+PAGE_SIZE = 64
+INDEX_PAGE_BYTES = PAGE_SIZE * 132
+KV_TOKEN = {"bf16": ("bfloat16", (1, 576), 1152), "fp8": ("uint8", (1, 656), 656)}
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    device: str
+    cp_size: int
+    timeout_s: float
+
+
+@dataclass
+class RankContext:
+    rank: int
+    world_size: int
+    cp_group: Any
+
+
+def variants() -> List[tuple]:
+    return [(strategy, prefetch) for strategy in STRATEGIES for prefetch in (False, True)]
+
+
+def _config_and_pool(device: str):
+    from sglang_cp_hicache.testing.reference_sparse_mla import (
+        TINY_CONFIG,
+        ReferenceNSAPool,
+        SparseMLAConfig,
+    )
+    from sglang_cp_hicache.testing.shared_kv_twin import TwinBatchSpec
+
+    if device == "cpu":
+        return TINY_CONFIG, TwinBatchSpec(), ReferenceNSAPool, "torch reference pool"
+    import torch
+
+    config = SparseMLAConfig(
+        num_layers=2, hidden_size=256, num_heads=16, kv_lora_rank=512, qk_rope_head_dim=64,
+        index_n_heads=4, index_head_dim=128, index_topk=64, page_size=64, kv_dtype=torch.bfloat16,
+    )
+    spec = TwinBatchSpec(prefix_lens=(64 * 5 + 37, 64 * 3, 0), extend_lens=(150, 90, 70), physical_pages=40)
+
+    def sglang_pool(cfg, size, dev):
+        from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+
+        return NSATokenToKVPool(
+            size, page_size=cfg.page_size, kv_lora_rank=cfg.kv_lora_rank, dtype=cfg.kv_dtype,
+            qk_rope_head_dim=cfg.qk_rope_head_dim, layer_num=cfg.num_layers, device=dev,
+            index_head_dim=cfg.index_head_dim, enable_memory_saver=False, kv_cache_dim=cfg.kv_cache_dim,
+        )
+
+    return config, spec, sglang_pool, "SGLang NSATokenToKVPool (Triton KV/index-K store and index-K read)"
+
+
+def describe(options: CheckOptions) -> str:
+    kernels = "SGLang kernels" if options.device == "cuda" else "torch reference kernels"
+    return (
+        f"plan: {options.cp_size} processes, gloo CP group, device={options.device}, {kernels}; "
+        f"self-test kv={list(KV_KINDS)} x strategies={list(STRATEGIES)}; twin variants={variants()}; "
+        "then owned-shard D2H/H2D bandwidth and the hicache JIT transfer in the main process; "
+        "replicated vs shared KV, identical outputs required"
+    )
+
+
+def check_rank(ctx: RankContext, options: dict) -> dict:
+    """One rank: the twin comparison for every variant. ``options`` is
+    ``asdict(CheckOptions)``: plain values unpickle in any launcher's child."""
+    import torch
+
+    from sglang_cp_hicache.testing.shared_kv_twin import TwinRank, compare_shared_to_replicated
+
+    options = CheckOptions(**options)
+    config, spec, pool_factory, pool_name = _config_and_pool(options.device)
+    device = "cuda:0" if options.device == "cuda" else "cpu"
+    selftest = run_selftests(ctx, torch.device(device))
+    side_stream = torch.cuda.Stream() if options.device == "cuda" else None
+    twin = TwinRank(config, spec, ctx.cp_group, ctx.rank, ctx.world_size, device, pool_factory)
+    results = compare_shared_to_replicated(twin, variants(), side_stream)
+    return {"pool": pool_name, "results": [asdict(r) for r in results], "selftest": selftest}
+
+
+def kv_geometry(kind: str):
+    import torch
+
+    from sglang_cp_hicache.layers.attention.cp_shared_kv_materialize import PagedLayerGeometry
+
+    dtype, shape, token_bytes = KV_TOKEN[kind]
+    return PagedLayerGeometry(PAGE_SIZE, getattr(torch, dtype), shape, PAGE_SIZE * token_bytes, INDEX_PAGE_BYTES)
+
+
+def run_selftests(ctx: RankContext, device) -> List[dict]:
+    """The startup self-test for each KV kind and strategy; failures are recorded, not raised."""
+    from sglang_cp_hicache.layers.attention.cp_shared_kv_selftest import (
+        SharedKVSelfTestFailed,
+        run_selftest,
+    )
+    from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
+
+    layout = CpSharedKVLayout(ctx.world_size, ctx.rank, PAGE_SIZE)
+    out = []
+    for kind in KV_KINDS:
+        for strategy in STRATEGIES:
+            entry = {"kv": kind, "strategy": strategy}
+            try:
+                report = run_selftest(kv_geometry(kind), layout, ctx.cp_group, strategy, device)
+                entry.update(ok=True, stages=list(dict.fromkeys(report.stages)), seconds=report.seconds)
+            except SharedKVSelfTestFailed as exc:
+                entry.update(ok=False, stage=exc.stage, error=str(exc))
+            except Exception as exc:  # a kernel that would not run is a failure too
+                entry.update(ok=False, stage="exception", error=f"{type(exc).__name__}: {exc}")
+            out.append(entry)
+    return out
+
+
+# ----------------------------------------------------------------- main-process checks
+@dataclass(frozen=True)
+class ShardGeometry:
+    """One layer's owned shard of a prefix: ``prefix_tokens / cp`` tokens in whole pages."""
+
+    prefix_tokens: int = 131072
+    cp_size: int = 8
+    page_bytes: int = PAGE_SIZE * 1152 + INDEX_PAGE_BYTES  # GLM-5 bf16 latent + index K
+
+    @property
+    def owned_pages(self) -> int:
+        return self.prefix_tokens // PAGE_SIZE // self.cp_size
+
+
+def _timed(fn: Callable[[], None], device, repeats: int) -> float:
+    """Best-of-``repeats`` seconds of ``fn`` (synchronised on CUDA)."""
+    import torch
+
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def shard_bandwidth(device, shard: ShardGeometry = ShardGeometry(), repeats: int = 5) -> dict:
+    """GB/s of the owned-shard page gather D2H and scatter H2D vs pinned contiguous copies."""
+    import torch
+
+    pages = shard.owned_pages
+    pin = device.type == "cuda"
+    pool = torch.randint(0, 255, (3 * pages, shard.page_bytes), dtype=torch.uint8, device=device)
+    owned = torch.randperm(3 * pages, device=device)[:pages]
+    host = torch.empty(pages, shard.page_bytes, dtype=torch.uint8, pin_memory=pin)
+    staging = torch.empty(pages, shard.page_bytes, dtype=torch.uint8, device=device)
+
+    def d2h():
+        torch.index_select(pool, 0, owned, out=staging)
+        host.copy_(staging, non_blocking=pin)
+
+    def h2d():
+        staging.copy_(host, non_blocking=pin)
+        pool.index_copy_(0, owned, staging)
+
+    nbytes = pages * shard.page_bytes
+    result = {
+        "layer_shard_bytes": nbytes, "owned_pages": pages, "prefix_tokens": shard.prefix_tokens,
+        "cp": shard.cp_size, "pinned": pin,
+    }
+    for name, fn in (
+        ("d2h", d2h), ("h2d", h2d),
+        ("peak_d2h", lambda: host.copy_(staging, non_blocking=pin)),
+        ("peak_h2d", lambda: staging.copy_(host, non_blocking=pin)),
+    ):
+        seconds = _timed(fn, device, repeats)
+        result[f"{name}_gbps"] = nbytes / seconds / 1e9
+        result[f"{name}_ms"] = seconds * 1e3
+    result["d2h_of_peak"] = result["d2h_gbps"] / result["peak_d2h_gbps"]
+    result["h2d_of_peak"] = result["h2d_gbps"] / result["peak_h2d_gbps"]
+    return result
+
+
+def hicache_jit_transfer(device, shard: ShardGeometry = ShardGeometry(prefix_tokens=16384)) -> dict:
+    """SGLang's JIT HiCache MLA one-layer transfer on the owned tokens: D2H then H2D."""
+    if device.type != "cuda":
+        return {"ran": False, "reason": "CUDA only (HiCache uses sgl_kernel's kvcacheio elsewhere)"}
+    import torch
+
+    from sglang.jit_kernel.hicache import can_use_hicache_jit_kernel, transfer_hicache_one_layer_mla
+
+    element_size = 576 * 2  # GLM-5 bf16 latent row: the JIT path needs a multiple of 128 B
+    if not can_use_hicache_jit_kernel(element_size=element_size):
+        return {"ran": False, "ok": False, "reason": "can_use_hicache_jit_kernel returned False (see log)"}
+    tokens = shard.owned_pages * PAGE_SIZE
+    device_kv = torch.randn(3 * tokens, 576, device=device).to(torch.bfloat16)
+    owned_pages = torch.randperm(3 * shard.owned_pages, device=device)[: shard.owned_pages]
+    device_locs = (owned_pages[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE, device=device)).flatten()
+    host_kv = torch.zeros(tokens, 576, dtype=torch.bfloat16, pin_memory=True)
+    host_locs = torch.arange(tokens, device=device)
+    transfer_hicache_one_layer_mla(host_kv, host_locs, device_kv, device_locs)
+    torch.cuda.synchronize(device)
+    d2h_ok = torch.equal(host_kv, device_kv[device_locs].cpu())
+    back = torch.zeros_like(device_kv)
+    transfer_hicache_one_layer_mla(back, device_locs, host_kv, host_locs)
+    torch.cuda.synchronize(device)
+    h2d_ok = torch.equal(back[device_locs], device_kv[device_locs])
+    seconds = _timed(lambda: transfer_hicache_one_layer_mla(host_kv, host_locs, device_kv, device_locs), device, 5)
+    return {
+        "ran": True, "ok": bool(d2h_ok and h2d_ok), "d2h_exact": bool(d2h_ok), "h2d_exact": bool(h2d_ok),
+        "tokens": tokens, "d2h_gbps": tokens * element_size / seconds / 1e9,
+    }
+
+
+def summarize(
+    per_rank: Sequence[dict], options: CheckOptions, wall_s: float, extra: Optional[dict] = None
+) -> tuple[bool, List[str]]:
+    failures = []
+    extra = extra or {}
+    for rank, report in enumerate(per_rank):
+        for entry in report.get("selftest", ()):
+            if not entry["ok"]:
+                failures.append(
+                    f"rank {rank} self-test {entry['kv']}/{entry['strategy']} stage {entry['stage']}: {entry['error']}"
+                )
+    jit = extra.get("hicache_jit", {})
+    if jit.get("ran") and not jit.get("ok"):
+        failures.append(f"hicache JIT transfer not byte-exact: {jit}")
+    for rank, report in enumerate(per_rank):
+        for result in report["results"]:
+            label = f"rank {rank} {result['strategy']}/prefetch={result['prefetch']}"
+            if not result["identical"]:
+                failures.append(f"{label}: max |shared - replicated| = {result['max_abs_diff']:.3g}")
+            failures.extend(f"{label}: {p}" for p in result["pool_problems"])
+    timings = ", ".join(
+        f"{r['strategy']}/prefetch={int(r['prefetch'])} {max(rep['results'][i]['seconds'] for rep in per_rank) * 1e3:.0f} ms"
+        for i, r in enumerate(per_rank[0]["results"])
+    )
+    head = f"cp={options.cp_size} device={options.device} pool={per_rank[0]['pool']}"
+    selftests = len(per_rank[0].get("selftest", ()))
+    if failures:
+        lines = [f"FAIL shared-KV != replicated ({head}): {failures[0]} (+{len(failures) - 1} more)"]
+    else:
+        lines = [
+            f"PASS shared-KV == replicated ({head}, {selftests} self-tests and "
+            f"{len(variants())} twin variants x {options.cp_size} ranks)"
+        ]
+    selftest_s = max((e.get("seconds", 0.0) for rep in per_rank for e in rep.get("selftest", ())), default=0.0)
+    lines.append(f"timings: {timings}; slowest self-test {selftest_s:.2f} s; total {wall_s:.1f} s")
+    bw = extra.get("bandwidth")
+    if bw:
+        lines.append(
+            f"owned shard per layer ({bw['layer_shard_bytes'] / 1e6:.1f} MB, prefix {bw['prefix_tokens']}, "
+            f"cp {bw['cp']}): D2H {bw['d2h_gbps']:.1f} GB/s ({bw['d2h_of_peak']:.0%} of pinned peak "
+            f"{bw['peak_d2h_gbps']:.1f}), H2D {bw['h2d_gbps']:.1f} GB/s ({bw['h2d_of_peak']:.0%} of "
+            f"{bw['peak_h2d_gbps']:.1f})"
+        )
+    if jit:
+        lines.append(f"hicache JIT MLA transfer: {jit}")
+    return not failures, lines
+
+
+# ----------------------------------------------------------------- process launch
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawned_rank(rank: int, world: int, port: int, fn: Callable, options: dict, queue) -> None:
+    if options["device"] == "cpu":  # the CPU runtime must be in place before SGLang loads
+        from sglang_cp_hicache.testing import install
+
+        install()
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=options["timeout_s"]),
+        )
+        queue.put((rank, True, fn(RankContext(rank, world, dist.group.WORLD), options)))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_ranks(world: int, fn: Callable, options: dict) -> List[dict]:
+    """Run ``fn(ctx, options)`` on ``world`` spawned processes; raise with the first traceback."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_spawned_rank, args=(r, world, port, fn, options, queue)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    results = {}
+    try:
+        for _ in range(world):
+            rank, ok, payload = queue.get(timeout=options["timeout_s"])
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return [results[r] for r in range(world)]
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> tuple[CheckOptions, bool]:
+    parser = argparse.ArgumentParser(description="Offline one-GPU check of CP shared KV")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--cp", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=240.0)
+    parser.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args(argv)
+    return CheckOptions(args.device, args.cp, args.timeout), args.dry_run
+
+
+def main(argv: Optional[Sequence[str]] = None, launch: Callable = spawn_ranks) -> int:
+    options, dry_run = parse_args(argv)
+    if dry_run:
+        print(describe(options))
+        return 0
+    if options.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("FAIL no CUDA device visible (use --device cpu for the CPU twin)")
+            return 1
+    start = time.perf_counter()
+    try:
+        per_rank = launch(options.cp_size, check_rank, asdict(options))
+        extra = main_process_checks(options)
+    except Exception as exc:  # a rank crashed: report it as the one result line
+        print(f"FAIL {type(exc).__name__}: {str(exc).strip().splitlines()[-1]}")
+        print(str(exc), file=sys.stderr)
+        return 1
+    ok, lines = summarize(per_rank, options, time.perf_counter() - start, extra)
+    for line in lines:
+        print(line)
+    write_json({"ok": ok, "summary": lines, "versions": versions(), "ranks": per_rank, **extra})
+    return 0 if ok else 1
+
+
+def main_process_checks(options: CheckOptions) -> dict:
+    import torch
+
+    device = torch.device("cuda:0" if options.device == "cuda" else "cpu")
+    shard = ShardGeometry() if options.device == "cuda" else ShardGeometry(prefix_tokens=16384)
+    return {"bandwidth": shard_bandwidth(device, shard), "hicache_jit": hicache_jit_transfer(device)}
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    import torch
+
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(0)
+    for name in ("sglang", "sglang-kernel", "triton", "transformers", "apache-tvm-ffi"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def write_json(report: dict) -> Optional[str]:
+    path = os.environ.get("GPU_CHECK_JSON")
+    if not path and os.environ.get("OUT"):
+        path = os.path.join(os.environ["OUT"], "device_check.json")
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())
