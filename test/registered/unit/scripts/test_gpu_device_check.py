@@ -1,17 +1,13 @@
 """scripts/gpu/device_check.sh: --dry-run, --cpu end to end, and the driver's summary."""
 
-import sglang_cp_hicache.testing
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
-sglang_cp_hicache.testing.install()
-
-import importlib.util  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from sglang_cp_hicache.testing.dist import run_ranks  # noqa: E402
+from sglang_cp_hicache.testing.dist import run_ranks
 
 ROOT = Path(__file__).resolve().parents[4]
 SCRIPT = ROOT / "scripts" / "gpu" / "device_check.sh"
