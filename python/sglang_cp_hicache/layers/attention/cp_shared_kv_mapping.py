@@ -25,11 +25,7 @@ from typing import List, Sequence, Tuple
 import numpy as np
 import torch
 
-from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
-
-
-def _ceil_div(value: int, divisor: int) -> int:
-    return -(-value // divisor)
+from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout, ceil_div
 
 
 def read_request_logical_pages(
@@ -43,7 +39,7 @@ def read_request_logical_pages(
     One device->host copy of the page-start columns for the whole batch; call once per
     forward.
     """
-    num_pages = [_ceil_div(int(n), page_size) for n in seq_lens_cpu]
+    num_pages = [ceil_div(int(n), page_size) for n in seq_lens_cpu]
     max_pages = max(num_pages, default=0)
     if max_pages == 0:
         return [np.zeros(0, dtype=np.int64) for _ in num_pages]
@@ -130,7 +126,7 @@ def build_batch_mapping(
     sorted_logical = np.unique(np.concatenate(pages or [empty]))
     prefix_pages = np.unique(
         np.concatenate(
-            [p[: _ceil_div(int(n), layout.page_size)] for p, n in zip(pages, prefix_lens, strict=True)]
+            [p[: ceil_div(int(n), layout.page_size)] for p, n in zip(pages, prefix_lens, strict=True)]
             or [empty]
         )
     )

@@ -23,12 +23,10 @@ from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 def translate_out_cache_loc(
     layout: CpSharedKVLayout, logical_locs: torch.Tensor
 ) -> torch.Tensor:
-    """Physical write loc of each logical loc (padding page 0 when not owned); same dtype."""
-    offsets = logical_locs % layout.page_size
-    logical_pages = logical_locs // layout.page_size
-    owned = (logical_pages % layout.cp_size) == layout.cp_rank
-    physical = (logical_pages // layout.cp_size) * layout.page_size + offsets
-    return torch.where(owned, physical, offsets)
+    """Physical write loc of each logical loc (padding page 0 when not owned); same dtype.
+
+    The mapping is the layout's (the one place of device-side translation)."""
+    return layout.physical_write_locs(logical_locs)
 
 
 @dataclass(frozen=True)
