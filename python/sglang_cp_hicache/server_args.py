@@ -2,13 +2,15 @@
 
 Extends ``sglang.srt.server_args.ServerArgs`` through hooks (no class replacement):
 
-* ``add_cli_args`` (AFTER) adds the option; parsing it verifies every plugin hook is installed;
+* ``add_cli_args`` (AFTER) adds the option; parsing it verifies the plugin's hooks (parse-time
+  check, see :class:`_EnableAction`);
 * ``from_cli_args`` (AROUND) carries the parsed value into ``__init__``, which copies only
   dataclass fields;
 * ``__init__`` (AROUND) accepts the keyword and stores it as an instance attribute before the
   dataclass ``__init__`` runs, so ``__post_init__`` and pickling (spawned schedulers) see it;
 * ``__post_init__`` (AFTER) rejects every unsupported combination with one clear message;
-* ``check_server_args`` (AFTER) stops a real launch while the attention read path is missing.
+* ``check_server_args`` (AFTER, in :mod:`sglang_cp_hicache.launch_check`) stops a real launch
+  in an unsupported serving mode or while the attention read path is missing.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import argparse
 import contextvars
 import os
 from typing import Any, Callable, List
+
+from sglang_cp_hicache.hooks import verify_hooks_installed
 
 FLAG = "enable_nsa_prefill_cp_shared_kv"
 CLI_FLAG = "--enable-nsa-prefill-cp-shared-kv"
@@ -37,15 +41,17 @@ def is_cp_shared_kv_enabled(server_args: Any) -> bool:
 
 
 class _EnableAction(argparse.Action):
-    """``store_true`` that first proves the plugin is fully installed in this process."""
+    """``store_true`` that first proves every hook whose target is imported is in place.
+
+    Imports nothing heavy: hooks on modules not imported yet (cache, model, attention) are
+    checked to be waiting for that import; the full check runs at pool initialisation.
+    """
 
     def __init__(self, option_strings, dest, **kwargs):
         super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from sglang_cp_hicache.plugin import verify_hooks_installed
-
-        verify_hooks_installed()
+        verify_hooks_installed(import_targets=False)
         setattr(namespace, self.dest, True)
 
 
@@ -79,9 +85,7 @@ def init_around(original: Callable, self: Any, *args, **kwargs) -> None:
     if enabled is None:
         enabled = _cli_value.get()
     elif enabled:
-        from sglang_cp_hicache.plugin import verify_hooks_installed
-
-        verify_hooks_installed()
+        verify_hooks_installed(import_targets=False)
     # Set before the dataclass __init__ so __post_init__ (and its hooks) can read it.
     setattr(self, FLAG, bool(enabled))
     original(self, *args, **kwargs)
@@ -153,18 +157,3 @@ def post_init_after(result: Any, self: Any) -> None:
     validate_cp_shared_kv_args(self)
     return None
 
-
-def check_server_args_after(result: Any, self: Any) -> None:
-    """Main process, before schedulers spawn: the checks that only a real launch needs."""
-    validate_cp_shared_kv_args(self)
-    if is_cp_shared_kv_enabled(self):
-        from sglang_cp_hicache.layers.attention import require_shared_kv_read_path
-        from sglang_cp_hicache.layers.attention.cp_shared_kv_support import (
-            unsupported_serving_modes,
-        )
-
-        problems = unsupported_serving_modes(self)
-        if problems:
-            raise CpSharedKVConfigError("; ".join(problems))
-        require_shared_kv_read_path()
-    return None

@@ -74,12 +74,3 @@ def maybe_send_extra_around(
     return original(
         self, dataclasses.replace(req, dst_state_indices=dst), src, executor, target_rank_registration_info
     )
-
-
-HOOK_SPECS = (
-    (
-        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.maybe_send_extra",
-        maybe_send_extra_around,
-        "AROUND",
-    ),
-)

@@ -334,15 +334,3 @@ def store_index_k_cache_around(original: Callable, self: Any, forward_batch, lay
     with state.dense_scope(forward_batch, layer_id):
         original(self, forward_batch, layer_id, key, **kwargs)
     return None
-
-
-_NSA_BACKEND = "sglang.srt.layers.attention.nsa_backend.NativeSparseAttnBackend"
-_INDEXER = "sglang.srt.layers.attention.nsa.nsa_indexer.Indexer"
-
-HOOK_SPECS = (
-    (f"{_NSA_BACKEND}.init_forward_metadata", init_forward_metadata_around, "AROUND"),
-    (f"{_NSA_BACKEND}.forward_extend", forward_extend_around, "AROUND"),
-    (f"{_INDEXER}.forward_cuda", indexer_forward_around, "AROUND"),
-    (f"{_INDEXER}._store_index_k_cache", store_index_k_cache_around, "AROUND"),
-    ("sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.forward", model_forward_around, "AROUND"),
-)

@@ -12,13 +12,16 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from sglang_cp_hicache.disaggregation import utils as disagg_utils  # noqa: E402
-from sglang_cp_hicache.disaggregation.mooncake import conn as mooncake_conn  # noqa: E402
+from sglang_cp_hicache.hooks import HOOKS as PLUGIN_HOOKS, resolve  # noqa: E402
 from sglang_cp_hicache.layers.attention import nsa_backend_hooks as hooks  # noqa: E402
 from sglang_cp_hicache.layers.attention.cp_shared_kv_mapping import build_batch_mapping  # noqa: E402
 from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout  # noqa: E402
 
-ALL_SPECS = hooks.HOOK_SPECS + disagg_utils.HOOK_SPECS + mooncake_conn.HOOK_SPECS
+ALL_SPECS = [
+    (spec.dotted_target, resolve(spec.hook), spec.hook_type)
+    for spec in PLUGIN_HOOKS
+    if spec.hook.startswith(("sglang_cp_hicache.layers.", "sglang_cp_hicache.disaggregation."))
+]
 
 
 def _installed_original(target):
