@@ -163,7 +163,8 @@ def _hook_object(spec: HookSpec) -> Callable:
 
 
 def _register(spec: HookSpec, source: Any) -> None:
-    """``HookRegistry.register`` once per spec (a second ``install`` is a no-op)."""
+    """``HookRegistry.register`` once per spec: a second ``install`` (now or, through a
+    second watcher callback, at import) finds the same hook object registered."""
     try:
         hook = _hook_object(spec)
         if any(h is hook for _, h, _ in HookRegistry._hooks.get(spec.dotted_target, ())):
@@ -193,8 +194,6 @@ def install(specs: Iterable[HookSpec], source: Any = None) -> None:
             _register(spec, source)
             continue
         with _lock:
-            if spec in _deferred:
-                continue
             _deferred.add(spec)
 
         def on_import(module: ModuleType, spec: HookSpec = spec) -> None:

@@ -91,6 +91,7 @@ def test_hook_on_imported_module_applies_with_load_plugins(modules):
     spec = _spec(target, hook)
     module = importlib.import_module(target)
     hooks.install([spec])
+    hooks.install([spec])  # idempotent: still applied once
     # Registered, not applied: load_plugins() applies right after the plugins register.
     assert module.greet() == "hi"
     assert hooks.missing_hooks([spec]) == [f"{spec.dotted_target} (not in the installed chain)"]

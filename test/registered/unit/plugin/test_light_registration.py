@@ -1,7 +1,8 @@
-"""Registration, the flag and every fail-fast refusal need no kernel, cache or model module.
+"""Registration, the flag and every fail-fast refusal need no kernel, cache or model module;
+the hooks on those modules apply when SGLang imports them.
 
-Runs a fresh interpreter without the CPU runtime (``conftest``'s ``install()``) and with
-``sgl_kernel`` unimportable, as on a machine where it is not installed.
+Each test runs a fresh interpreter. The first runs without the CPU runtime (``conftest``'s
+``install()``) and with ``sgl_kernel`` unimportable, as on a machine where it is missing.
 """
 
 import json
@@ -113,3 +114,46 @@ def test_flag_and_refusals_without_kernel_cache_or_model_modules():
     assert {t.rsplit(".", 1)[-1] for t in result["applied"]} >= {
         "add_cli_args", "from_cli_args", "__init__", "__post_init__", "check_server_args"
     }
+
+
+DEFERRED_SCRIPT = r"""
+import json, sys
+from sglang_cp_hicache.testing import install
+
+install()  # the CPU runtime: SGLang's cache modules import on this machine
+import sglang.srt.plugins
+from sglang.srt.plugins.hook_registry import HookRegistry
+from sglang_cp_hicache import hooks
+from sglang_cp_hicache.import_watcher import installed_watcher
+
+sglang.srt.plugins.load_plugins()
+deferred = list(installed_watcher().pending())
+import sglang.srt.managers.scheduler  # a scheduler process: imports much of the cache stack
+from sglang.srt.mem_cache.hiradix_cache import HiRadixCache  # the scheduler's lazy import
+
+print(json.dumps({
+    "deferred": deferred,
+    "hiradix": HiRadixCache.__name__,
+    "missing": hooks.missing_hooks(),  # imports every remaining target
+    "pending_after": list(installed_watcher().pending()),
+    "sources": sorted({str(src and src.plugin_name) for entries in HookRegistry._hooks.values()
+                       for _, _, src in entries}),
+}))
+"""
+
+
+def test_deferred_hooks_apply_when_sglang_imports_their_modules():
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", DEFERRED_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Failed to" not in out.stderr, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "sglang.srt.mem_cache.hiradix_cache" in result["deferred"]
+    assert "sglang.srt.models.deepseek_v2" in result["deferred"]
+    assert result["hiradix"] == "CpHiRadixCache"
+    assert result["missing"] == [] and result["pending_after"] == []
+    assert result["sources"] == ["cp_hicache"]  # deferred hooks keep load_plugins' source

@@ -71,6 +71,16 @@ def test_missing_hook_stops_startup(plugins_loaded, monkeypatch):
         from sglang.srt.server_args import ServerArgs
 
         ServerArgs(model_path="dummy", **{FLAG: True})
+    # Pool initialisation in a scheduler runs the full check: every target imported.
+    from types import SimpleNamespace
+
+    from sglang_cp_hicache.model_executor.model_runner_kv_cache_mixin import init_pools_around
+
+    runner = SimpleNamespace(
+        server_args=SimpleNamespace(**{FLAG: True}), token_to_kv_pool_allocator=None
+    )
+    with pytest.raises(hooks.PluginNotInstalledError, match="ServerArgs.url.*cp_hicache_no_such_module"):
+        init_pools_around(lambda self: None, runner)
 
 
 def test_cli_parsing_with_and_without_flag(plugins_loaded):
