@@ -2,14 +2,16 @@
 
 Extends ``sglang.srt.server_args.ServerArgs`` through hooks (no class replacement):
 
-* ``add_cli_args`` (AFTER) adds the option; parsing it verifies every plugin hook is installed;
+* ``add_cli_args`` (AFTER) adds the option; parsing it verifies the plugin's hooks (parse-time
+  check, see :class:`_EnableAction`);
 * ``from_cli_args`` (AROUND) carries the parsed value into ``__init__``, which copies only
   dataclass fields;
 * ``__init__`` (AROUND) accepts the keyword and stores it as an instance attribute before the
   dataclass ``__init__`` runs, so ``__post_init__`` and pickling (spawned schedulers) see it;
 * ``__post_init__`` (AFTER) rejects every unsupported combination with one clear message;
-* ``check_server_args`` (AFTER) stops a real launch in an unsupported serving mode (the
-  read path itself is proven per rank at init by the startup self-test).
+* ``check_server_args`` (AFTER, in :mod:`sglang_cp_hicache.launch_check`) stops a real launch
+  in an unsupported serving mode (the read path itself is proven per rank at init by the
+  startup self-test).
 """
 
 from __future__ import annotations
@@ -19,12 +21,18 @@ import contextvars
 import os
 from typing import Any, Callable, List
 
+from sglang_cp_hicache.hooks import verify_hooks_installed
+
 FLAG = "enable_nsa_prefill_cp_shared_kv"
 CLI_FLAG = "--enable-nsa-prefill-cp-shared-kv"
+# Which collective materialises prefix KV per layer (layers/attention/cp_shared_kv_collectives).
+MATERIALIZE_DEST = "nsa_prefill_cp_shared_kv_materialize"
+MATERIALIZE_FLAG = "--nsa-prefill-cp-shared-kv-materialize"
+MATERIALIZE_CHOICES = ("auto", "all_gather", "all_reduce")
 
 # from_cli_args -> __init__ carrier; a context variable keeps concurrent parsers apart.
-_cli_value: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "cp_shared_kv_cli_value", default=False
+_cli_values: contextvars.ContextVar[dict] = contextvars.ContextVar(
+    "cp_shared_kv_cli_values", default={}
 )
 
 
@@ -38,21 +46,34 @@ def is_cp_shared_kv_enabled(server_args: Any) -> bool:
 
 
 class _EnableAction(argparse.Action):
-    """``store_true`` that first proves the plugin is fully installed in this process."""
+    """``store_true`` that first proves every hook whose target is imported is in place.
+
+    Imports nothing heavy: hooks on modules not imported yet (cache, model, attention) are
+    checked to be waiting for that import; the full check runs at pool initialisation.
+    """
 
     def __init__(self, option_strings, dest, **kwargs):
         super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from sglang_cp_hicache.plugin import verify_hooks_installed
-
-        verify_hooks_installed()
+        verify_hooks_installed(import_targets=False)
         setattr(namespace, self.dest, True)
 
 
 def add_cli_args_after(result: Any, parser: argparse.ArgumentParser) -> None:
     if any(CLI_FLAG in action.option_strings for action in parser._actions):
         return None
+    parser.add_argument(
+        MATERIALIZE_FLAG,
+        dest=MATERIALIZE_DEST,
+        choices=MATERIALIZE_CHOICES,
+        default="auto",
+        help=(
+            "CP shared KV: collective that materialises prefix KV per layer (auto: all_gather "
+            "on NCCL, about half the bytes of all_reduce; all_reduce on gloo). "
+            "(sglang-cp-hicache plugin)"
+        ),
+    )
     parser.add_argument(
         CLI_FLAG,
         dest=FLAG,
@@ -68,23 +89,33 @@ def add_cli_args_after(result: Any, parser: argparse.ArgumentParser) -> None:
 
 
 def from_cli_args_around(original: Callable, cls: type, args: argparse.Namespace):
-    token = _cli_value.set(bool(getattr(args, FLAG, False)))
+    token = _cli_values.set(
+        {
+            FLAG: bool(getattr(args, FLAG, False)),
+            MATERIALIZE_DEST: getattr(args, MATERIALIZE_DEST, "auto"),
+        }
+    )
     try:
         return original(cls, args)
     finally:
-        _cli_value.reset(token)
+        _cli_values.reset(token)
 
 
 def init_around(original: Callable, self: Any, *args, **kwargs) -> None:
+    parsed = _cli_values.get()
     enabled = kwargs.pop(FLAG, None)
     if enabled is None:
-        enabled = _cli_value.get()
+        enabled = parsed.get(FLAG, False)
     elif enabled:
-        from sglang_cp_hicache.plugin import verify_hooks_installed
-
-        verify_hooks_installed()
-    # Set before the dataclass __init__ so __post_init__ (and its hooks) can read it.
+        verify_hooks_installed(import_targets=False)
+    materialize = kwargs.pop(MATERIALIZE_DEST, None) or parsed.get(MATERIALIZE_DEST, "auto")
+    if materialize not in MATERIALIZE_CHOICES:
+        raise CpSharedKVConfigError(
+            f"{MATERIALIZE_FLAG} {materialize!r}: choose from {', '.join(MATERIALIZE_CHOICES)}"
+        )
+    # Set before the dataclass __init__ so __post_init__ (and its hooks) can read them.
     setattr(self, FLAG, bool(enabled))
+    setattr(self, MATERIALIZE_DEST, materialize)
     original(self, *args, **kwargs)
 
 
@@ -154,16 +185,3 @@ def post_init_after(result: Any, self: Any) -> None:
     validate_cp_shared_kv_args(self)
     return None
 
-
-def check_server_args_after(result: Any, self: Any) -> None:
-    """Main process, before schedulers spawn: the checks that only a real launch needs."""
-    validate_cp_shared_kv_args(self)
-    if is_cp_shared_kv_enabled(self):
-        from sglang_cp_hicache.layers.attention.cp_shared_kv_support import (
-            unsupported_serving_modes,
-        )
-
-        problems = unsupported_serving_modes(self)
-        if problems:
-            raise CpSharedKVConfigError("; ".join(problems))
-    return None

@@ -72,12 +72,3 @@ def filter_kv_indices_for_cp_rank_around(
     if not is_cp_shared_kv_enabled(kv_mgr.server_args):
         return original(kv_mgr, kv_indices, index_slice)
     return filter_kv_indices_for_shared_kv(layout_of_kv_manager(kv_mgr), kv_indices, index_slice)
-
-
-HOOK_SPECS = (
-    (
-        "sglang.srt.disaggregation.utils.filter_kv_indices_for_cp_rank",
-        filter_kv_indices_for_cp_rank_around,
-        "AROUND",
-    ),
-)

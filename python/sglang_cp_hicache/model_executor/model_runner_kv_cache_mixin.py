@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+from sglang_cp_hicache.hooks import verify_hooks_installed
 from sglang_cp_hicache.server_args import CLI_FLAG, CpSharedKVConfigError, is_cp_shared_kv_enabled
 
 logger = logging.getLogger(__name__)
@@ -72,8 +73,6 @@ def init_pools_around(original: Callable, self: Any, *args, **kwargs) -> Any:
     )
     result = original(self, *args, **kwargs)
     if is_target:
-        from sglang_cp_hicache.plugin import verify_hooks_installed
-
         verify_hooks_installed()
         cp_rank, cp_size = _cp_rank_and_size()
         install_cp_shared_allocator(self, cp_rank, cp_size)

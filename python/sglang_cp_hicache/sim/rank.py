@@ -37,7 +37,8 @@ def _apply_plugin_hooks() -> None:
     driver's calls into SGLang's scheduler-path functions run the plugin's wrappers."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sglang_cp_hicache.plugin import missing_hooks, register
+    from sglang_cp_hicache.hooks import missing_hooks
+    from sglang_cp_hicache.plugin import register
 
     register()
     HookRegistry.apply_hooks()

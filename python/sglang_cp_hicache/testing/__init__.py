@@ -147,6 +147,8 @@ def apply(plan: InstallPlan) -> None:
         importlib.import_module(name)
     if plan.cpu_device_module:
         _install_device_module()  # rebinds module globals bound before install()
+        # The startup self-test's readers on CPU: the torch reference of the NSA stages.
+        importlib.import_module("sglang_cp_hicache.testing.selftest_kernels")
 
 
 def install() -> InstallPlan:

@@ -15,6 +15,7 @@ import torch
 from sglang_cp_hicache.layers.attention.cp_shared_kv_selftest import (
     FP8_KV_ROW_BYTES,
     KV_LORA_RANK,
+    READER_KERNELS,
     ReadSide,
 )
 
@@ -78,3 +79,6 @@ class TorchReferenceKernels:
         if kv.shape[-1] != FP8_KV_ROW_BYTES:
             return None
         return _dequantize_rows(kv[flat_locs.long()])
+
+
+READER_KERNELS["cpu"] = TorchReferenceKernels

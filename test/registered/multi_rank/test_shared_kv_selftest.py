@@ -142,6 +142,7 @@ def _launch_rank(ctx, fault):
     """What a scheduler rank does at init: the hooked ``init_memory_pool``, then serve."""
     from unittest import mock
 
+    from sglang_cp_hicache.layers.attention import cp_shared_kv_selftest as selftest
     from sglang_cp_hicache.layers.attention import nsa_backend_hooks as hooks
     from sglang_cp_hicache.layers.attention.cp_shared_kv_selftest import SharedKVSelfTestFailed
     from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
@@ -150,11 +151,11 @@ def _launch_rank(ctx, fault):
     runner = _StubRunner()
     with mock.patch.object(hooks, "startup_runtime", lambda model_runner: runtime), _planted(fault):
         try:
-            result = hooks.init_memory_pool_around(_StubRunner.init_memory_pool, runner, 0)
+            result = selftest.init_memory_pool_around(_StubRunner.init_memory_pool, runner, 0)
         except SharedKVSelfTestFailed as exc:
             return ("refused", exc.stage)
     runner.served = True
-    report = getattr(runner, hooks.SELFTEST_ATTR)
+    report = getattr(runner, selftest.SELFTEST_ATTR)
     return ("served", result, report.seconds)
 
 
@@ -166,8 +167,9 @@ def test_launch_serves_only_after_a_passing_selftest():
 
 
 def test_selftest_hook_is_registered_on_init_memory_pool():
-    from sglang_cp_hicache.layers.attention import nsa_backend_hooks as hooks
+    from sglang_cp_hicache.hooks import HOOKS, resolve
+    from sglang_cp_hicache.layers.attention import cp_shared_kv_selftest as selftest
 
-    targets = {target: hook for target, hook, _ in hooks.HOOK_SPECS}
+    targets = {spec.dotted_target: resolve(spec.hook) for spec in HOOKS}
     mixin = "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin"
-    assert targets[f"{mixin}.init_memory_pool"] is hooks.init_memory_pool_around
+    assert targets[f"{mixin}.init_memory_pool"] is selftest.init_memory_pool_around

@@ -121,14 +121,3 @@ def send_kvcache_hisparse_around(
         dst_data_indices=np.asarray(dst_kv_indices)[dst_positions],
         executor=executor,
     )
-
-
-HOOK_SPECS = (
-    (
-        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.maybe_send_extra",
-        maybe_send_extra_around,
-        "AROUND",
-    ),
-)
-# send_kvcache_hisparse_around is registered from nsa_backend_hooks.HOOK_SPECS (new hooks
-# go there until the central hook table lands).

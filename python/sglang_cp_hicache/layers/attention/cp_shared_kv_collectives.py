@@ -18,28 +18,15 @@ import logging
 import os
 from typing import Any, List, Optional, Sequence
 
+from sglang_cp_hicache.server_args import MATERIALIZE_CHOICES, MATERIALIZE_DEST, MATERIALIZE_FLAG
+
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-MATERIALIZE_FLAG = "--nsa-prefill-cp-shared-kv-materialize"
-MATERIALIZE_DEST = "nsa_prefill_cp_shared_kv_materialize"
-MATERIALIZE_CHOICES = ("auto", "all_gather", "all_reduce")
 STRATEGY_ENV = "SGLANG_CP_SHARED_KV_MATERIALIZE_STRATEGY"
 
 _materialize_group: Optional[Any] = None
-
-
-def add_materialize_cli_arg(parser: Any) -> None:
-    """Add the flag to an ``argparse`` parser (``ServerArgs.add_cli_args``)."""
-    parser.add_argument(
-        MATERIALIZE_FLAG,
-        dest=MATERIALIZE_DEST,
-        choices=MATERIALIZE_CHOICES,
-        default="auto",
-        help="CP shared KV: collective that materialises prefix KV per layer "
-        "(auto: all_gather on NCCL, all_reduce on gloo).",
-    )
 
 
 def materialize_choice(server_args: Any) -> str:

@@ -14,7 +14,8 @@ the pool can address. Then, for the server's KV geometry and dtype:
 Each stage compares the two, bit for bit, and the first mismatch raises
 :class:`SharedKVSelfTestFailed` naming it. Readers run through a :class:`ReaderKernels`
 set: SGLang's real kernels on CUDA (:class:`SGLangCudaKernels`), the torch reference of
-the same stages on CPU (``sglang_cp_hicache.testing.selftest_kernels``). A second check,
+the same stages on CPU (``sglang_cp_hicache.testing.selftest_kernels``, registered by the
+CPU runtime). A second check,
 :func:`materialization_round_trip`, moves a deterministic per-page pattern over the group.
 """
 
@@ -28,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tupl
 import numpy as np
 import torch
 
+from sglang_cp_hicache.layers.attention import nsa_backend_hooks as hooks
 from sglang_cp_hicache.layers.attention.cp_shared_kv_mapping import (
     CpSharedKVBatchMapping,
     build_batch_mapping,
@@ -325,12 +327,20 @@ class SGLangCudaKernels:
         return dequantize_k_cache_paged(side.kv_buffer.view(torch.float8_e4m3fn), flat_locs)
 
 
-def default_reader_kernels(device: torch.device) -> ReaderKernels:
-    if device.type == "cuda":
-        return SGLangCudaKernels()
-    from sglang_cp_hicache.testing.selftest_kernels import TorchReferenceKernels
+# Reader kernels per device type. The CPU runtime registers its torch reference for "cpu"
+# (``sglang_cp_hicache.testing.selftest_kernels``): product code never imports testing code.
+READER_KERNELS: Dict[str, Callable[[], ReaderKernels]] = {"cuda": SGLangCudaKernels}
 
-    return TorchReferenceKernels()
+
+def default_reader_kernels(device: torch.device) -> ReaderKernels:
+    factory = READER_KERNELS.get(device.type)
+    if factory is None:
+        raise SharedKVSelfTestFailed(
+            "reader_kernels",
+            f"no NSA reader kernels for device {device.type!r} (CUDA, or the CPU runtime's "
+            "torch reference)",
+        )
+    return factory()
 
 
 # ----------------------------------------------------------------------- the test
@@ -410,8 +420,6 @@ def run_kernel_equivalence(
         batch.max_logical_loc() < capacity,
         f"logical loc {batch.max_logical_loc()} is outside the logical view's capacity {capacity}",
     )
-    from sglang_cp_hicache.layers.attention import nsa_backend_hooks as hooks
-
     view_capacity = hooks.logical_capacity_size(shared, layout) + ps
     stage.check(
         "logical_capacity",
@@ -591,3 +599,21 @@ def run_startup_selftest(model_runner: Any, runtime: Any) -> SelfTestReport:
         geometry.kv_store_dtype, geometry.kv_token_shape, runtime.strategy, ", ".join(dict.fromkeys(report.stages)),
     )
     return report
+
+
+SELFTEST_ATTR = "cp_shared_kv_selftest"
+
+
+def init_memory_pool_around(original: Callable, self: Any, *args, **kwargs) -> Any:
+    """AROUND ``ModelRunnerKVCacheMixin.init_memory_pool``: after the pools exist, the
+    startup self-test on this rank's GPU and CP group.
+
+    Raises :class:`SharedKVSelfTestFailed` (naming the stage) before the rank serves.
+    """
+    result = original(self, *args, **kwargs)
+    if getattr(self, "is_draft_worker", False):
+        return result
+    runtime = hooks.startup_runtime(self)
+    if runtime is not None:
+        setattr(self, SELFTEST_ATTR, run_startup_selftest(self, runtime))
+    return result

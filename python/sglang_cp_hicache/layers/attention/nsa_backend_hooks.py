@@ -36,7 +36,6 @@ import torch
 from sglang_cp_hicache.layers.attention.cp_shared_kv_budget import (
     DenseBufferBudget,
     active_budget,
-    profile_available_bytes_around,
 )
 from sglang_cp_hicache.layers.attention.cp_shared_kv_collectives import (
     create_materialize_group,
@@ -56,9 +55,6 @@ from sglang_cp_hicache.layers.attention.cp_shared_kv_materialize import (
     make_strategy,
     prefetch_from_env,
 )
-from sglang_cp_hicache.disaggregation.mooncake.conn import (
-    send_kvcache_hisparse_around as _send_kvcache_hisparse_around,
-)
 from sglang_cp_hicache.layers.attention.cp_shared_kv_write import WritePathLocs
 from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 
@@ -66,7 +62,6 @@ logger = logging.getLogger(__name__)
 
 STATE_ATTR = "cp_shared_kv_state"
 RUNTIME_ATTR = "_cp_shared_kv_runtime"
-SELFTEST_ATTR = "cp_shared_kv_selftest"
 _NOT_RESOLVED = object()
 _dummy_run_scope = threading.local()
 
@@ -340,22 +335,6 @@ def startup_runtime(model_runner: Any) -> Optional[CpSharedKVRuntime]:
 
 
 # ------------------------------------------------------------------------- hooks
-def init_memory_pool_around(original: Callable, self: Any, *args, **kwargs) -> Any:
-    """After the pools exist: the startup self-test on this rank's GPU and CP group.
-
-    Raises :class:`SharedKVSelfTestFailed` (naming the stage) before the rank serves.
-    """
-    result = original(self, *args, **kwargs)
-    if getattr(self, "is_draft_worker", False):
-        return result
-    runtime = startup_runtime(self)
-    if runtime is not None:
-        from sglang_cp_hicache.layers.attention.cp_shared_kv_selftest import run_startup_selftest
-
-        setattr(self, SELFTEST_ATTR, run_startup_selftest(self, runtime))
-    return result
-
-
 def dummy_run_around(original: Callable, self: Any, *args, **kwargs) -> Any:
     with dummy_run_scope():
         return original(self, *args, **kwargs)
@@ -424,31 +403,3 @@ def store_index_k_cache_around(original: Callable, self: Any, forward_batch, lay
     with state.dense_scope(forward_batch, layer_id):
         original(self, forward_batch, layer_id, key, **kwargs)
     return None
-
-
-_NSA_BACKEND = "sglang.srt.layers.attention.nsa_backend.NativeSparseAttnBackend"
-_INDEXER = "sglang.srt.layers.attention.nsa.nsa_indexer.Indexer"
-
-HOOK_SPECS = (
-    (f"{_NSA_BACKEND}.init_forward_metadata", init_forward_metadata_around, "AROUND"),
-    (f"{_NSA_BACKEND}.forward_extend", forward_extend_around, "AROUND"),
-    (f"{_INDEXER}.forward_cuda", indexer_forward_around, "AROUND"),
-    (f"{_INDEXER}._store_index_k_cache", store_index_k_cache_around, "AROUND"),
-    ("sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.forward", model_forward_around, "AROUND"),
-    (
-        "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin.init_memory_pool",
-        init_memory_pool_around,
-        "AROUND",
-    ),
-    ("sglang.srt.model_executor.model_runner.ModelRunner._dummy_run", dummy_run_around, "AROUND"),
-    (
-        "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin._profile_available_bytes",
-        profile_available_bytes_around,
-        "AROUND",
-    ),
-    (
-        "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache_hisparse",
-        _send_kvcache_hisparse_around,
-        "AROUND",
-    ),
-)

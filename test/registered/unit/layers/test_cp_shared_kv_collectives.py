@@ -1,7 +1,5 @@
 """Materialisation flag, strategy choice by bytes, and the dedicated CP process group."""
 
-import argparse
-
 import pytest
 import torch
 
@@ -9,14 +7,17 @@ from sglang_cp_hicache.layers.attention import cp_shared_kv_collectives as coll
 from sglang_cp_hicache.testing.dist import run_ranks
 
 
-def test_flag_parses_and_defaults_to_auto():
-    parser = argparse.ArgumentParser()
-    coll.add_materialize_cli_arg(parser)
-    assert coll.materialize_choice(parser.parse_args([])) == "auto"
-    args = parser.parse_args([coll.MATERIALIZE_FLAG, "all_reduce"])
-    assert coll.materialize_choice(args) == "all_reduce"
+def test_flag_parses_through_sglang_and_defaults_to_auto(plugins_loaded):
+    from sglang.srt.server_args import ServerArgs, prepare_server_args
+
+    base = ["--model-path", "dummy"]
+    assert coll.materialize_choice(prepare_server_args(base)) == "auto"
+    parsed = prepare_server_args(base + [coll.MATERIALIZE_FLAG, "all_reduce"])
+    assert coll.materialize_choice(parsed) == "all_reduce"
     with pytest.raises(SystemExit):
-        parser.parse_args([coll.MATERIALIZE_FLAG, "broadcast"])
+        prepare_server_args(base + [coll.MATERIALIZE_FLAG, "broadcast"])
+    kw = ServerArgs(model_path="dummy", **{coll.MATERIALIZE_DEST: "all_gather"})
+    assert coll.materialize_choice(kw) == "all_gather"
     assert coll.materialize_choice(object()) == "auto"
 
 

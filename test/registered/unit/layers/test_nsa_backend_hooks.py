@@ -8,13 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_cp_hicache.disaggregation import utils as disagg_utils
-from sglang_cp_hicache.disaggregation.mooncake import conn as mooncake_conn
+from sglang_cp_hicache.hooks import HOOKS as PLUGIN_HOOKS, resolve
 from sglang_cp_hicache.layers.attention import nsa_backend_hooks as hooks
 from sglang_cp_hicache.layers.attention.cp_shared_kv_mapping import build_batch_mapping
 from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 
-ALL_SPECS = hooks.HOOK_SPECS + disagg_utils.HOOK_SPECS + mooncake_conn.HOOK_SPECS
+ALL_SPECS = [
+    (spec.dotted_target, resolve(spec.hook), spec.hook_type)
+    for spec in PLUGIN_HOOKS
+    if spec.hook.startswith(("sglang_cp_hicache.layers.", "sglang_cp_hicache.disaggregation."))
+]
 
 
 def _installed_original(target):

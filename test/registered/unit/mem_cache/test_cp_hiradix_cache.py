@@ -11,8 +11,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchPrefixParams,
 )
 
-from sglang_cp_hicache.mem_cache.hiradix_cache import _validate_cp_hicache_args
-from sglang_cp_hicache.server_args import CpSharedKVConfigError
+from sglang_cp_hicache.server_args import CpSharedKVConfigError, validate_cp_shared_kv_args
 from sglang_cp_hicache.testing import device_module, nsa_stack
 
 PS = 64
@@ -199,8 +198,13 @@ def test_load_back_beyond_quota_is_skipped_cleanly(stack):
 def test_storage_backend_is_refused(stack):
     with pytest.raises(CpSharedKVConfigError, match="storage backend"):
         stack.cache.attach_storage_backend("file")
+    launch = SimpleNamespace(
+        enable_nsa_prefill_cp_shared_kv=True,
+        enable_nsa_prefill_context_parallel=True,
+        hicache_storage_backend="file",
+    )
     with pytest.raises(CpSharedKVConfigError, match="--hicache-storage-backend"):
-        _validate_cp_hicache_args(SimpleNamespace(hicache_storage_backend="file"))
+        validate_cp_shared_kv_args(launch)
 
 
 def test_flush_returns_every_device_and_host_slot(stack):

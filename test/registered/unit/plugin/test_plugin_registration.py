@@ -2,6 +2,7 @@
 
 import copy
 import hashlib
+import inspect
 import pickle
 import subprocess
 import sys
@@ -10,13 +11,9 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 
-from sglang_cp_hicache import plugin
-from sglang_cp_hicache.server_args import (
-    CLI_FLAG,
-    FLAG,
-    CpSharedKVConfigError,
-    check_server_args_after,
-)
+from sglang_cp_hicache import hooks, plugin
+from sglang_cp_hicache.launch_check import check_server_args_after
+from sglang_cp_hicache.server_args import CLI_FLAG, FLAG, CpSharedKVConfigError
 from sglang_cp_hicache.testing.dist import run_ranks
 
 CP_ARGS = ["--model-path", "dummy", CLI_FLAG, "--enable-nsa-prefill-context-parallel"]
@@ -32,29 +29,57 @@ def test_entry_point_is_discoverable():
 def test_load_plugins_installs_every_hook(plugins_loaded):
     from sglang.srt.mem_cache import hiradix_cache
 
-    assert plugin.missing_hooks() == []
+    assert hooks.missing_hooks() == []
     assert hiradix_cache.HiRadixCache.__name__ == "CpHiRadixCache"
 
 
+def test_every_table_entry_resolves():
+    from sglang.srt.plugins.hook_registry import HookType
+
+    for spec in hooks.HOOKS:
+        HookType[spec.hook_type]
+        target, hook = hooks.resolve(spec.target), hooks.resolve(spec.hook)
+        assert callable(target) and callable(hook), spec
+        if spec.hook_type == "REPLACE":
+            assert isinstance(hook, type) and issubclass(hook, inspect.unwrap(target)), spec
+        else:
+            assert not isinstance(hook, type), spec
+
+
 def test_missing_hook_stops_startup(plugins_loaded, monkeypatch):
-    unapplied = plugin.HookSpec(
-        "sglang.srt.server_args.ServerArgs.url", lambda result, self: None, "AFTER"
+    unapplied = hooks.HookSpec(
+        "sglang.srt.server_args:ServerArgs.url", "sglang_cp_hicache.server_args:post_init_after", "AFTER"
     )
-    typo = plugin.HookSpec("sglang.srt.server_args.ServerArgs.no_such_method", print, "AFTER")
-    assert plugin.missing_hooks([unapplied]) == [unapplied.target]
-    assert plugin.missing_hooks([typo])[0].startswith(typo.target)
-    monkeypatch.setattr(plugin, "HOOKS", plugin.HOOKS + (unapplied,))
-    with pytest.raises(plugin.PluginNotInstalledError, match="ServerArgs.url"):
-        plugin.verify_hooks_installed()
+    typo = hooks.HookSpec("sglang.srt.server_args:ServerArgs.no_such_method", "builtins:print", "AFTER")
+    unwatched = hooks.HookSpec("cp_hicache_no_such_module:f", "builtins:print", "AFTER")
+    assert hooks.missing_hooks([unapplied]) == [f"{unapplied.dotted_target} (never registered in this process)"]
+    assert hooks.missing_hooks([typo])[0].startswith(typo.dotted_target)
+    assert hooks.missing_hooks([unwatched], import_targets=False) == [
+        "cp_hicache_no_such_module.f (not watching for its module's import)"
+    ]
+    assert "ModuleNotFoundError" in hooks.missing_hooks([unwatched])[0]
+    monkeypatch.setattr(hooks, "HOOKS", hooks.HOOKS + (unapplied, unwatched))
+    with pytest.raises(hooks.PluginNotInstalledError, match="ServerArgs.url.*cp_hicache_no_such_module"):
+        hooks.verify_hooks_installed()
     # Turning the flag on is where the check runs.
     from sglang.srt.server_args import prepare_server_args
 
-    with pytest.raises(plugin.PluginNotInstalledError):
+    with pytest.raises(hooks.PluginNotInstalledError, match="ServerArgs.url"):
         prepare_server_args(CP_ARGS)
-    with pytest.raises(plugin.PluginNotInstalledError):
+    with pytest.raises(hooks.PluginNotInstalledError, match="ServerArgs.url"):
         from sglang.srt.server_args import ServerArgs
 
         ServerArgs(model_path="dummy", **{FLAG: True})
+    # Pool initialisation in a scheduler runs the full check: every target imported.
+    from types import SimpleNamespace
+
+    from sglang_cp_hicache.model_executor.model_runner_kv_cache_mixin import init_pools_around
+
+    runner = SimpleNamespace(
+        server_args=SimpleNamespace(**{FLAG: True}), token_to_kv_pool_allocator=None
+    )
+    with pytest.raises(hooks.PluginNotInstalledError, match="ServerArgs.url.*cp_hicache_no_such_module"):
+        init_pools_around(lambda self: None, runner)
 
 
 def test_cli_parsing_with_and_without_flag(plugins_loaded):
