@@ -102,8 +102,14 @@ def test_cp4_end_to_end() -> None:
     report = run_simulation(SimConfig(cp_size=4, seed=1, num_requests=80, **CP4))
     _assert_promises(report, 4)
     assert report.baseline is None and report.baseline_op_time_us is None
-    # Balanced placement: no rank writes or holds much more than its share (issue 12:
-    # lane-0-first placement gave 1.38x D2H at cp 3).
+
+
+def test_cp3_placement_is_balanced() -> None:
+    """Balanced placement: no rank writes or holds much more than its share. Measured on
+    this run: D2H 1.04x the mean, host 1.02x; placing new pages on lane 0 while it has
+    room gives D2H 1.19x (issue 12 saw 1.38x at cp 3 with compute-owner placement)."""
+    report = run_simulation(SimConfig(cp_size=3, seed=1, num_requests=60, baseline=False))
+    assert report.passed and report.config["workload"] == "default"
     assert report.balance.d2h_bytes_skew <= 1.10
     assert report.balance.host_peak_bytes_skew <= 1.10
 
