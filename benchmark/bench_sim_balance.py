@@ -1,5 +1,7 @@
-"""Owner-lane balance of CP shared KV, measured by the simulator: per-rank skew of host
-bytes and D2H/H2D traffic over a sweep of cp sizes and workloads (issue 12's targets).
+"""Owner-lane balance of CP shared KV, measured by the simulator (issue 12's targets).
+
+Per-rank skew of peak host bytes and of D2H/H2D traffic over a sweep of cp sizes and
+workloads.
 
 Each run replays the workload on ``cp`` gloo ranks (no cp-1 baseline) and must pass the
 simulator's own checks. Targets, per run: max-rank / mean host peak bytes and D2H bytes
