@@ -7,18 +7,20 @@ Stable API::
     assert report.passed
 """
 
-from sglang_cp_hicache.sim.config import FAULTS, SimConfig
-from sglang_cp_hicache.sim.report import BaselineSummary, SimReport, format_table
+from sglang_cp_hicache.sim.config import FAULTS, WORKLOADS, SimConfig
+from sglang_cp_hicache.sim.report import BaselineSummary, LaneBalance, SimReport, format_table
 from sglang_cp_hicache.sim.simulation import run_simulation
 from sglang_cp_hicache.sim.workload import Request, TraceError, generate_workload, load_trace
 
 __all__ = [
     "FAULTS",
     "BaselineSummary",
+    "LaneBalance",
     "Request",
     "SimConfig",
     "SimReport",
     "TraceError",
+    "WORKLOADS",
     "format_table",
     "generate_workload",
     "load_trace",

@@ -8,23 +8,37 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
-from sglang_cp_hicache.sim.config import FAULTS, SimConfig
+from sglang_cp_hicache.sim.config import FAULTS, WORKLOADS, SimConfig
 
 logger = logging.getLogger("sglang_cp_hicache.sim")
 
-_DEFAULTS = SimConfig()
+
+def _workload_arg(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default=default,
+        help="named preset; it sets the defaults of the options below",
+    )
 
 
-def _parser() -> argparse.ArgumentParser:
+def _chosen_workload(argv: Optional[List[str]]) -> str:
+    """``--workload`` alone, read first: the preset gives every other option's default."""
+    pre = argparse.ArgumentParser(add_help=False)
+    _workload_arg(pre, "default")
+    known, _ = pre.parse_known_args(argv)
+    return known.workload
+
+
+def _parser(d: SimConfig) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sglang-cp-hicache-sim",
         description="Replay a workload through CP shared KV + HiCache on N simulated CPU "
         "ranks, verify every cache hit byte for byte, and report.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    d = _DEFAULTS
     run = p.add_argument_group("run")
     run.add_argument("--cp-size", type=int, default=d.cp_size)
     run.add_argument("--seed", type=int, default=d.seed)
@@ -37,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--fault", choices=sorted(FAULTS), help=argparse.SUPPRESS)  # checker tests
 
     work = p.add_argument_group("workload")
+    _workload_arg(work, d.workload)
     work.add_argument("--trace", metavar="JSONL", help="replay this trace instead of the generator")
     work.add_argument("--num-requests", type=int, default=d.num_requests)
     work.add_argument("--batch-size", type=int, default=d.batch_size)
@@ -65,6 +80,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(
         cp_size=args.cp_size,
         seed=args.seed,
+        workload=args.workload,
         num_requests=args.num_requests,
         num_system_prompts=args.num_system_prompts,
         system_prompt_len=args.system_prompt_len,
@@ -90,9 +106,20 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     )
 
 
+def parse_args(
+    argv: Optional[List[str]] = None,
+) -> Tuple[argparse.ArgumentParser, argparse.Namespace]:
+    """The parser, its defaults taken from the chosen ``--workload`` preset, and the args."""
+    try:
+        defaults = SimConfig.preset(_chosen_workload(argv))
+    except ValueError:
+        defaults = SimConfig()  # the full parser reports the bad choice
+    parser = _parser(defaults)
+    return parser, parser.parse_args(argv)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    parser, args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,
@@ -134,4 +161,4 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0 if report.passed else 1
 
 
-__all__ = ["main", "config_from_args"]
+__all__ = ["main", "config_from_args", "parse_args"]

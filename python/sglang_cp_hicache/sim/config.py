@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Dict, Optional
 
 # Planted bugs that prove the checkers can fail (debug only, never on by default).
 FAULTS = {
@@ -15,6 +15,24 @@ FAULTS = {
     "leak_tail": "the unaligned tail of finished requests is never freed",
 }
 
+# Named workloads: overrides of the SimConfig defaults (``default`` is the defaults).
+# ``long``: long system prompts and turns, prompts up to ~3.8K tokens, a 4096-token device
+# pool per rank (host ratio as default). 24 active sessions (~58K prompt tokens) outgrow
+# the cp-8 logical device pool (32K), so sessions come back from host (about 1 min at cp 8).
+WORKLOADS: Dict[str, Dict[str, Any]] = {
+    "default": {},
+    "long": dict(
+        num_requests=240,
+        max_active_sessions=24,
+        system_prompt_len=1024,
+        turn_len_min=128,
+        turn_len_max=512,
+        reply_len=128,
+        max_prompt_len=3840,
+        physical_tokens=4096,
+    ),
+}
+
 
 @dataclass(frozen=True)
 class SimConfig:
@@ -22,6 +40,7 @@ class SimConfig:
 
     cp_size: int = 2
     seed: int = 0
+    workload: str = "default"  # key of WORKLOADS; set with SimConfig.preset
     # ---- workload: built-in generator (ignored when ``trace_path`` is set)
     num_requests: int = 200
     num_system_prompts: int = 3
@@ -54,6 +73,8 @@ class SimConfig:
         def bad(message: str) -> None:
             raise ValueError(f"SimConfig: {message}")
 
+        if self.workload not in WORKLOADS:
+            bad(f"workload must be one of {sorted(WORKLOADS)}, got {self.workload!r}")
         if self.cp_size < 1:
             bad(f"cp_size must be >= 1, got {self.cp_size}")
         if self.num_requests < 1 and self.trace_path is None:
@@ -77,6 +98,12 @@ class SimConfig:
             bad(f"fault must be one of {sorted(FAULTS)}, got {self.fault!r}")
         if self.tree_digest_every < 1:
             bad("tree_digest_every must be >= 1")
+
+    @classmethod
+    def preset(cls, workload: str, **overrides: Any) -> "SimConfig":
+        """The named workload's settings (``WORKLOADS``), then ``overrides`` on top."""
+        settings = {**WORKLOADS.get(workload, {}), **overrides}
+        return cls(workload=workload, **settings)  # __post_init__ rejects an unknown name
 
     def stack_config(self, max_context_len: int, shared_kv: bool = True):
         """The nsa_stack.StackConfig of one rank (cp 1 and the same pool for the baseline)."""

@@ -44,7 +44,13 @@ from sglang_cp_hicache.sim.collectives import CollectiveCounter
 from sglang_cp_hicache.sim.faults import FaultHooks
 from sglang_cp_hicache.sim.invariants import PoolLedger
 from sglang_cp_hicache.sim.observed_cache import CacheObserver
-from sglang_cp_hicache.sim.results import OPS, RankCounters, RankResult, SeriesPoint
+from sglang_cp_hicache.sim.results import (
+    OPS,
+    LaneUsage,
+    RankCounters,
+    RankResult,
+    SeriesPoint,
+)
 from sglang_cp_hicache.sim.workload import Request
 from sglang_cp_hicache.testing.nsa_stack import RankStack, write_prefill_kv
 
@@ -138,6 +144,7 @@ class RankDriver:
         self.ledger = PoolLedger(stack, rank, shared_kv, self._violation)
         self.host_peak_physical = 0
         self.host_peak_logical = 0
+        self.lane_usage = LaneUsage.empty(len(self.ledger.start_lanes)) if shared_kv else None
         self.observer = self._observe(counter)
 
     # ------------------------------------------------------------- plumbing
@@ -384,6 +391,8 @@ class RankDriver:
         c = self.counters
         hits = c.device_hit_tokens + c.host_hit_tokens
         self.series.append(SeriesPoint(c.requests, c.prompt_tokens, hits, physical, logical))
+        if self.lane_usage is not None:
+            self.lane_usage.sample(self.ledger.device_lane_used(), self.ledger.host_lane_used())
 
     def _finish_run(self, stopped: Optional[str]) -> RankResult:
         leaked_device = leaked_host = leaked_req = 0
@@ -422,5 +431,6 @@ class RankDriver:
             leaked_req_slots=leaked_req,
             steps_run=self.step_index,
             series=self.series,
+            lane_usage=self.lane_usage,
             stopped_early=stopped,
         )

@@ -38,6 +38,15 @@ class PoolLedger:
     def lanes(self) -> Optional[List[int]]:
         return self.allocator.lane_available_pages().tolist() if self.shared_kv else None
 
+    def device_lane_used(self) -> List[int]:
+        """Used device pages per owner lane (CP only): free at start minus free now."""
+        free = self.allocator.lane_free_pages()
+        return [start - now for start, now in zip(self.start_lanes, free)]
+
+    def host_lane_used(self) -> List[int]:
+        """Used host pages per owner lane (CP only), from the replicated host table."""
+        return self.controller.host_table.lane_used_pages()
+
     def host_free(self) -> int:
         return sum(entry.host_pool.available_size() for entry in self.host_pool.entries)
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from sglang_cp_hicache.sim.config import SimConfig
-from sglang_cp_hicache.sim.results import OPS, RankCounters, RankResult
+from sglang_cp_hicache.sim.results import OPS, LaneUsage, RankCounters, RankResult
 
 _PER_RANK_FIELDS = ("kv_checked_tokens", "kv_mismatches")
 
@@ -29,6 +29,67 @@ class BaselineSummary:
     d2h_bytes: int
     h2d_bytes: int
     kv_mismatches: int
+
+
+def max_over_mean(values: Sequence[float]) -> float:
+    """Skew of per-lane (per-rank) figures: max / mean, >= 1.0; 1.0 when all are equal,
+    including all zero."""
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean if mean > 0 else 1.0
+
+
+@dataclass
+class LaneBalance:
+    """How evenly the owner lanes (lane r = rank r's physical pools) fill and move bytes.
+
+    Lane pages are sampled after every step; ``*_peak`` is each lane's peak over the run,
+    ``*_final`` the last sample (before the flush). Skews are max / mean over lanes;
+    ``*_vs_logical`` divide the max rank by logical / cp_size instead of the ranks' mean.
+    """
+
+    device_lane_peak_pages: List[int]
+    device_lane_final_pages: List[int]
+    host_lane_peak_pages: List[int]
+    host_lane_final_pages: List[int]
+    device_lane_peak_skew: float
+    device_lane_final_skew: float
+    host_lane_peak_skew: float
+    host_lane_final_skew: float
+    host_peak_bytes_skew: float  # max-rank / mean peak physical host bytes
+    d2h_bytes_skew: float
+    h2d_bytes_skew: float
+    host_peak_bytes_vs_logical: float  # max-rank peak host bytes / (logical peak / cp)
+    d2h_bytes_vs_logical: float
+    h2d_bytes_vs_logical: float
+
+
+def _vs_logical(per_rank: Sequence[int], logical: int) -> float:
+    share = logical / len(per_rank)
+    return max(per_rank) / share if share > 0 else 1.0
+
+
+def _lane_balance(results: List[RankResult]) -> LaneBalance:
+    lanes: LaneUsage = results[0].lane_usage  # replicated: rank 0's view of every lane
+    host = [r.host_peak_physical_bytes for r in results]
+    d2h = [r.d2h_bytes for r in results]
+    h2d = [r.h2d_bytes for r in results]
+    c, bpt = results[0].counters, results[0].bytes_per_token
+    return LaneBalance(
+        device_lane_peak_pages=lanes.device_peak,
+        device_lane_final_pages=lanes.device_final,
+        host_lane_peak_pages=lanes.host_peak,
+        host_lane_final_pages=lanes.host_final,
+        device_lane_peak_skew=max_over_mean(lanes.device_peak),
+        device_lane_final_skew=max_over_mean(lanes.device_final),
+        host_lane_peak_skew=max_over_mean(lanes.host_peak),
+        host_lane_final_skew=max_over_mean(lanes.host_final),
+        host_peak_bytes_skew=max_over_mean(host),
+        d2h_bytes_skew=max_over_mean(d2h),
+        h2d_bytes_skew=max_over_mean(h2d),
+        host_peak_bytes_vs_logical=_vs_logical(host, results[0].host_peak_logical_bytes),
+        d2h_bytes_vs_logical=_vs_logical(d2h, c.logical_written_tokens * bpt),
+        h2d_bytes_vs_logical=_vs_logical(h2d, c.logical_loaded_tokens * bpt),
+    )
 
 
 @dataclass
@@ -68,6 +129,7 @@ class SimReport:
     h2d_bytes_per_rank: List[int]
     replicated_d2h_bytes: int  # what every rank would move without shared KV
     replicated_h2d_bytes: int
+    balance: LaneBalance  # lane fill skew and per-rank byte skew
     # ---- scheduler-thread CPU time per step (prefill batch), microseconds
     op_time_us: Dict[str, Dict[str, float]]
     baseline_op_time_us: Optional[Dict[str, Dict[str, float]]]
@@ -231,6 +293,7 @@ def build_report(
         h2d_bytes_per_rank=[r.h2d_bytes for r in results],
         replicated_d2h_bytes=c.logical_written_tokens * bpt,
         replicated_h2d_bytes=c.logical_loaded_tokens * bpt,
+        balance=_lane_balance(results),
         op_time_us=_op_stats(results),
         op_wall_us=_op_stats(results, wall=True),
         baseline_op_time_us=_op_stats([baseline]) if baseline is not None else None,
@@ -313,6 +376,37 @@ def _rank_rows(report: SimReport) -> List[str]:
     return lines
 
 
+def _balance_rows(report: SimReport) -> List[str]:
+    """Lane fill per lane (lane r is rank r's pools), then the skews."""
+    b = report.balance
+
+    def pair(peak: Any, final: Any) -> str:
+        return f"{peak}/{final}"
+
+    lines = [
+        "owner lane fill, used pages peak/final (lane r = rank r), sampled after every batch",
+        f"{'lane':>8}{'device':>16}{'host':>16}",
+    ]
+    lanes = zip(b.device_lane_peak_pages, b.device_lane_final_pages,
+                b.host_lane_peak_pages, b.host_lane_final_pages)  # fmt: skip
+    for lane, (dev_peak, dev_final, host_peak, host_final) in enumerate(lanes):
+        lines.append(f"{lane:>8}{pair(dev_peak, dev_final):>16}{pair(host_peak, host_final):>16}")
+    lines.append(
+        f"{'max/mean':>8}"
+        f"{pair(f'{b.device_lane_peak_skew:.3f}', f'{b.device_lane_final_skew:.3f}'):>16}"
+        f"{pair(f'{b.host_lane_peak_skew:.3f}', f'{b.host_lane_final_skew:.3f}'):>16}"
+    )
+    lines.append(
+        f"max-rank / mean:          host peak {b.host_peak_bytes_skew:.3f}x  "
+        f"D2H {b.d2h_bytes_skew:.3f}x  H2D {b.h2d_bytes_skew:.3f}x"
+    )
+    lines.append(
+        f"max-rank / (logical/cp):  host peak {b.host_peak_bytes_vs_logical:.3f}x  "
+        f"D2H {b.d2h_bytes_vs_logical:.3f}x  H2D {b.h2d_bytes_vs_logical:.3f}x"
+    )
+    return lines
+
+
 def _op_rows(report: SimReport) -> List[str]:
     lines = [
         "scheduler-thread CPU time per batch (us), pooled over ranks; the CPU runtime's "
@@ -336,6 +430,7 @@ def _op_rows(report: SimReport) -> List[str]:
 def format_table(report: SimReport) -> str:
     """The human-readable report (stdout of the CLI)."""
     lines = _headline(report) + [""] + _cache_rows(report) + [""] + _rank_rows(report)
+    lines += [""] + _balance_rows(report)
     lines += [""] + _op_rows(report)
     if report.invariant_violations:
         lines += ["", "violations (first 10):"]

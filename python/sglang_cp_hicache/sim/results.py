@@ -44,6 +44,27 @@ class SeriesPoint:
 
 
 @dataclass
+class LaneUsage:
+    """Used pages per owner lane (lane r is rank r's physical pool), sampled after every
+    step: each lane's peak and the last sample. Replicated: every rank sees every lane."""
+
+    device_peak: List[int]
+    device_final: List[int]
+    host_peak: List[int]
+    host_final: List[int]
+
+    @classmethod
+    def empty(cls, cp_size: int) -> "LaneUsage":
+        return cls([0] * cp_size, [0] * cp_size, [0] * cp_size, [0] * cp_size)
+
+    def sample(self, device_used: List[int], host_used: List[int]) -> None:
+        self.device_peak = [max(a, b) for a, b in zip(self.device_peak, device_used)]
+        self.host_peak = [max(a, b) for a, b in zip(self.host_peak, host_used)]
+        self.device_final = list(device_used)
+        self.host_final = list(host_used)
+
+
+@dataclass
 class RankResult:
     rank: int
     shared_kv: bool
@@ -66,4 +87,5 @@ class RankResult:
     leaked_req_slots: int
     steps_run: int
     series: List[SeriesPoint] = field(default_factory=list)
+    lane_usage: Optional[LaneUsage] = None  # CP ranks only
     stopped_early: Optional[str] = None

@@ -11,6 +11,7 @@ import pytest
 
 from sglang_cp_hicache.sim import (
     FAULTS,
+    WORKLOADS,
     SimConfig,
     SimReport,
     TraceError,
@@ -18,6 +19,8 @@ from sglang_cp_hicache.sim import (
     load_trace,
     run_simulation,
 )
+from sglang_cp_hicache.sim.cli import config_from_args, parse_args
+from sglang_cp_hicache.sim.report import max_over_mean
 from sglang_cp_hicache.sim.results import OPS
 from sglang_cp_hicache.sim.workload import plan_steps
 
@@ -55,7 +58,29 @@ def _assert_promises(report: SimReport, cp_size: int) -> None:
     assert all(b < report.replicated_d2h_bytes for b in report.d2h_bytes_per_rank)
     assert set(report.op_time_us) == set(OPS)
     assert report.op_time_us["match_prefix"]["count"] == report.requests * cp_size
+    _assert_balance_sane(report, cp_size)
     assert report.passed
+
+
+def _assert_balance_sane(report: SimReport, cp_size: int) -> None:
+    """Lane fill and per-rank skews are reported, consistent with the per-rank bytes."""
+    b = report.balance
+    page_bytes = report.config["page_size"] * report.bytes_per_token
+    for lanes in (b.device_lane_peak_pages, b.device_lane_final_pages,
+                  b.host_lane_peak_pages, b.host_lane_final_pages):  # fmt: skip
+        assert len(lanes) == cp_size and min(lanes) >= 0
+    assert all(peak >= final for peak, final in zip(b.host_lane_peak_pages, b.host_lane_final_pages))
+    assert min(b.device_lane_peak_pages) > 0 and min(b.host_lane_peak_pages) > 0
+    # Host lane r is rank r's physical host pool, sampled at the same points.
+    assert [p * page_bytes for p in b.host_lane_peak_pages] == report.host_bytes_per_rank
+    for name in ("device_lane_peak_skew", "device_lane_final_skew", "host_lane_peak_skew",
+                 "host_lane_final_skew", "host_peak_bytes_skew", "d2h_bytes_skew",
+                 "h2d_bytes_skew", "host_peak_bytes_vs_logical", "d2h_bytes_vs_logical",
+                 "h2d_bytes_vs_logical"):  # fmt: skip
+        assert 1.0 <= getattr(b, name) <= cp_size, name
+    # Each logical page moves once, on its owner: the ranks' mean is logical / cp.
+    assert b.d2h_bytes_skew == pytest.approx(b.d2h_bytes_vs_logical)
+    assert b.d2h_bytes_skew == pytest.approx(max_over_mean(report.d2h_bytes_per_rank))
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +102,44 @@ def test_cp4_end_to_end() -> None:
     report = run_simulation(SimConfig(cp_size=4, seed=1, num_requests=80, **CP4))
     _assert_promises(report, 4)
     assert report.baseline is None and report.baseline_op_time_us is None
+
+
+def test_cp3_placement_is_balanced() -> None:
+    """Balanced placement: no rank writes or holds much more than its share. Measured on
+    this run: D2H 1.04x the mean, host 1.02x; placing new pages on lane 0 while it has
+    room gives D2H 1.19x (issue 12 saw 1.38x at cp 3 with compute-owner placement)."""
+    report = run_simulation(SimConfig(cp_size=3, seed=1, num_requests=60, baseline=False))
+    assert report.passed and report.config["workload"] == "default"
+    assert report.balance.d2h_bytes_skew <= 1.10
+    assert report.balance.host_peak_bytes_skew <= 1.10
+
+
+def test_max_over_mean() -> None:
+    assert max_over_mean([5, 5, 5]) == 1.0
+    assert max_over_mean([0, 0]) == 1.0
+    assert max_over_mean([3, 1, 1, 3]) == 1.5
+    assert max_over_mean([4, 0, 0, 0]) == 4.0
+
+
+def test_long_workload_preset() -> None:
+    cfg = SimConfig.preset("long", cp_size=8, num_requests=120)
+    assert cfg.workload == "long" and cfg.cp_size == 8 and cfg.num_requests == 120
+    assert cfg.physical_tokens == 4096 and cfg.hicache_ratio == SimConfig().hicache_ratio
+    assert SimConfig.preset("default") == SimConfig()
+    requests = generate_workload(cfg)
+    lengths = [len(r.token_ids) for r in requests]
+    assert min(lengths) >= 1024 + 128 and 3500 <= max(lengths) <= 3840
+    assert len(plan_steps(requests, cfg)) == len(requests)  # every prompt fits the pools
+    with pytest.raises(ValueError, match="workload must be one of"):
+        SimConfig.preset("huge")
+    assert set(WORKLOADS) == {"default", "long"}
+
+
+def test_cli_workload_sets_defaults_and_flags_override() -> None:
+    argv = ["--workload", "long", "--num-requests", "7", "--cp-size", "8", "--no-progress"]
+    cfg = config_from_args(parse_args(argv)[1])
+    assert cfg == SimConfig.preset("long", num_requests=7, cp_size=8)
+    assert config_from_args(parse_args(["--no-progress"])[1]) == SimConfig()
 
 
 # ------------------------------------------------------------------ planted bugs
@@ -205,10 +268,14 @@ def test_cli_json(tmp_path: Path) -> None:
         "leaked_device_slots", "leaked_host_slots", "device_hit_tokens", "host_hit_tokens",
         "logical_host_bytes", "host_bytes_per_rank", "d2h_bytes_per_rank", "h2d_bytes_per_rank",
         "replicated_d2h_bytes", "replicated_h2d_bytes", "op_time_us", "baseline_op_time_us",
+        "balance",
     ):  # fmt: skip
         assert key in data, key
     assert data["requests"] == 20 and len(data["radix_digests"]) == 2
-    assert data["config"]["cp_size"] == 2
+    assert data["config"]["cp_size"] == 2 and data["config"]["workload"] == "default"
+    assert len(data["balance"]["host_lane_peak_pages"]) == 2
+    assert data["balance"]["d2h_bytes_skew"] >= 1.0
+    assert "max-rank / mean:" in proc.stdout and "owner lane fill" in proc.stdout
 
 
 def test_cli_plot_without_matplotlib_fails_clearly(capsys, monkeypatch) -> None:
