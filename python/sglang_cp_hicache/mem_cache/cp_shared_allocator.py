@@ -83,15 +83,16 @@ def balanced_lane_counts(lane_free: Sequence[int], num_pages: int) -> Optional[L
 
 def balanced_page_owners(lane_free: Sequence[int], num_pages: int) -> Optional[np.ndarray]:
     """Owner lane of each of ``num_pages`` new pages: :func:`balanced_lane_counts`, dealt
-    out round by round (one page per lane with pages left, lanes in index order), so any
-    run of consecutive pages (a request, a later prefix hit of part of it) is spread over
-    the lanes too. ``None`` if the lanes together are short."""
+    out round by round (one page per lane with pages left, the freest lane first, ties to
+    the lower lane), so any run of consecutive pages (a request, a later prefix hit of part
+    of it) is spread over the lanes too, and a lane's place in a run does not depend on its
+    number. ``None`` if the lanes together are short."""
     counts = balanced_lane_counts(lane_free, num_pages)
     if counts is None:
         return None
-    counts_np = np.asarray(counts, dtype=np.int64)
-    lanes, rounds = _segment_offsets(counts_np)
-    return lanes[np.lexsort((lanes, rounds))].astype(np.int64)
+    lanes, rounds = _segment_offsets(np.asarray(counts, dtype=np.int64))
+    free = np.asarray(lane_free, dtype=np.int64)
+    return lanes[np.lexsort((lanes, -free[lanes], rounds))].astype(np.int64)
 
 
 def _extend_token_locs(
