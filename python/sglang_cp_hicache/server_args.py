@@ -119,14 +119,10 @@ def init_around(original: Callable, self: Any, *args, **kwargs) -> None:
     original(self, *args, **kwargs)
 
 
-def unsupported_combinations(server_args: Any) -> List[str]:
-    """Every reason ``server_args`` cannot run with CP shared KV (empty when it can)."""
+def unsupported_cache_combinations(server_args: Any) -> List[str]:
+    """The reasons the HiCache tier over owned shards cannot run with ``server_args``
+    (checked again where the cache is built: a runtime-built cache has no CLI pass)."""
     problems: List[str] = []
-    if not getattr(server_args, "enable_nsa_prefill_context_parallel", False):
-        problems.append(
-            f"{CLI_FLAG} requires --enable-nsa-prefill-context-parallel "
-            "(shared KV shards pages over the NSA prefill CP group)"
-        )
     if getattr(server_args, "hicache_storage_backend", None) is not None:
         problems.append(
             f"{CLI_FLAG} does not support --hicache-storage-backend "
@@ -135,6 +131,18 @@ def unsupported_combinations(server_args: Any) -> List[str]:
         )
     if getattr(server_args, "enable_hisparse", False):
         problems.append(f"{CLI_FLAG} does not support --enable-hisparse")
+    return problems
+
+
+def unsupported_combinations(server_args: Any) -> List[str]:
+    """Every reason ``server_args`` cannot run with CP shared KV (empty when it can)."""
+    problems: List[str] = []
+    if not getattr(server_args, "enable_nsa_prefill_context_parallel", False):
+        problems.append(
+            f"{CLI_FLAG} requires --enable-nsa-prefill-context-parallel "
+            "(shared KV shards pages over the NSA prefill CP group)"
+        )
+    problems += unsupported_cache_combinations(server_args)
     if getattr(server_args, "disaggregation_mode", "null") == "decode":
         problems.append(
             f"{CLI_FLAG} does not support --disaggregation-mode decode: the decode side "

@@ -51,7 +51,11 @@ from sglang_cp_hicache.mem_cache.fast_hiradix_cache import FastHiRadixCache, hos
 from sglang_cp_hicache.mem_cache.hybrid_cache.cp_hybrid_cache_controller import (
     CpHybridCacheController,
 )
-from sglang_cp_hicache.server_args import CLI_FLAG, CpSharedKVConfigError
+from sglang_cp_hicache.server_args import (
+    CLI_FLAG,
+    CpSharedKVConfigError,
+    unsupported_cache_combinations,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +75,9 @@ class CpHiRadixCache(FastHiRadixCache):
         allocator = params.token_to_kv_pool_allocator
         self.uses_cp_hicache = isinstance(allocator, CPSharedPagedTokenToKVPoolAllocator)
         if self.uses_cp_hicache:
-            _validate_cp_hicache_args(server_args)
+            problems = unsupported_cache_combinations(server_args)
+            if problems:
+                raise CpSharedKVConfigError("; ".join(problems))
         super().__init__(params, server_args)
         self.capacity_refusals = CapacityRefusals()
         self._warned_refusals: Set[str] = set()
@@ -338,13 +344,3 @@ class CpHiRadixCache(FastHiRadixCache):
     def cp_host_usage(self) -> dict:
         """Logical host tokens (identical on all ranks) and this rank's physical slots."""
         return self.cache_controller.host_usage()
-
-
-def _validate_cp_hicache_args(server_args: Any) -> None:
-    if getattr(server_args, "hicache_storage_backend", None) is not None:
-        raise CpSharedKVConfigError(
-            f"{CLI_FLAG} does not support --hicache-storage-backend "
-            f"(got {server_args.hicache_storage_backend!r})"
-        )
-    if getattr(server_args, "enable_hisparse", False):
-        raise CpSharedKVConfigError(f"{CLI_FLAG} does not support --enable-hisparse")

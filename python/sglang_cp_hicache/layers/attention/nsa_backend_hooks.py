@@ -18,7 +18,7 @@ Per forward (extend batches only):
    kernels read prefix + chunk from it. The owned part of the chunk is written to the
    real pool first, at physical locs (``Indexer._store_index_k_cache`` and the MLA store).
 
-Everything but the four thin hook functions is plain torch and runs in the CPU twin.
+Everything but the thin hook functions is plain torch and runs in the CPU twin.
 """
 
 from __future__ import annotations
