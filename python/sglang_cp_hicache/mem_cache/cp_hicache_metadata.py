@@ -259,11 +259,9 @@ class CpHostPageTable:
         return page_token_locs(self._physical_page[owned], self.page_size)
 
     # ------------------------------------------------------------------ lookup
-    def lane_pages(self, logical_host_locs: np.ndarray, node_id: int = -1) -> np.ndarray:
+    def lane_pages(self, logical_host_locs: np.ndarray, node_id: int = -1) -> List[int]:
         """Pages per owner lane of a node's logical host locs (eviction planning)."""
-        pages = PageRun.of(logical_host_locs, self.page_size).pages
-        owners = self._owners(pages, node_id, "is not allocated")
-        return np.bincount(owners, minlength=self.layout.cp_size)
+        return self.plan_load(logical_host_locs, node_id).lane_pages
 
     def node_metadata(
         self, logical_host_locs: torch.Tensor, node_id: int = -1

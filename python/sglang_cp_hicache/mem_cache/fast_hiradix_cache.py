@@ -418,17 +418,27 @@ class FastHiRadixCache(UPSTREAM["HiRadixCache"]):
     def _load_nodes(
         self, hit_node: TreeNode, nodes_to_load: List[TreeNode], mem_quota: Optional[int], delta: int
     ) -> Optional[torch.Tensor]:
-        """Queue the H2D copy of ``nodes_to_load`` (protected), making device room first;
-        the new device locs, or None when the load is skipped."""
+        """Upstream's admission (threshold, quota), then the H2D copy of ``nodes_to_load``
+        (protected); the new device locs, or None when the load is skipped."""
         if len(nodes_to_load) == 1:  # the usual case; load() only reads host_indices
             host_indices = nodes_to_load[0].host_value
         else:
             host_indices = torch.cat([n.host_value for n in nodes_to_load])
+        if mem_quota is None:
+            mem_quota = self._default_load_quota()
         too_short = len(host_indices) < self.load_back_threshold
         # delta <= 0: the ancestors just locked are no longer evictable.
         over_quota = mem_quota is not None and len(host_indices) > mem_quota + delta
         if too_short or over_quota:
             return None
+        return self._load_host_indices(hit_node, host_indices)
+
+    def _default_load_quota(self) -> Optional[int]:
+        """The quota when the scheduler passes none: upstream checks none."""
+        return None
+
+    def _load_host_indices(self, hit_node: TreeNode, host_indices: torch.Tensor) -> Optional[torch.Tensor]:
+        """Upstream's load: copy, and on a full device evict and copy once more."""
         extra_pools = self._get_extra_pools()
         device_indices = self.cache_controller.load(
             host_indices=host_indices, node_id=hit_node.id, **extra_pools

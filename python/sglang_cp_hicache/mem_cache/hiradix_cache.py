@@ -168,9 +168,7 @@ class CpHiRadixCache(FastHiRadixCache):
                         f"CP HiCache split of node {child.id} on CP rank "
                         f"{self.layout.cp_rank}: host shards diverged from metadata"
                     )
-                node.cp_host_lanes = self.host_table.lane_pages(
-                    host_int64(node.host_value), node.id
-                ).tolist()
+                node.cp_host_lanes = self.host_table.lane_pages(host_int64(node.host_value), node.id)
         return new_node
 
     # -------------------------------------------------------------- backup (D2H)
@@ -234,24 +232,17 @@ class CpHiRadixCache(FastHiRadixCache):
         return parent
 
     # ---------------------------------------------------------------- load (H2D)
-    def _load_nodes(
-        self, hit_node: TreeNode, nodes_to_load: List[TreeNode], mem_quota: Optional[int], delta: int
-    ) -> Optional[torch.Tensor]:
+    def _default_load_quota(self) -> Optional[int]:
+        if not self.uses_cp_hicache:
+            return super()._default_load_quota()
+        # Upstream passes no quota; count what eviction could free, not only free slots.
+        return self.token_to_kv_pool_allocator.available_size() + self.evictable_size()
+
+    def _load_host_indices(self, hit_node: TreeNode, host_indices: torch.Tensor) -> Optional[torch.Tensor]:
         """Plan the load per owner lane (write-time owners), make device room on the short
         lanes only, then let the controller execute the plan."""
         if not self.uses_cp_hicache:
-            return super()._load_nodes(hit_node, nodes_to_load, mem_quota, delta)
-        if mem_quota is None:
-            # Upstream passes no quota; count what eviction could free, not only free slots.
-            mem_quota = self.token_to_kv_pool_allocator.available_size() + self.evictable_size()
-        if len(nodes_to_load) == 1:
-            host_indices = nodes_to_load[0].host_value
-        else:
-            host_indices = torch.cat([n.host_value for n in nodes_to_load])
-        too_short = len(host_indices) < self.load_back_threshold
-        over_quota = len(host_indices) > mem_quota + delta
-        if too_short or over_quota:
-            return None
+            return super()._load_host_indices(hit_node, host_indices)
         plan = self.host_table.plan_load(host_int64(host_indices), hit_node.id)
         if not self._make_device_room(plan.lane_pages):
             self._refuse(

@@ -132,7 +132,7 @@ def test_host_table_metadata_release_round_trip():
     assert meta.logical_len == 3 * PS + 2
     assert meta.owned_positions.tolist() == [0, 1, 2, 3, 12, 13]
     assert meta.host_indices.tolist() == [12, 13, 14, 15, 0, 1]
-    assert table.lane_pages(host_locs).tolist() == [1, 2, 1]
+    assert table.lane_pages(host_locs) == [1, 2, 1]
     physical, lane_freed = table.release(host_locs, node_id=11)
     assert sorted(physical.tolist()) == [0, 3] and lane_freed == [1, 2, 1]
     assert table.used_logical_tokens() == 0 and not any(table.lane_used_pages())
