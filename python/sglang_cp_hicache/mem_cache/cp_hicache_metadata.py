@@ -94,7 +94,6 @@ class HostLoadPlan:
     host_run: PageRun
     page_owners: np.ndarray
     lane_pages: List[int]
-    node_id: int
 
 @dataclass
 class CpHiCacheNodeMetadata:
@@ -250,7 +249,7 @@ class CpHostPageTable:
         run = PageRun.of(logical_host_locs, self.page_size)
         owners = self._owners(run.pages, node_id, "is not allocated")
         lane_pages = np.bincount(owners, minlength=self.layout.cp_size).tolist()
-        return HostLoadPlan(run, owners, lane_pages, node_id)
+        return HostLoadPlan(run, owners, lane_pages)
 
     def owned_host_locs(self, plan: HostLoadPlan) -> np.ndarray:
         """Physical host locs (this rank, whole pages) of the plan's owned pages, read at
