@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator, List, Optional
 
 import numpy as np
@@ -46,6 +47,21 @@ from sglang_cp_hicache.mem_cache.cp_shared_allocator import CPSharedPagedTokenTo
 from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import host_int64, page_token_locs
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingHostWrite:
+    """One logical backup between its reservation and its ack.
+
+    ``logical_host_locs`` (identical on every rank) become the node's ``host_value`` only
+    when the write commits; ``operation`` is this rank's transfer of its owned pages
+    (None on a rank that owns none of them, which still acks once).
+    """
+
+    node_id: int
+    plan: HostWritePlan
+    logical_host_locs: torch.Tensor
+    operation: Optional[CacheOperation]
 
 
 class CpHybridCacheController(HybridCacheController):
@@ -88,34 +104,89 @@ class CpHybridCacheController(HybridCacheController):
     ) -> Optional[torch.Tensor]:
         """Back up a node given its logical device locs; return its logical host locs.
 
-        ``plan``: the cache's :meth:`CpHostPageTable.plan_write` of ``device_indices``.
-        Returns None (on every rank alike) when some owner lane's host pool lacks room;
-        the caller reads the deficit from the table before calling, not after.
+        Reserve and submit at once (all layers). ``plan``: the cache's
+        :meth:`CpHostPageTable.plan_write` of ``device_indices``. Returns None (on every
+        rank alike) when some owner lane's host pool lacks room; the caller reads the
+        deficit from the table before calling, not after.
         """
         if plan is None:
             plan = self.host_table.plan_write(PageRun.of(host_int64(device_indices), self.page_size))
+        pending = self.reserve_write(plan, node_id, priority, extra_pools)
+        if pending is None:
+            return None
+        self.submit_write(pending)
+        return pending.logical_host_locs
+
+    def reserve_write(
+        self,
+        plan: HostWritePlan,
+        node_id: int = -1,
+        priority: Optional[int] = None,
+        extra_pools=None,
+    ) -> Optional[PendingHostWrite]:
+        """Reserve the host pages of one logical backup; queue no transfer.
+
+        The table records the logical host pages (identical on every rank) and this rank's
+        physical slots for its owned pages. None (on every rank alike) when some owner lane
+        lacks host room. Until :meth:`submit_write` and its ack, nothing may read the
+        reserved pages; :meth:`rollback_write` frees exactly this reservation.
+        """
         if any(self.host_table.lane_deficit(plan.lane_pages)):
             return None
-        owned = plan.page_owners == self.cp_rank
+        operation = None
         if plan.lane_pages[self.cp_rank]:
+            owned = plan.page_owners == self.cp_rank
             physical_device_pages = self.layout.logical_pages_to_physical(
                 plan.device_run.pages[owned], validate=False
             )
             physical_device_locs = self.allocator.to_device(
                 page_token_locs(physical_device_pages, self.page_size)
             )
-            physical_host_locs = super().write(physical_device_locs, priority, node_id, extra_pools)
+            physical_host_locs = self.mem_pool_host.alloc(len(physical_device_locs))
             if physical_host_locs is None:
                 raise CpHiCacheMetadataError(
                     f"node {node_id} on CP rank {self.cp_rank}: host pool refused "
                     f"{len(physical_device_locs)} slots although lane accounting has "
                     f"{self.host_table.lane_free_pages()[self.cp_rank]} free pages"
                 )
+            pool_transfers = self._resolve_pool_transfers_allocation(
+                extra_pools,
+                alloc_host=True,
+                kv_device_indices=physical_device_locs,
+                kv_host_indices=physical_host_locs,
+            )
+            if pool_transfers is None and extra_pools:
+                self.mem_pool_host.free(physical_host_locs)
+                raise CpHiCacheMetadataError(
+                    f"node {node_id} on CP rank {self.cp_rank}: an extra host pool refused "
+                    "the backup after the lane accounting admitted it"
+                )
+            operation = CacheOperation(
+                physical_host_locs,
+                physical_device_locs,
+                node_id,
+                priority,
+                pool_transfers=pool_transfers or None,
+            )
             owned_physical_host_pages = host_int64(physical_host_locs[:: self.page_size]) // self.page_size
         else:
             owned_physical_host_pages = np.empty(0, dtype=np.int64)
-            self._ack_without_transfer(node_id)
-        return torch.from_numpy(self.host_table.commit_write(plan, owned_physical_host_pages))
+        logical_host_locs = torch.from_numpy(self.host_table.commit_write(plan, owned_physical_host_pages))
+        return PendingHostWrite(node_id, plan, logical_host_locs, operation)
+
+    def submit_write(self, pending: PendingHostWrite) -> None:
+        """Queue the reserved backup's transfer (all layers) and its one ack; a rank that
+        owns nothing in it acks without transferring."""
+        if pending.operation is None:
+            self._ack_without_transfer(pending.node_id)
+            return
+        self.write_queue.append(pending.operation)
+        self.start_writing()
+
+    def rollback_write(self, pending: PendingHostWrite) -> None:
+        """Free a reservation that was never submitted, or whose ack has completed:
+        its logical host pages and this rank's physical slots, nothing else."""
+        self.release_host(pending.logical_host_locs, pending.node_id)
 
     def _ack_without_transfer(self, node_id: int) -> None:
         """A zero-owned rank still acks, so all ranks pop the same ack ids in order."""

@@ -263,3 +263,50 @@ def test_load_refused_for_a_short_lane_changes_nothing(rank_stack):
     ]
     assert controller.load_queue == []
     allocator.free(held)
+
+
+def _reserve_node(stack, page_owners, node_id=7):
+    logical_locs = stack.allocator.alloc_pages_with_owners(torch.tensor(page_owners))
+    nsa_stack.write_prefill_kv(
+        stack, logical_locs, torch.arange(len(logical_locs)) + 2000, torch.arange(len(logical_locs))
+    )
+    controller = stack.cache.cache_controller
+    plan = controller.host_table.plan_write(PageRun.of(logical_locs.numpy(), PS))
+    return logical_locs, controller.reserve_write(plan, node_id, **stack.cache._get_extra_pools())
+
+
+def test_reserve_takes_host_pages_but_queues_no_transfer_and_no_ack(rank_stack, monkeypatch):
+    host = rank_stack.cache.token_to_kv_pool_host
+    spy = TransferSpy(monkeypatch, host)
+    controller = rank_stack.cache.cache_controller
+    free_before = host.available_size()
+    _, pending = _reserve_node(rank_stack, [0, 1, 0])
+    assert free_before - host.available_size() == 2 * PS
+    assert controller.host_table.lane_used_pages() == [2, 1]
+    assert spy.backups == [] and controller.write_queue == [] and controller.ack_write_queue == []
+    controller.submit_write(pending)
+    (host_idx, _, _), = spy.backups
+    assert torch.equal(_sorted(host_idx), _sorted(pending.operation.host_indices))
+    assert [list(ack.node_ids) for ack in controller.ack_write_queue] == [[7]]
+
+
+def test_rollback_frees_exactly_the_reservation(rank_stack):
+    host = rank_stack.cache.token_to_kv_pool_host
+    controller = rank_stack.cache.cache_controller
+    _, kept = _reserve_node(rank_stack, [0, 1], node_id=8)
+    free_before, lanes_before = host.available_size(), controller.host_table.lane_used_pages()
+    _, pending = _reserve_node(rank_stack, [0, 0, 1], node_id=9)
+    controller.rollback_write(pending)
+    assert host.available_size() == free_before
+    assert controller.host_table.lane_used_pages() == lanes_before
+    assert controller.host_table.node_metadata(kept.logical_host_locs, 8).owned_len == PS
+    with pytest.raises(CpHiCacheMetadataError, match="node 9 on CP rank 0"):
+        controller.rollback_write(pending)  # freed twice
+
+
+def test_zero_owned_reservation_acks_once_on_submit(rank_stack):
+    controller = rank_stack.cache.cache_controller
+    _, pending = _reserve_node(rank_stack, [1, 1], node_id=31)
+    assert pending.operation is None and controller.ack_write_queue == []
+    controller.submit_write(pending)
+    assert [list(ack.node_ids) for ack in controller.ack_write_queue] == [[31]]
