@@ -95,6 +95,12 @@ HOOKS: Tuple[HookSpec, ...] = (
         "sglang_cp_hicache.mem_cache.hiradix_cache:CpHiRadixCache",
         "REPLACE",
     ),
+    # Prefill admission: a request that would split a pending host backup waits a round.
+    HookSpec(
+        "sglang.srt.managers.schedule_policy:PrefillAdder.add_one_req",
+        "sglang_cp_hicache.managers.schedule_policy:add_one_req_around",
+        "AROUND",
+    ),
     # Shared-KV attention runtime: write translation, prefix materialisation.
     HookSpec(f"{_NSA_BACKEND}.init_forward_metadata", f"{_NSA_HOOKS}:init_forward_metadata_around", "AROUND"),
     HookSpec(f"{_NSA_BACKEND}.forward_extend", f"{_NSA_HOOKS}:forward_extend_around", "AROUND"),

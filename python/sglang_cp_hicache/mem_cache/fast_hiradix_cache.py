@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from contextlib import closing, contextmanager
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Set
 
 import torch
 
@@ -45,6 +45,8 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     EvictResult,
     InsertParams,
     InsertResult,
+    MatchPrefixParams,
+    MatchResult,
 )
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 from sglang.srt.mem_cache.utils import compute_node_hash_values
@@ -90,6 +92,9 @@ class FastHiRadixCache(UPSTREAM["HiRadixCache"]):
         self._device_frees: Optional[List[torch.Tensor]] = None  # set while evict() batches
         # Fragments split off a node whose write-through is pending, by that node's id.
         self._pending_fragments: Dict[int, List[TreeNode]] = {}
+        # Requests (by rid) whose match this round stopped short of a deferred split.
+        self._split_deferrals: Set[str] = set()
+        self._match_deferred = False
         super().__init__(params, server_args)
         self.eviction_strategy = NodeIdTieBreak(self.eviction_strategy)
         self._install_leaf_heaps()
@@ -133,6 +138,8 @@ class FastHiRadixCache(UPSTREAM["HiRadixCache"]):
             child.last_access_time = now
             prefix_len = child.key.match(key, page_size=self.page_size)
             if prefix_len < len(child.key):
+                if self._defers_split(child):
+                    break  # the match ends above ``child``; the scheduler defers the request
                 node = self._split_node(child.key, child, prefix_len)
                 if not node.evicted:
                     values.append(node.value)
@@ -141,6 +148,27 @@ class FastHiRadixCache(UPSTREAM["HiRadixCache"]):
                 values.append(child.value)
             node, key = child, key[prefix_len:]
         return values, node
+
+    def _defers_split(self, node: TreeNode) -> bool:
+        """Whether a match must not split ``node`` now (upstream splits anything)."""
+        return False
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        """Upstream's match; a request whose match would split a node that must not be split
+        now is remembered for :meth:`take_split_deferral` (this scheduling round only)."""
+        self._match_deferred = False
+        result = super().match_prefix(params)
+        if self._match_deferred and params.req is not None:
+            self._split_deferrals.add(params.req.rid)
+        return result
+
+    def take_split_deferral(self, req: Any) -> bool:
+        """True once if ``req``'s last match stopped short of a split that must wait: the
+        scheduler then leaves it waiting for this round (it holds no lock yet)."""
+        if req.rid not in self._split_deferrals:
+            return False
+        self._split_deferrals.discard(req.rid)
+        return True
 
     def insert(self, params: InsertParams) -> InsertResult:
         priority = params.priority or 0
@@ -173,6 +201,17 @@ class FastHiRadixCache(UPSTREAM["HiRadixCache"]):
         if len(key):
             self._add_device_leaf(node, key, value, priority, params.chunked)
         return InsertResult(prefix_len=cached_len)
+
+    def _inc_hit_count(self, node: TreeNode, chunked: bool = False) -> None:
+        """Upstream's write-through trigger, plus chunked prefill: upstream counts no hit
+        for a chunked request (its own re-inserts would inflate the count), so a long
+        chunked prompt never reached host. Each completed chunk is backed up once instead,
+        so the prompt comes back from host after a device eviction."""
+        if chunked and self.cache_controller.write_policy != "write_back":
+            if not node.backuped:
+                self.write_backup(node)
+            return
+        super()._inc_hit_count(node, chunked)
 
     def _revive_on_device(self, node: TreeNode, value: torch.Tensor) -> None:
         node.value = value.clone()
@@ -363,7 +402,14 @@ class FastHiRadixCache(UPSTREAM["HiRadixCache"]):
     def reset(self) -> None:
         self._write_acks.stop()  # the controller's reset drops every queued ack
         self._pending_fragments.clear()
+        self._split_deferrals.clear()
         super().reset()
+
+    def check_hicache_events(self) -> None:
+        # The scheduler calls this at the start of each prefill round: deferrals are per
+        # round (a deferred request is matched again, after this round's acks).
+        self._split_deferrals.clear()
+        super().check_hicache_events()
 
     def shutdown(self) -> None:
         super().shutdown()

@@ -31,7 +31,7 @@ import logging
 import time
 from contextlib import closing
 from dataclasses import dataclass
-from typing import Any, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set
 
 import numpy as np
 import torch
@@ -50,6 +50,7 @@ from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import host_int64
 from sglang_cp_hicache.mem_cache.fast_hiradix_cache import FastHiRadixCache, host_evictable
 from sglang_cp_hicache.mem_cache.hybrid_cache.cp_hybrid_cache_controller import (
     CpHybridCacheController,
+    PendingHostWrite,
 )
 from sglang_cp_hicache.server_args import (
     CLI_FLAG,
@@ -68,6 +69,30 @@ class CapacityRefusals:
     device_loads: int = 0
 
 
+@dataclass
+class PendingBackup:
+    """A CP backup between its host reservation and its one final ack.
+
+    Until the ack commits it, the node has no ``host_value`` (not ``backuped``): it is no
+    ``last_host_node``, no host-eviction victim, and a split never cuts its host pages.
+    ``submitted``: the transfer and its ack are queued (only then is it in
+    ``ongoing_write_through``); an unsubmitted reservation can be rolled back.
+    """
+
+    node: TreeNode
+    write: PendingHostWrite
+    submitted: bool = False
+
+
+@dataclass
+class PendingBackupStats:
+    """Replicated counts of the pending-backup state machine (identical on every rank)."""
+
+    committed: int = 0
+    rolled_back: int = 0
+    deferred_splits: int = 0  # matches that stopped above a pending node instead of splitting it
+
+
 class CpHiRadixCache(FastHiRadixCache):
     """HiRadixCache whose host tier stores only this CP rank's owned KV shards."""
 
@@ -78,6 +103,9 @@ class CpHiRadixCache(FastHiRadixCache):
             problems = unsupported_cache_combinations(server_args)
             if problems:
                 raise CpSharedKVConfigError("; ".join(problems))
+        # Before super(): its __init__ calls reset(). Keyed by the reserving node's id.
+        self.pending_backups: Dict[int, PendingBackup] = {}
+        self.pending_stats = PendingBackupStats()
         super().__init__(params, server_args)
         self.capacity_refusals = CapacityRefusals()
         self._warned_refusals: Set[str] = set()
@@ -173,31 +201,113 @@ class CpHiRadixCache(FastHiRadixCache):
 
     # -------------------------------------------------------------- backup (D2H)
     def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
-        """Upstream's backup, planned per owner lane: host room is made on the short lanes
-        only, else the backup is refused (the node stays device-only)."""
+        """Upstream's backup, planned per owner lane and pending until its final ack.
+
+        The host pages are reserved (on a full lane: room is made on the short lanes, then
+        one retry; else a counted skip leaves the node device-valid, host-none), then the
+        transfer is submitted. The node becomes host-visible only when
+        :meth:`_publish_backup` commits the ack.
+        """
         if not self.uses_cp_hicache:
             return super().write_backup(node, write_back)
-        # Backed-up nodes form a contiguous prefix from the root (write-through).
-        if not write_back and node.parent is not self.root_node and not node.parent.backuped:
+        if self._pending_write_id(node) is not None:
+            return 0  # already pending, itself or as a fragment of a pending node
+        # Backed-up nodes form a contiguous prefix from the root (write-through); a
+        # submitted parent commits first (acks pop in order).
+        parent = node.parent
+        if (
+            not write_back
+            and parent is not self.root_node
+            and not parent.backuped
+            and self._pending_write_id(parent) is None
+        ):
             return 0
-        plan = self.host_table.plan_write(self._device_run(node))
-        if not self._make_host_room(plan.lane_pages):
-            self._refuse("host_writes", node, plan.lane_pages, self.host_table.lane_free_pages())
+        record = self._reserve_backup(node)
+        if record is None:
             return 0
-        host_value = self.cache_controller.write(
-            node.value, node_id=node.id, plan=plan, **self._get_extra_pools()
-        )
-        if host_value is None:
-            raise CpHiCacheMetadataError(
-                f"node {node.id} on CP rank {self.layout.cp_rank}: the planned backup found "
-                "its lanes short of host pages"
-            )
-        node.host_value = host_value
-        node.cp_host_lanes = plan.lane_pages
-        self.ongoing_write_through[node.id] = node
+        self._submit_backup(record)
         if not write_back:
             self.inc_lock_ref(node)
-        return len(host_value)
+        return len(record.write.logical_host_locs)
+
+    def _reserve_backup(self, node: TreeNode) -> Optional[PendingBackup]:
+        """Reserve ``node``'s host pages per owner lane (no transfer); None after a counted
+        skip when host-only victims on the short lanes cannot make room."""
+        plan = self.host_table.plan_write(self._device_run(node))
+        write = self._reserve_write(node, plan)
+        if write is None and self._make_host_room(plan.lane_pages):
+            write = self._reserve_write(node, plan)  # the one retry
+        if write is None:
+            self._refuse("host_writes", node, plan.lane_pages, self.host_table.lane_free_pages())
+            return None
+        record = PendingBackup(node, write)
+        self.pending_backups[node.id] = record
+        return record
+
+    def _reserve_write(self, node: TreeNode, plan) -> Optional[PendingHostWrite]:
+        return self.cache_controller.reserve_write(plan, node.id, **self._get_extra_pools())
+
+    def _submit_backup(self, record: PendingBackup) -> None:
+        """Queue the reserved transfer and its one ack (all layers at once; per-layer
+        submission changes only this call)."""
+        self.cache_controller.submit_write(record.write)
+        record.submitted = True
+        self.ongoing_write_through[record.node.id] = record.node
+
+    def _rollback_backup(self, record: PendingBackup) -> None:
+        """Free an unsubmitted reservation exactly (its logical and physical host pages)."""
+        if record.submitted:
+            raise CpHiCacheMetadataError(
+                f"node {record.node.id} on CP rank {self.layout.cp_rank}: a submitted backup "
+                "cannot be rolled back before its ack"
+            )
+        del self.pending_backups[record.node.id]
+        self.cache_controller.rollback_write(record.write)
+        self.pending_stats.rolled_back += 1
+
+    def _publish_backup(self, node_id: int) -> TreeNode:
+        record = self.pending_backups.pop(node_id, None)
+        if record is not None:
+            self._commit_backup(record)
+        return super()._publish_backup(node_id)
+
+    def _commit_backup(self, record: PendingBackup) -> None:
+        """The final ack landed on every rank: the node and every fragment split off it
+        while pending take their slices of the reserved logical host locs."""
+        fragment_ids = {f.id for f in self._pending_fragments.get(record.node.id, ())}
+        chain = [record.node]  # splits keep fragments on the path above the node
+        while chain[-1].parent.id in fragment_ids:
+            chain.append(chain[-1].parent)
+        if len(chain) != len(fragment_ids) + 1:
+            raise CpHiCacheMetadataError(
+                f"node {record.node.id} on CP rank {self.layout.cp_rank}: the fragments of "
+                "its pending backup are not one path above it"
+            )
+        locs, offset = record.write.logical_host_locs, 0
+        for part in reversed(chain):
+            part.host_value = locs[offset : offset + len(part.key)].clone()
+            part.cp_host_lanes = self.host_table.lane_pages(host_int64(part.host_value), part.id)
+            offset += len(part.key)
+        if offset != len(locs):
+            raise CpHiCacheMetadataError(
+                f"node {record.node.id} on CP rank {self.layout.cp_rank}: its pending backup "
+                f"reserved {len(locs)} host locs for {offset} tokens"
+            )
+        self.pending_stats.committed += 1
+
+    def _pending_write_id(self, node: TreeNode) -> Optional[int]:
+        # A reservation not yet submitted is pending too (its fragments must follow it).
+        if node.id in self.pending_backups:
+            return node.id
+        return super()._pending_write_id(node)
+
+    def _defers_split(self, node: TreeNode) -> bool:
+        """A match never splits a pending backup: the request waits for its commit."""
+        if not self.uses_cp_hicache or self._pending_write_id(node) is None:
+            return False
+        self.pending_stats.deferred_splits += 1
+        self._match_deferred = True
+        return True
 
     def _make_host_room(self, lane_pages: List[int]) -> bool:
         """Evict host-only leaves until every lane has ``lane_pages``; False (nothing
@@ -322,6 +432,13 @@ class CpHiRadixCache(FastHiRadixCache):
                 lane_free,
                 kind,
             )
+
+    # ---------------------------------------------------------------- lifecycle
+    def reset(self) -> None:
+        # The controller's reset frees every host page, reserved or committed, at once.
+        self.pending_stats.rolled_back += len(self.pending_backups)
+        self.pending_backups.clear()
+        super().reset()
 
     # ----------------------------------------------------------------- storage
     def attach_storage_backend(self, *args, **kwargs):

@@ -73,8 +73,10 @@ def test_backed_up_cp_node_is_host_visible_with_logical_length(stack):
 def test_inc_hit_count_does_not_back_up_cp_node_twice(stack, monkeypatch):
     controller = stack.cache.cache_controller
     writes = []
-    real_write = controller.write
-    monkeypatch.setattr(controller, "write", lambda *a, **k: writes.append(k["node_id"]) or real_write(*a, **k))
+    real_reserve = controller.reserve_write
+    monkeypatch.setattr(
+        controller, "reserve_write", lambda plan, node_id, **k: writes.append(node_id) or real_reserve(plan, node_id, **k)
+    )
     tokens = list(range(7, 7 + 2 * PS))
     locs, _, _ = _prefill(stack, tokens)
     for _ in range(3):  # repeated inserts of the same prefix bump the hit count

@@ -242,13 +242,23 @@ def test_split_of_a_pending_backup_publishes_both_fragments(gloo_world1, monkeyp
     with device_module().hold_events() as hold:
         cache.insert(InsertParams(key=nsa_stack.radix_key(tokens), value=stack.allocator.alloc(4 * PS)))
         cache.check_hicache_events()  # the write-through is still in flight
-        match = cache.match_prefix(MatchPrefixParams(key=nsa_stack.radix_key(tokens[: 2 * PS])))
-        head = match.last_device_node
-        tail = next(iter(head.children.values()))
-        assert len(head.key) == len(tail.key) == 2 * PS and head.id in {n.id for n in [head]}
+        tail = cache.root_node.children[nsa_stack.radix_key(tokens).child_key(PS)]
+        if shared_kv:
+            reserved = cache.pending_backups[tail.id].write.logical_host_locs
+        # A request sharing the first two pages, inserted after its forward, splits it.
+        other = tokens[: 2 * PS] + list(range(9000, 9000 + PS))
+        other_locs = torch.cat([tail.value[: 2 * PS], stack.allocator.alloc(PS)])
+        cache.insert(InsertParams(key=nsa_stack.radix_key(other), value=other_locs))
+        head = tail.parent
+        assert len(head.key) == len(tail.key) == 2 * PS
+        assert head.backuped == tail.backuped == (not shared_kv)  # CP: pending until the ack
         hold.release()
     cache.check_hicache_events()
     published = [node for node, medium in stored if medium == StorageMedium.CPU]
-    assert sorted(n.id for n in published) == sorted([head.id, tail.id])
+    leaf = next(n for n in head.children.values() if n is not tail)  # backed up on its own
+    assert sorted(n.id for n in published) == sorted([head.id, tail.id, leaf.id])
     assert head.lock_ref == tail.lock_ref == 0
+    assert head.backuped and tail.backuped
+    if shared_kv:  # the fragments took their slices of the one reservation
+        assert torch.equal(torch.cat([head.host_value, tail.host_value]), reserved)
     stack.close()

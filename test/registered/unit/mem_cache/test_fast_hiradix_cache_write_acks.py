@@ -67,11 +67,14 @@ def test_zero_owned_writes_ack_once_each(gloo_world1):
     lane1_only = stack.allocator.alloc_pages_with_owners(torch.ones(2, dtype=torch.int64))
     zero_owned = nsa_stack.insert_at_root(stack, list(range(1, 1 + 2 * PS)), lane1_only)
     mixed = nsa_stack.insert_at_root(stack, list(range(9000, 9000 + 2 * PS)))
-    assert cache.node_host_metadata(zero_owned).owned_len == 0
-    assert cache.node_host_metadata(mixed).owned_len > 0
+    # Pending until the ack: the reservation says which rank transfers anything.
+    assert cache.pending_backups[zero_owned.id].write.operation is None
+    assert cache.pending_backups[mixed.id].write.operation is not None
     acked = [ids for ack in cache.cache_controller.ack_write_queue for ids in ack.node_ids]
     assert acked == [zero_owned.id, mixed.id]
     cache.writing_check()
+    assert cache.node_host_metadata(zero_owned).owned_len == 0
+    assert cache.node_host_metadata(mixed).owned_len > 0
     assert not cache.ongoing_write_through and not cache.cache_controller.ack_write_queue
     assert zero_owned.lock_ref == mixed.lock_ref == 0
     stack.close()

@@ -130,7 +130,7 @@ def test_in_flight_acks_pop_after_release_and_no_thread_survives(gloo_world1, sh
         if shared_kv:  # a node this rank owns nothing of still acks once
             lane1_only = stack.allocator.alloc_pages_with_owners(torch.ones(2, dtype=torch.int64))
             nodes.append(nsa_stack.insert_at_root(stack, list(range(50000, 50000 + 2 * PS)), lane1_only))
-            assert cache.node_host_metadata(nodes[-1]).owned_len == 0
+            assert cache.pending_backups[nodes[-1].id].write.operation is None
         cache.check_hicache_events()
         assert set(cache.ongoing_write_through) == {n.id for n in nodes}
         assert len(_threads(cache._write_acks)) == 1
