@@ -207,6 +207,54 @@ def _lane_exhaustion_recovered(ctx):
     return result
 
 
+def _pending_backups_defer_and_commit(ctx):
+    """A's backup in flight (events held on every rank), B would split it, C is a chunked
+    prompt; after the acks: B splits, everything comes back from host with its bytes."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sglang_cp_hicache.testing import device_module
+
+    stack = _stack(ctx)
+    drv, cache = Driver(stack), stack.cache
+    tokens_a = list(range(1000, 1000 + 4 * PS))
+    tokens_c = list(range(60000, 60000 + 4 * PS))
+    req_b = Req(
+        rid="b", origin_input_text="", sampling_params=SamplingParams(),
+        origin_input_ids=tokens_a[: 2 * PS] + list(range(90000, 90000 + PS)) + [1],
+    )  # fmt: skip
+    locs_c = stack.allocator.alloc(len(tokens_c))
+    drv.ns.write_prefill_kv(stack, locs_c, torch.tensor(tokens_c), torch.arange(len(tokens_c)))
+    with device_module().hold_events() as hold:
+        locs_a = stack.allocator.alloc(len(tokens_a))
+        drv.ns.write_prefill_kv(stack, locs_a, torch.tensor(tokens_a), torch.arange(len(tokens_a)))
+        node_a = drv.ns.insert_at_root(stack, tokens_a, locs_a)
+        cache.inc_lock_ref(node_a)  # A keeps running on its node
+        for end in (2 * PS, 4 * PS):  # C's chunks, pending too
+            cache.insert(InsertParams(key=drv.ns.radix_key(tokens_c[:end]), value=locs_c[:end].clone(), chunked=True))
+        cache.check_hicache_events()  # the one all-reduce: nothing finished on any rank
+        pending = sorted(cache.pending_backups)
+        req_b.init_next_round_input(cache)
+        deferred = (cache.take_split_deferral(req_b), len(req_b.prefix_indices), len(node_a.key))
+        hold.release()
+    cache.check_hicache_events()
+    req_b.init_next_round_input(cache)
+    after = (cache.take_split_deferral(req_b), len(req_b.prefix_indices))
+    cache.dec_lock_ref(node_a)
+    drv.evict_all_device()
+    return {
+        "pending": pending,
+        "deferred": deferred,
+        "after": after,
+        "stats": (cache.pending_stats.committed, cache.pending_stats.deferred_splits),
+        "a": drv.load_back(tokens_a),
+        "c": drv.load_back(tokens_c),
+        "protected": cache.protected_size_,
+        "digest": _tree_digest(cache),
+    }
+
+
 # --------------------------------------------------------------------- tests
 @pytest.mark.parametrize("cp_size", [2, 3, 4])
 def test_write_evict_load_back_bytes_on_every_rank(cp_size):
@@ -255,3 +303,17 @@ def test_owner_lane_exhaustion_during_load_back_recovered_by_targeted_eviction()
         assert r["loaded"] == 4 * PS and r["mismatches"] == 0
         # Only the short lane's cache goes: the older node frees nothing on lane 0.
         assert r["hog_evicted"] and not r["old_evicted"]
+
+
+@pytest.mark.parametrize("cp_size", [2, 3])
+def test_pending_backups_defer_splits_commit_on_the_ack_and_load_back_their_bytes(cp_size):
+    results = run_ranks(cp_size, _pending_backups_defer_and_commit)
+    assert len({repr({k: r[k] for k in ("pending", "deferred", "after", "stats", "digest")}) for r in results}) == 1
+    for r in results:
+        assert len(r["pending"]) == 3  # A and C's two chunks, all in flight at once
+        assert r["deferred"] == (True, 0, 4 * PS)  # B waited; A's node was not split
+        assert r["after"] == (False, 2 * PS)
+        assert r["stats"] == (3, 1) and r["protected"] == 0
+        for prompt in ("a", "c"):
+            assert r[prompt]["host_hit"] == r[prompt]["loaded"] == 4 * PS
+            assert r[prompt]["mismatches"] == 0
