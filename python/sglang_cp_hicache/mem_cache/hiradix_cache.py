@@ -17,7 +17,13 @@ it adds only the CP deltas, as policy; the controller is mechanism:
   the short lanes cannot be covered nothing is evicted and the backup or load is refused
   (counted in :attr:`capacity_refusals`; the node stays device-only, the request
   recomputes its prefix, as upstream does when room runs out);
-* load-back admission counts device-evictable cache in its quota.
+* load-back admission counts device-evictable cache in its quota;
+* a backup is pending (:class:`PendingBackup`: host pages reserved, transfer submitted)
+  and invisible (no ``host_value``) until its one final ack commits it in
+  ``writing_check``; a full lane gets room made and one retry, else a counted skip; a
+  match never splits a pending node (the request waits a round, see
+  ``managers/schedule_policy.py``), an insert's split hands the fragment its host slice
+  at the commit (docs/cp_hicache_design.md, "Backup state machine").
 
 Per node, the replicated lane state the planners read is kept on the node (never recomputed
 per eviction call): ``cp_device_run`` (a host copy of the node's logical device locs, derived on

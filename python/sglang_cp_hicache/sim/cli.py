@@ -64,6 +64,16 @@ def _parser(d: SimConfig) -> argparse.ArgumentParser:
     work.add_argument("--max-active-sessions", type=int, default=d.max_active_sessions)
     work.add_argument("--continue-prob", type=float, default=d.continue_prob)
 
+    sched = p.add_argument_group("scheduler features")
+    sched.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
+                       help="tokens per prefill chunk (0: off)")  # fmt: skip
+    sched.add_argument("--abort-prob", type=float, default=d.abort_prob)
+    sched.add_argument("--retract-prob", type=float, default=d.retract_prob)
+    sched.add_argument("--inflight-steps", type=int, default=d.inflight_steps,
+                       help="write acks land this many steps after submission")  # fmt: skip
+    sched.add_argument("--all-layer-backup", action="store_true",
+                       help="all-layer D2H submission (today both submit all layers)")  # fmt: skip
+
     stack = p.add_argument_group("per-rank stack")
     stack.add_argument("--layer-num", type=int, default=d.layer_num)
     stack.add_argument("--page-size", type=int, default=d.page_size)
@@ -92,6 +102,11 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         continue_prob=args.continue_prob,
         trace_path=args.trace,
         batch_size=args.batch_size,
+        chunked_prefill_size=args.chunked_prefill_size,
+        abort_prob=args.abort_prob,
+        retract_prob=args.retract_prob,
+        inflight_steps=args.inflight_steps,
+        per_layer_backup=not args.all_layer_backup,
         layer_num=args.layer_num,
         page_size=args.page_size,
         physical_tokens=args.physical_tokens,

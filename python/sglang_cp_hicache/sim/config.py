@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
@@ -35,6 +36,22 @@ WORKLOADS: Dict[str, Dict[str, Any]] = {
 
 
 @dataclass(frozen=True)
+class SchedulerFeatures:
+    """What the driver replays besides plain prefills (identically on every rank)."""
+
+    seed: int = 0
+    chunked_prefill_size: int = 0
+    abort_prob: float = 0.0
+    retract_prob: float = 0.0
+    inflight_steps: int = 0
+
+    def draw(self, kind: str, request_index: int, attempt: int) -> float:
+        """A uniform draw that depends only on its arguments: every rank, and the
+        baseline, abort and retract the same requests."""
+        return random.Random(f"{self.seed}:{kind}:{request_index}:{attempt}").random()
+
+
+@dataclass(frozen=True)
 class SimConfig:
     """Everything one simulation run needs; the defaults take about 20 s on 2 cores."""
 
@@ -54,6 +71,15 @@ class SimConfig:
     vocab_size: int = 32000
     trace_path: Optional[str] = None  # JSONL trace instead of the generator
     batch_size: int = 1  # requests per prefill batch (scheduler step)
+    # ---- scheduler features around the backup state machine
+    chunked_prefill_size: int = 0  # tokens per prefill chunk (multiple of page_size); 0 = off
+    abort_prob: float = 0.0  # a scheduled request is aborted before its forward
+    retract_prob: float = 0.0  # after a forward (chunk): KV freed uninserted, request re-queued
+    inflight_steps: int = 0  # write acks land this many steps after submission (0: at once)
+    # Per-layer D2H submission of pending backups. The cache reserves before submitting
+    # either way; until the controller's per-layer submission exists, both values submit
+    # all layers at once (the switch is CpHiRadixCache._submit_backup).
+    per_layer_backup: bool = True
     # ---- one rank's stack (nsa_stack.StackConfig)
     layer_num: int = 2
     page_size: int = 64
@@ -96,6 +122,16 @@ class SimConfig:
             bad(f"hicache_ratio must be > 1 (SGLang's rule), got {self.hicache_ratio}")
         if self.fault is not None and self.fault not in FAULTS:
             bad(f"fault must be one of {sorted(FAULTS)}, got {self.fault!r}")
+        if self.chunked_prefill_size < 0 or self.chunked_prefill_size % self.page_size:
+            bad(
+                f"chunked_prefill_size ({self.chunked_prefill_size}) must be 0 or a "
+                "positive multiple of page_size"
+            )
+        for name in ("abort_prob", "retract_prob"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                bad(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.inflight_steps < 0:
+            bad(f"inflight_steps must be >= 0, got {self.inflight_steps}")
         if self.tree_digest_every < 1:
             bad("tree_digest_every must be >= 1")
 
@@ -104,6 +140,15 @@ class SimConfig:
         """The named workload's settings (``WORKLOADS``), then ``overrides`` on top."""
         settings = {**WORKLOADS.get(workload, {}), **overrides}
         return cls(workload=workload, **settings)  # __post_init__ rejects an unknown name
+
+    def scheduler_features(self) -> "SchedulerFeatures":
+        return SchedulerFeatures(
+            seed=self.seed,
+            chunked_prefill_size=self.chunked_prefill_size,
+            abort_prob=self.abort_prob,
+            retract_prob=self.retract_prob,
+            inflight_steps=self.inflight_steps,
+        )
 
     def stack_config(self, max_context_len: int, shared_kv: bool = True):
         """The nsa_stack.StackConfig of one rank (cp 1 and the same pool for the baseline)."""

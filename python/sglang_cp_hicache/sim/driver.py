@@ -41,6 +41,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sglang_cp_hicache.sim.checks import poison_owned, tree_summary, verify_hit
 from sglang_cp_hicache.sim.collectives import CollectiveCounter
+from sglang_cp_hicache.sim.config import SchedulerFeatures
 from sglang_cp_hicache.sim.faults import FaultHooks
 from sglang_cp_hicache.sim.invariants import PoolLedger
 from sglang_cp_hicache.sim.observed_cache import CacheObserver
@@ -52,11 +53,13 @@ from sglang_cp_hicache.sim.results import (
     SeriesPoint,
 )
 from sglang_cp_hicache.sim.workload import Request
+from sglang_cp_hicache.testing import device_module
 from sglang_cp_hicache.testing.nsa_stack import RankStack, write_prefill_kv
 
 logger = logging.getLogger(__name__)
 
 _MAX_VIOLATIONS = 50
+_MAX_DRAIN_STEPS = 10_000  # steps after the trace for deferred, re-queued and chunked work
 
 
 class SimulationError(RuntimeError):
@@ -67,11 +70,14 @@ class SimulationError(RuntimeError):
 class SimReq:
     """The fields of SGLang's ``Req`` that the cache path reads and writes.
 
-    Prefill only: the request finishes after its forward, with its prompt as committed KV
-    (no output tokens).
+    Prefill only: the request finishes after its (last chunk's) forward, with its prompt as
+    committed KV (no output tokens).
     """
 
     request: Request
+    attempt: int = 0  # retractions so far (each retry draws anew)
+    started: bool = False  # its first chunk ran (counters and the hit check are done)
+    fill_len: int = 0  # prompt tokens scheduled so far (chunked prefill: grows per chunk)
     req_pool_idx: Optional[int] = None
     is_chunked: int = 0
     kv_committed_len: int = 0
@@ -87,12 +93,29 @@ class SimReq:
     loaded: int = 0
 
     @property
-    def token_ids(self) -> Sequence[int]:
+    def rid(self) -> str:
+        return f"{self.request.index}:{self.attempt}"
+
+    @property
+    def prompt(self) -> Sequence[int]:
         return self.request.token_ids
 
     @property
+    def token_ids(self) -> Sequence[int]:
+        """The tokens scheduled so far (the whole prompt without chunking)."""
+        return self.request.token_ids[: self.fill_len]
+
+    @property
+    def fill_ids(self) -> List[int]:
+        return list(self.token_ids)
+
+    @property
+    def finished_prefill(self) -> bool:
+        return self.fill_len == len(self.prompt)
+
+    @property
     def origin_input_ids(self) -> List[int]:
-        return list(self.request.token_ids)
+        return list(self.token_ids)
 
     @property
     def output_ids(self) -> List[int]:
@@ -114,6 +137,7 @@ class RankDriver:
         agree: Callable[[int], bool],
         hooks: FaultHooks,
         tree_digest_every: int,
+        features: Optional[SchedulerFeatures] = None,
     ) -> None:
         self.stack = stack
         self.cache = stack.cache
@@ -126,6 +150,10 @@ class RankDriver:
         self.agree = agree
         self.hooks = hooks
         self.tree_digest_every = tree_digest_every
+        self.features = features or SchedulerFeatures()
+        self._waiting: List[SimReq] = []  # deferred or re-queued, ahead of new requests
+        self._chunked: List[SimReq] = []  # mid-prefill: their next chunk runs next step
+        self._in_flight: List[tuple] = []  # (step, event hold) of the writes in flight
         self.page_size = self.cache.page_size
         self.host_pool = self.controller.mem_pool_host
         self.bytes_per_token = sum(e.host_pool.size_per_token for e in self.host_pool.entries)
@@ -141,7 +169,9 @@ class RankDriver:
         self.decision_hash = hashlib.blake2b(b"cp-hicache-sim", digest_size=8).digest()
         self.step_index = 0
 
-        self.ledger = PoolLedger(stack, rank, shared_kv, self._violation)
+        self.ledger = PoolLedger(
+            stack, rank, shared_kv, self._violation, writes_in_flight=self.features.inflight_steps > 0
+        )
         self.host_peak_physical = 0
         self.host_peak_logical = 0
         self.lane_usage = LaneUsage.empty(len(self.ledger.start_lanes)) if shared_kv else None
@@ -192,9 +222,22 @@ class RankDriver:
             self.violations.append(f"rank {self.rank} step {self.step_index}: {message}")
 
     # ----------------------------------------------------------------- steps
+    def _schedule(self, steps: Sequence[Sequence[Request]]) -> Iterator[List[Request]]:
+        """The trace's steps, then empty steps until deferred, re-queued and chunked
+        requests are done (each rank drains alike: their state is replicated)."""
+        yield from steps
+        for _ in range(_MAX_DRAIN_STEPS):
+            if not (self._waiting or self._chunked):
+                return
+            yield []
+        self._violation(
+            f"requests {[r.rid for r in self._waiting + self._chunked]} still waiting after "
+            "the drain steps"
+        )
+
     def run(self, steps: Sequence[Sequence[Request]], progress: Any = None) -> RankResult:
         stopped: Optional[str] = None
-        for self.step_index, requests in enumerate(steps):
+        for self.step_index, requests in enumerate(self._schedule(steps)):
             try:
                 records = self._step([SimReq(r) for r in requests])
             except SimulationError as exc:
@@ -212,38 +255,131 @@ class RankDriver:
                 stopped = f"decision logs diverged across ranks at step {self.step_index}"
                 self._violation(stopped)
                 break
-            if progress is not None:
+            if progress is not None and self.step_index < len(steps):
                 progress.update(1)
         self.step_index += 1
+        self._land_writes(keep=0)  # every transfer lands before the final checks
         return self._finish_run(stopped)
 
-    def _step(self, reqs: List[SimReq]) -> List[tuple]:
+    def _land_writes(self, keep: int) -> None:
+        """Complete the write transfers submitted ``keep`` or more steps ago."""
+        while self._in_flight and self._in_flight[0][0] <= self.step_index - keep:
+            self._in_flight.pop(0)[1].release()
+
+    def _step(self, new_reqs: List[SimReq]) -> List[tuple]:
+        self._land_writes(keep=self.features.inflight_steps)
         with self._op("check_events"):
             self.cache.check_hicache_events()
-        self.ledger.check_idle()
+        self.ledger.check_idle(self._chunked)
+        # get_new_batch_prefill: the chunked request first (no match, it holds its lock),
+        # then the waiting queue in order.
+        reqs: List[SimReq] = []
+        records: List[tuple] = []
+        chunked, self._chunked = self._chunked, []
+        for req in chunked:  # no room for its next chunk: it waits, keeping its lock
+            if self._fits(reqs, req):
+                reqs.append(req)
+            else:
+                self._chunked.append(req)
+                records.append(("chunk_waits", req.rid))
+        waiting, self._waiting = self._waiting + new_reqs, []
         loads = 0
-        for req in reqs:
+        for req in waiting:
             self._match(req)
+            if self._deferred(req):
+                self._waiting.append(req)
+                self.counters.deferred_requests += 1
+                records.append(("deferred", req.rid))
+                continue
+            if not self._fits(reqs, req) or self._second_chunked(reqs, req):
+                self._waiting.append(req)
+                records.append(("no_room", req.rid))
+                continue
             loads += self._admit(req)
+            if self.features.draw("abort", req.request.index, req.attempt) < self.features.abort_prob:
+                with self._op(None):
+                    self.cache.dec_lock_ref(req.last_node)  # aborted before its forward
+                self.counters.aborted_requests += 1
+                records.append(("aborted", req.rid))
+                continue
+            reqs.append(req)
         with self._op("load_back" if loads else None):
             self.cache.ready_to_load_host_cache()
-        out_cache_loc, alloc_record = self._alloc(reqs)
-        self._forward(reqs, out_cache_loc)
-        records = [self._finish(req) for req in reqs]
+        if reqs:
+            for req in reqs:
+                self._next_chunk(req)
+            out_cache_loc, alloc_record = self._alloc(reqs)
+            self._forward(reqs, out_cache_loc)
+            hold = device_module().hold_events() if self.features.inflight_steps else None
+            try:
+                records += [self._finish(req) for req in reqs]
+            finally:
+                if hold is not None:
+                    hold.seal()  # this step's writes stay in flight, later events do not
+                    self._in_flight.append((self.step_index, hold))
+            records.append(alloc_record)
         for op, micros in self._pending.items():
             self.samples[op].append(micros)
             self.wall_samples[op].append(self._pending_wall[op])
         self._pending.clear()
         self._pending_wall.clear()
         self._sample_series()
-        records.append(alloc_record)
         records.append(self._state_record())
         return records
 
+    def _deferred(self, req: SimReq) -> bool:
+        """PrefillAdder (with the plugin's hook): the match stopped above a pending backup
+        it would split, so the request waits for this round (it holds no lock)."""
+        take = getattr(self.cache, "take_split_deferral", None)  # not on the baseline
+        return take is not None and take(req)
+
+    def _fits(self, planned: List[SimReq], req: SimReq) -> bool:
+        """PrefillAdder's token budget: the batch's new pages fit in free plus evictable
+        device memory (locked pages, e.g. of writes in flight, do not count), with one page
+        per owner lane of slack. Without it a request waits, as upstream's NO_TOKEN."""
+        budget = self.allocator.available_size() + self.cache.evictable_size()
+        budget -= self.page_size * len(self.ledger.start_lanes or [1])
+        budget -= self._lock_cost(req.last_node)  # admission locks its device prefix
+        for other in (*planned, req):
+            # Not yet admitted (req): its host hit still needs device pages for the load.
+            host_hit = other.host_hit_length if other is req else 0
+            end = self._chunk_end(other, len(other.prefix_indices) + host_hit)
+            new_tokens = end - len(other.prefix_indices)
+            budget -= -(-new_tokens // self.page_size) * self.page_size
+        return budget >= 0 or not (planned or self.cache.ongoing_write_through or self._chunked)
+
+    def _second_chunked(self, planned: List[SimReq], req: SimReq) -> bool:
+        """Upstream runs one chunked request at a time: another one that needs chunking
+        waits (PrefillAdder with ``has_chunked_req``)."""
+        if not self._chunks_left(req, len(req.prefix_indices) + req.host_hit_length):
+            return False
+        chunked = (o for o in planned if self._chunks_left(o, len(o.prefix_indices)))
+        return any(True for _ in chunked) or bool(self._chunked)
+
+    def _chunks_left(self, req: SimReq, start: int) -> bool:
+        return self._chunk_end(req, start) < len(req.prompt)
+
+    def _lock_cost(self, node: Any) -> int:
+        """Evictable tokens that locking ``node`` (and so its ancestors) takes away."""
+        cost = 0
+        while node is not self.cache.root_node:
+            if node.lock_ref == 0:
+                cost += len(node.key)
+            node = node.parent
+        return cost
+
+    def _chunk_end(self, req: SimReq, start: int) -> int:
+        """PrefillAdder's chunking: at most ``chunked_prefill_size`` new tokens per step."""
+        size = self.features.chunked_prefill_size
+        return len(req.prompt) if size == 0 else min(len(req.prompt), start + size)
+
+    def _next_chunk(self, req: SimReq) -> None:
+        req.fill_len = self._chunk_end(req, len(req.prefix_indices))
+
     def _match(self, req: SimReq) -> None:
-        key = RadixKey(list(req.token_ids[: len(req.token_ids) - 1]))  # SGLang: input_len - 1
+        key = RadixKey(list(req.prompt[: len(req.prompt) - 1]))  # SGLang: input_len - 1
         with self._op("match_prefix"):
-            match = self.cache.match_prefix(MatchPrefixParams(key=key))
+            match = self.cache.match_prefix(MatchPrefixParams(key=key, req=req))
         req.prefix_indices = match.device_indices
         req.last_node = match.last_device_node
         req.best_match_node = match.best_match_node
@@ -329,7 +465,9 @@ class RankDriver:
             prefix_len, seq_len = len(req.prefix_indices), len(tokens)
             new_locs = out_cache_loc[offset : offset + seq_len - prefix_len]
             offset += seq_len - prefix_len
-            mismatches, checked = verify_hit(self.stack, req.prefix_indices, tokens[:prefix_len])
+            mismatches, checked = 0, 0
+            if not req.started:
+                mismatches, checked = verify_hit(self.stack, req.prefix_indices, tokens[:prefix_len])
             if mismatches:
                 self._violation(
                     f"request {req.request.index}: {mismatches} of {checked} owned hit tokens "
@@ -337,11 +475,14 @@ class RankDriver:
                 )
             new_positions = torch.arange(prefix_len, seq_len)
             write_prefill_kv(self.stack, new_locs, tokens[prefix_len:], new_positions)
+            if req.started:
+                continue  # a later chunk: its prefix is this request's own KV, not a hit
+            req.started = True
             c = self.counters
             c.kv_mismatches += mismatches
             c.kv_checked_tokens += checked
             c.requests += 1
-            c.prompt_tokens += seq_len
+            c.prompt_tokens += len(req.prompt)
             c.device_hit_tokens += req.device_hit
             c.host_matched_tokens += req.host_hit_length
             c.host_hit_tokens += req.loaded
@@ -349,13 +490,28 @@ class RankDriver:
             c.load_back_failures += int(req.host_hit_length > 0 and req.loaded == 0)
 
     def _finish(self, req: SimReq) -> tuple:
-        """release_kv_cache: the cache's cache_finished_req, then the req slot."""
+        """After the forward: retraction (KV freed uninserted, re-queued), the chunked
+        request's cache_unfinished_req, or release_kv_cache (cache_finished_req)."""
+        draw = self.features.draw(f"retract@{req.fill_len}", req.request.index, req.attempt)
+        retract = draw < self.features.retract_prob
         with self._op("insert"):
-            self.cache.cache_finished_req(req)
-            self.req_pool.free(req)
+            if retract:
+                self.cache.cache_finished_req(req, is_insert=False)
+                self.req_pool.free(req)
+            elif not req.finished_prefill:
+                self.cache.cache_unfinished_req(req, chunked=True)
+            else:
+                self.cache.cache_finished_req(req)
+                self.req_pool.free(req)
+        if retract:
+            self.counters.retracted_requests += 1
+            self._waiting.append(SimReq(req.request, attempt=req.attempt + 1))
+        elif not req.finished_prefill:
+            self.counters.prefill_chunks += 1
+            self._chunked.append(req)
         return (
-            req.request.index, len(req.token_ids), req.device_hit, req.host_hit_length,
-            req.loaded, req.cache_protected_len,
+            req.rid, len(req.token_ids), req.device_hit, req.host_hit_length,
+            req.loaded, req.cache_protected_len, retract,
         )  # fmt: skip
 
     # -------------------------------------------------------- invariants / log
@@ -394,6 +550,17 @@ class RankDriver:
         if self.lane_usage is not None:
             self.lane_usage.sample(self.ledger.device_lane_used(), self.ledger.host_lane_used())
 
+    def _read_backup_stats(self) -> None:
+        """The pending-backup state machine's counts (CP cache only; replicated)."""
+        stats = getattr(self.cache, "pending_stats", None)
+        if stats is None:
+            return
+        c = self.counters
+        c.pending_committed = stats.committed
+        c.pending_rolled_back = stats.rolled_back
+        c.deferred_splits = stats.deferred_splits
+        c.backups_skipped_host_full = self.cache.capacity_refusals.host_writes
+
     def _finish_run(self, stopped: Optional[str]) -> RankResult:
         leaked_device = leaked_host = leaked_req = 0
         if stopped is None:
@@ -407,6 +574,7 @@ class RankDriver:
             # No flush: locks of the interrupted batch are held, and diverged ranks could
             # disagree on whether writing_check all-reduces (a hang).
             summary = tree_summary(self.cache)
+        self._read_backup_stats()
         d2h = self.observer.d2h_tokens * self.bytes_per_token
         h2d = self.observer.h2d_tokens * self.bytes_per_token
         return RankResult(

@@ -6,7 +6,8 @@ since CPU copies are synchronous) and after the flush, the pools must add up aga
 
 from __future__ import annotations
 
-from typing import Callable, ContextManager, List, Optional, Tuple
+from collections import Counter
+from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple
 
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
@@ -18,8 +19,14 @@ class PoolLedger:
     """Free counts at start, current usage, and the checks built on them."""
 
     def __init__(
-        self, stack: RankStack, rank: int, shared_kv: bool, violation: Callable[[str], None]
+        self,
+        stack: RankStack,
+        rank: int,
+        shared_kv: bool,
+        violation: Callable[[str], None],
+        writes_in_flight: bool = False,
     ) -> None:
+        self.writes_in_flight = writes_in_flight  # write acks may land steps later
         self.cache = stack.cache
         self.allocator = stack.allocator
         self.req_pool = stack.req_to_token_pool
@@ -59,23 +66,29 @@ class PoolLedger:
         return self.host_used_physical_tokens()
 
     # -------------------------------------------------------------- checks
-    def check_idle(self) -> None:
-        """Between batches: nothing pending or locked, and every pool adds up."""
+    def check_idle(self, running: Sequence[Any] = ()) -> None:
+        """Between batches: nothing pending or locked but the writes in flight and the
+        ``running`` (chunked, mid-prefill) requests' own locks, slots and unaligned tails;
+        every pool adds up."""
         cache = self.cache
-        if cache.ongoing_write_through or cache.ongoing_load_back:
+        writes = 0 if self.writes_in_flight else len(cache.ongoing_write_through)
+        if writes or cache.ongoing_load_back:
             self.violation(
-                f"{len(cache.ongoing_write_through)} writes / {len(cache.ongoing_load_back)} "
+                f"{writes} writes / {len(cache.ongoing_load_back)} "
                 f"loads still pending after check_hicache_events"
             )
             return
-        if cache.protected_size_ != 0:
-            self.violation(f"{cache.protected_size_} tokens still locked between batches")
-        total = self.allocator.available_size() + cache.evictable_size_
+        self._check_locks(running)
+        tails = sum(len(req.prefix_indices) - req.cache_protected_len for req in running)
+        total = (
+            self.allocator.available_size() + cache.evictable_size_ + cache.protected_size_ + tails
+        )
         if total != self.device_capacity:
             self.violation(
-                f"available + evictable = {total}, device capacity is {self.device_capacity}"
+                f"available + evictable + protected = {total}, device capacity is "
+                f"{self.device_capacity}"
             )
-        if self.req_pool.available_size() != self.start_req_slots:
+        if self.req_pool.available_size() != self.start_req_slots - len(running):
             self.violation("req_to_token_pool slots leaked")
         if self.shared_kv:
             lane_used = self.controller.host_table.lane_used_pages()[self.rank]
@@ -86,6 +99,38 @@ class PoolLedger:
                     f"the physical host pool has {physical_used} in use"
                 )
 
+    def _check_locks(self, running: Sequence[Any]) -> None:
+        """Each node's lock_ref equals the locks taken at or below it by the writes in
+        flight (one on each write-through node) and the running requests (one on each
+        request's last node)."""
+        cache = self.cache
+        holders = Counter(list(cache.ongoing_write_through))
+        holders.update(req.last_node.id for req in running)
+        if not holders:
+            if cache.protected_size_ != 0:
+                self.violation(f"{cache.protected_size_} tokens still locked between batches")
+            return
+        order, stack = [], [cache.root_node]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.children.values())
+        below = {}
+        for node in reversed(order):  # children before parents
+            count = holders[node.id] + sum(below[c.id] for c in node.children.values())
+            below[node.id] = count
+            if node is not cache.root_node and node.lock_ref != count:
+                self.violation(
+                    f"node {node.id}: lock_ref {node.lock_ref} between batches, {count} "
+                    "locks of writes in flight and running requests at or below it"
+                )
+                return
+
+    def reserved_host_tokens(self) -> int:
+        """Logical host tokens reserved by backups not yet committed (not in the tree)."""
+        pending = getattr(self.cache, "pending_backups", {})
+        return sum(len(record.write.logical_host_locs) for record in pending.values())
+
     def check_tree(self, summary: TreeSummary) -> None:
         """The tree's device and host tokens match the pools' accounting."""
         device_tokens = self.cache.evictable_size_ + self.cache.protected_size_
@@ -93,10 +138,11 @@ class PoolLedger:
             self.violation(
                 f"tree holds {summary.device_tokens} device tokens, sizes say {device_tokens}"
             )
-        host_tokens = self.host_used_logical_tokens()
+        host_tokens = self.host_used_logical_tokens() - self.reserved_host_tokens()
         if summary.host_tokens != host_tokens:
             self.violation(
-                f"tree holds {summary.host_tokens} host tokens, host accounting says {host_tokens}"
+                f"tree holds {summary.host_tokens} host tokens, host accounting says "
+                f"{host_tokens} besides the pending reservations"
             )
 
     # --------------------------------------------------------------- flush

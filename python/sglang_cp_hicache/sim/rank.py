@@ -98,6 +98,7 @@ def cp_rank_main(ctx: RankContext, cfg: SimConfig, steps: List[List[Request]]) -
             agree=lambda value: all_ranks_equal(value, ctx.cp_group),
             hooks=hooks,
             tree_digest_every=cfg.tree_digest_every,
+            features=cfg.scheduler_features(),
         )
         return _drive(driver, steps, cfg.progress and ctx.rank == 0, f"cp={cfg.cp_size}")
     finally:
@@ -139,6 +140,7 @@ def baseline_rank_main(ctx: RankContext, cfg: SimConfig, steps: List[List[Reques
             agree=lambda value: True,
             hooks=FaultHooks(),
             tree_digest_every=cfg.tree_digest_every,
+            features=cfg.scheduler_features(),
         )
         return _drive(driver, steps, cfg.progress, "upstream cp=1")
     finally:

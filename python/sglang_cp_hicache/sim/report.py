@@ -121,6 +121,15 @@ class SimReport:
     device_dropped_tokens: int
     host_evictions: int
     host_evicted_tokens: int
+    # ---- scheduler features and the pending-backup state machine (replicated)
+    prefill_chunks: int
+    aborted_requests: int
+    retracted_requests: int
+    deferred_requests: int
+    pending_committed: int
+    pending_rolled_back: int
+    deferred_splits: int
+    backups_skipped_host_full: int
     # ---- memory and traffic
     bytes_per_token: int
     logical_host_bytes: int  # peak, logical (what a replicated host tier holds per rank)
@@ -286,6 +295,14 @@ def build_report(
         device_dropped_tokens=c.device_dropped_tokens,
         host_evictions=c.host_evicted_nodes,
         host_evicted_tokens=c.host_evicted_tokens,
+        prefill_chunks=c.prefill_chunks,
+        aborted_requests=c.aborted_requests,
+        retracted_requests=c.retracted_requests,
+        deferred_requests=c.deferred_requests,
+        pending_committed=c.pending_committed,
+        pending_rolled_back=c.pending_rolled_back,
+        deferred_splits=c.deferred_splits,
+        backups_skipped_host_full=c.backups_skipped_host_full,
         bytes_per_token=bpt,
         logical_host_bytes=results[0].host_peak_logical_bytes,
         host_bytes_per_rank=[r.host_peak_physical_bytes for r in results],
@@ -348,6 +365,11 @@ def _cache_rows(report: SimReport) -> List[str]:
         b and f"-/{b.host_evicted_tokens}",
     )
     row("load-back failures", report.load_back_failures)
+    row("chunks / aborts / retractions",
+        f"{report.prefill_chunks}/{report.aborted_requests}/{report.retracted_requests}")  # fmt: skip
+    row("backups committed / rolled back", f"{report.pending_committed}/{report.pending_rolled_back}")
+    row("deferred splits (request-rounds)", f"{report.deferred_splits} ({report.deferred_requests})")
+    row("backups skipped, host full", report.backups_skipped_host_full)
     row("writing_check all-reduces/rank", report.writing_check_all_reduces[0])
     return lines
 

@@ -27,6 +27,15 @@ class RankCounters:
     host_evicted_tokens: int = 0  # logical
     logical_written_tokens: int = 0  # backups landed on host (logical)
     logical_loaded_tokens: int = 0  # load-backs queued (logical)
+    # Scheduler features and the pending-backup state machine.
+    prefill_chunks: int = 0  # unfinished chunks cached (cache_unfinished_req, chunked)
+    aborted_requests: int = 0  # aborted after admission, before their forward
+    retracted_requests: int = 0  # KV freed uninserted after a forward, re-queued
+    deferred_requests: int = 0  # request-rounds left waiting: a pending backup would split
+    pending_committed: int = 0  # backups made host-visible by their final ack (CP)
+    pending_rolled_back: int = 0  # reservations freed without a commit (CP; flush included)
+    deferred_splits: int = 0  # matches that stopped above a pending backup (CP)
+    backups_skipped_host_full: int = 0  # no host room on a short lane after the retry (CP)
     # Per rank (not replicated): the owned shard of every hit was checked.
     kv_checked_tokens: int = 0  # owned tokens of hits compared with the pattern
     kv_mismatches: int = 0

@@ -64,8 +64,7 @@ class CpuDeviceModule:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._holding = 0
-        self._held: List[CpuEvent] = []
+        self._holds: List["_EventHold"] = []  # open holds, oldest first
         self._current = CpuStream()
 
     def Event(self, *args, **kwargs) -> CpuEvent:  # noqa: N802 - mirrors torch API
@@ -95,30 +94,40 @@ class CpuDeviceModule:
 
     def _register_if_holding(self, event: CpuEvent) -> bool:
         with self._lock:
-            if self._holding:
-                self._held.append(event)
+            if self._holds:
+                self._holds[-1]._events.append(event)  # the newest hold captures it
                 return True
             return False
 
     def hold_events(self) -> "_EventHold":
-        """Events recorded until ``release()`` stay incomplete (in-flight transfers)."""
+        """Events recorded until ``release()`` (or until a newer hold opens) stay incomplete
+        (in-flight transfers); each hold releases only the events it captured, so transfers
+        of different steps can land at different times."""
+        hold = _EventHold(self)
         with self._lock:
-            self._holding += 1
-        return _EventHold(self)
+            self._holds.append(hold)
+        return hold
 
 
 class _EventHold:
     def __init__(self, module: CpuDeviceModule) -> None:
         self._module = module
+        self._events: List[CpuEvent] = []
         self._released = False
+
+    def seal(self) -> None:
+        """Capture no further events; those captured stay held until ``release()``."""
+        with self._module._lock:
+            if self in self._module._holds:
+                self._module._holds.remove(self)
 
     def release(self) -> None:
         if self._released:
             return
         self._released = True
+        self.seal()
         with self._module._lock:
-            self._module._holding -= 1
-            events, self._module._held = self._module._held, []
+            events, self._events = self._events, []
         for event in events:
             event._release()
 
