@@ -101,6 +101,12 @@ HOOKS: Tuple[HookSpec, ...] = (
         "sglang_cp_hicache.managers.schedule_policy:add_one_req_around",
         "AROUND",
     ),
+    # Host pages of a prefill batch's new leaves reserved before its forward.
+    HookSpec(
+        "sglang.srt.managers.schedule_batch:ScheduleBatch.prepare_for_extend",
+        "sglang_cp_hicache.managers.schedule_batch:prepare_for_extend_after",
+        "AFTER",
+    ),
     # Shared-KV attention runtime: write translation, prefix materialisation.
     HookSpec(f"{_NSA_BACKEND}.init_forward_metadata", f"{_NSA_HOOKS}:init_forward_metadata_around", "AROUND"),
     HookSpec(f"{_NSA_BACKEND}.forward_extend", f"{_NSA_HOOKS}:forward_extend_around", "AROUND"),

@@ -43,11 +43,12 @@ import numpy as np
 import torch
 
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
-from sglang.srt.mem_cache.radix_cache import TreeNode
+from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
 from sglang_cp_hicache.mem_cache.cp_hicache_metadata import (
     CpHiCacheMetadataError,
     CpHiCacheNodeMetadata,
+    HostWritePlan,
     PageRun,
 )
 from sglang_cp_hicache.mem_cache.cp_lane_eviction import plan_lane_victims
@@ -79,15 +80,14 @@ class CapacityRefusals:
 class PendingBackup:
     """A CP backup between its host reservation and its one final ack.
 
-    Until the ack commits it, the node has no ``host_value`` (not ``backuped``): it is no
-    ``last_host_node``, no host-eviction victim, and a split never cuts its host pages.
-    ``submitted``: the transfer and its ack are queued (only then is it in
-    ``ongoing_write_through``); an unsubmitted reservation can be rolled back.
+    Created when the transfer and its ack are queued (the node is then in
+    ``ongoing_write_through``, locked). Until the ack commits it, the node has no
+    ``host_value`` (not ``backuped``): it is no ``last_host_node``, no host-eviction
+    victim, and a split never cuts its host pages.
     """
 
     node: TreeNode
     write: PendingHostWrite
-    submitted: bool = False
 
 
 @dataclass
@@ -111,6 +111,10 @@ class CpHiRadixCache(FastHiRadixCache):
                 raise CpSharedKVConfigError("; ".join(problems))
         # Before super(): its __init__ calls reset(). Keyed by the reserving node's id.
         self.pending_backups: Dict[int, PendingBackup] = {}
+        # Reserved before the forward, not yet claimed by an insert: by rid, and the rid
+        # by the leaf's first logical device page (how the insert finds it).
+        self._forward_reservations: Dict[str, PendingHostWrite] = {}
+        self._forward_reservation_rids: Dict[int, str] = {}
         self.pending_stats = PendingBackupStats()
         super().__init__(params, server_args)
         self.capacity_refusals = CapacityRefusals()
@@ -218,15 +222,7 @@ class CpHiRadixCache(FastHiRadixCache):
             return super().write_backup(node, write_back)
         if self._pending_write_id(node) is not None:
             return 0  # already pending, itself or as a fragment of a pending node
-        # Backed-up nodes form a contiguous prefix from the root (write-through); a
-        # submitted parent commits first (acks pop in order).
-        parent = node.parent
-        if (
-            not write_back
-            and parent is not self.root_node
-            and not parent.backuped
-            and self._pending_write_id(parent) is None
-        ):
+        if not write_back and not self._may_back_up_under(node.parent):
             return 0
         record = self._reserve_backup(node)
         if record is None:
@@ -237,39 +233,123 @@ class CpHiRadixCache(FastHiRadixCache):
         return len(record.write.logical_host_locs)
 
     def _reserve_backup(self, node: TreeNode) -> Optional[PendingBackup]:
-        """Reserve ``node``'s host pages per owner lane (no transfer); None after a counted
-        skip when host-only victims on the short lanes cannot make room."""
-        plan = self.host_table.plan_write(self._device_run(node))
-        write = self._reserve_write(node, plan)
-        if write is None and self._make_host_room(plan.lane_pages):
-            write = self._reserve_write(node, plan)  # the one retry
+        """Reserve ``node``'s host pages per owner lane (no transfer): the reservation made
+        before the forward for this leaf if there is one, else a new one; None after a
+        counted skip."""
+        run = self._device_run(node)
+        write = self._claim_forward_reservation(node.id, run)
         if write is None:
-            self._refuse("host_writes", node, plan.lane_pages, self.host_table.lane_free_pages())
+            write = self._reserve(self.host_table.plan_write(run), node.id)
+        if write is None:
             return None
         record = PendingBackup(node, write)
         self.pending_backups[node.id] = record
         return record
 
-    def _reserve_write(self, node: TreeNode, plan) -> Optional[PendingHostWrite]:
-        return self.cache_controller.reserve_write(plan, node.id, **self._get_extra_pools())
+    def _reserve(self, plan: HostWritePlan, node_id: int) -> Optional[PendingHostWrite]:
+        """Reserve ``plan``; on a short lane make room there (host-only victims) and retry
+        once; None after a counted skip (nothing stays reserved)."""
+        write = self._reserve_write(node_id, plan)
+        if write is None and self._make_host_room(plan.lane_pages):
+            write = self._reserve_write(node_id, plan)  # the one retry
+        if write is None:
+            self._refuse("host_writes", node_id, plan.lane_pages, self.host_table.lane_free_pages())
+        return write
+
+    def _reserve_write(self, node_id: int, plan: HostWritePlan) -> Optional[PendingHostWrite]:
+        return self.cache_controller.reserve_write(plan, node_id, **self._get_extra_pools())
+
+    # ------------------------------------------------- reservation before the forward
+    def reserve_for_extend(self, req: Any) -> bool:
+        """Before the forward of ``req`` (its ``req_to_token`` row is written): reserve host
+        pages for the leaf its insert will create, so the transfer can start during the
+        forward. The probe walks the *final* insertion key (bigram and page-aligned as
+        ``insert`` sees it), not ``cache_protected_len``: pages another request has cached
+        since the match are not reserved twice. True if a reservation was made; the insert
+        claims it (:meth:`_reserve_backup`), :meth:`_settle_forward_reservation` rolls back
+        one left unclaimed (insert miss, abort, retraction)."""
+        if not self.uses_cp_hicache or not self._backs_up_new_leaves(req):
+            return False
+        key = RadixKey(req.fill_ids, req.extra_key, is_bigram=self.is_eagle).page_aligned(self.page_size)
+        value = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(key)]
+        key, value = key.maybe_to_bigram_view(self.is_eagle, value)
+        key = key.page_aligned(self.page_size)
+        matched, parent = self._probe_insert(key)
+        if matched == len(key) or not self._may_back_up_under(parent):
+            return False
+        run = PageRun.of(host_int64(value[matched : len(key)]), self.page_size)
+        write = self._reserve(self.host_table.plan_write(run), -1)
+        if write is None:
+            return False
+        self._settle_forward_reservation(req)  # a chunk's earlier reservation, if any
+        self._forward_reservations[req.rid] = write
+        self._forward_reservation_rids[int(run.pages[0])] = req.rid
+        return True
+
+    def _backs_up_new_leaves(self, req: Any) -> bool:
+        """A new leaf is backed up at its insert: write-through (threshold 1) or chunked."""
+        policy = self.cache_controller.write_policy
+        return policy == "write_through" or (policy != "write_back" and getattr(req, "is_chunked", 0) > 0)
+
+    def _probe_insert(self, key: RadixKey) -> "tuple[int, TreeNode]":
+        """How much of ``key`` the tree holds now, and the node the new leaf would hang
+        under (a node the insert would split stands for its prefix fragment). Read-only."""
+        node, matched = self.root_node, 0
+        while len(key) > 0:
+            child = node.children.get(key.child_key(self.page_size))
+            if child is None:
+                break
+            prefix_len = child.key.match(key, page_size=self.page_size)
+            matched += prefix_len
+            node = child
+            if prefix_len < len(child.key):
+                break
+            key = key[prefix_len:]
+        return matched, node
+
+    def _may_back_up_under(self, parent: TreeNode) -> bool:
+        """Write-through keeps backed-up nodes a contiguous prefix from the root: the
+        parent is backed up or pending (its ack pops first, acks pop in order)."""
+        return parent is self.root_node or parent.backuped or self._pending_write_id(parent) is not None
+
+    def _claim_forward_reservation(self, node_id: int, run: PageRun) -> Optional[PendingHostWrite]:
+        """The reservation made before the forward for exactly this leaf's pages, if any."""
+        if not self._forward_reservation_rids or not len(run.pages):
+            return None
+        rid = self._forward_reservation_rids.get(int(run.pages[0]))
+        if rid is None:
+            return None
+        write = self._forward_reservations[rid]
+        if not np.array_equal(write.plan.device_run.pages, run.pages):
+            return None  # the leaf starts on the reserved pages but is not that leaf
+        del self._forward_reservations[rid], self._forward_reservation_rids[int(run.pages[0])]
+        write.assign_node(node_id)
+        return write
+
+    def _settle_forward_reservation(self, req: Any) -> None:
+        """After the insert (or instead of it): roll back what the insert did not claim."""
+        write = self._forward_reservations.pop(req.rid, None)
+        if write is None:
+            return
+        del self._forward_reservation_rids[int(write.plan.device_run.pages[0])]
+        self.cache_controller.rollback_write(write)
+        self.pending_stats.rolled_back += 1
+
+    def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
+        super().cache_finished_req(req, is_insert)
+        if self.uses_cp_hicache:
+            self._settle_forward_reservation(req)
+
+    def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
+        super().cache_unfinished_req(req, chunked)
+        if self.uses_cp_hicache:
+            self._settle_forward_reservation(req)
 
     def _submit_backup(self, record: PendingBackup) -> None:
         """Queue the reserved transfer and its one ack (all layers at once; per-layer
         submission changes only this call)."""
         self.cache_controller.submit_write(record.write)
-        record.submitted = True
         self.ongoing_write_through[record.node.id] = record.node
-
-    def _rollback_backup(self, record: PendingBackup) -> None:
-        """Free an unsubmitted reservation exactly (its logical and physical host pages)."""
-        if record.submitted:
-            raise CpHiCacheMetadataError(
-                f"node {record.node.id} on CP rank {self.layout.cp_rank}: a submitted backup "
-                "cannot be rolled back before its ack"
-            )
-        del self.pending_backups[record.node.id]
-        self.cache_controller.rollback_write(record.write)
-        self.pending_stats.rolled_back += 1
 
     def _publish_backup(self, node_id: int) -> TreeNode:
         record = self.pending_backups.pop(node_id, None)
@@ -300,12 +380,6 @@ class CpHiRadixCache(FastHiRadixCache):
                 f"reserved {len(locs)} host locs for {offset} tokens"
             )
         self.pending_stats.committed += 1
-
-    def _pending_write_id(self, node: TreeNode) -> Optional[int]:
-        # A reservation not yet submitted is pending too (its fragments must follow it).
-        if node.id in self.pending_backups:
-            return node.id
-        return super()._pending_write_id(node)
 
     def _defers_split(self, node: TreeNode) -> bool:
         """A match never splits a pending backup: the request waits for its commit."""
@@ -362,7 +436,7 @@ class CpHiRadixCache(FastHiRadixCache):
         plan = self.host_table.plan_load(host_int64(host_indices), hit_node.id)
         if not self._make_device_room(plan.lane_pages):
             self._refuse(
-                "device_loads", hit_node, plan.lane_pages,
+                "device_loads", hit_node.id, plan.lane_pages,
                 self.token_to_kv_pool_allocator.lane_free_pages(),
             )  # fmt: skip
             return None
@@ -424,7 +498,7 @@ class CpHiRadixCache(FastHiRadixCache):
             return None
         return parent
 
-    def _refuse(self, kind: str, node: TreeNode, lane_pages: List[int], lane_free: List[int]) -> None:
+    def _refuse(self, kind: str, node_id: int, lane_pages: List[int], lane_free: List[int]) -> None:
         setattr(self.capacity_refusals, kind, getattr(self.capacity_refusals, kind) + 1)
         if kind not in self._warned_refusals:
             self._warned_refusals.add(kind)
@@ -433,7 +507,7 @@ class CpHiRadixCache(FastHiRadixCache):
                 "free, and evicting the leaves that hold pages on the short lanes would not "
                 "cover them (logged once; counted in capacity_refusals.%s)",
                 "backup" if kind == "host_writes" else "load-back",
-                node.id,
+                node_id,
                 lane_pages,
                 lane_free,
                 kind,
@@ -442,8 +516,10 @@ class CpHiRadixCache(FastHiRadixCache):
     # ---------------------------------------------------------------- lifecycle
     def reset(self) -> None:
         # The controller's reset frees every host page, reserved or committed, at once.
-        self.pending_stats.rolled_back += len(self.pending_backups)
+        self.pending_stats.rolled_back += len(self.pending_backups) + len(self._forward_reservations)
         self.pending_backups.clear()
+        self._forward_reservations.clear()
+        self._forward_reservation_rids.clear()
         super().reset()
 
     # ----------------------------------------------------------------- storage

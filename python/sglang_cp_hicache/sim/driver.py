@@ -309,6 +309,7 @@ class RankDriver:
             for req in reqs:
                 self._next_chunk(req)
             out_cache_loc, alloc_record = self._alloc(reqs)
+            self._reserve_before_forward(reqs)
             self._forward(reqs, out_cache_loc)
             hold = device_module().hold_events() if self.features.inflight_steps else None
             try:
@@ -326,6 +327,16 @@ class RankDriver:
         self._sample_series()
         records.append(self._state_record())
         return records
+
+    def _reserve_before_forward(self, reqs: List[SimReq]) -> None:
+        """The plugin's ``ScheduleBatch.prepare_for_extend`` hook: host pages for the new
+        leaves are reserved before the forward (timed with ``alloc``)."""
+        reserve = getattr(self.cache, "reserve_for_extend", None)  # not on the baseline
+        if reserve is None:
+            return
+        with self._op("alloc"):
+            for req in reqs:
+                reserve(req)
 
     def _deferred(self, req: SimReq) -> bool:
         """PrefillAdder (with the plugin's hook): the match stopped above a pending backup

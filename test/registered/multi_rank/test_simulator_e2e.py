@@ -324,7 +324,8 @@ def test_pending_backups_hold_every_promise_with_chunking_aborts_and_transfers_i
     assert len(set(report.decision_hashes)) == 1 and report.hot_path_collectives == 0
     assert report.leaked_device_slots == 0 and report.leaked_host_slots == 0
     assert report.prefill_chunks > 0 and report.aborted_requests > 0 and report.retracted_requests > 0
-    assert report.pending_committed > 0 and report.pending_rolled_back == 0
+    # Retractions (and insert misses of the batch) roll back reservations made before the forward.
+    assert report.pending_committed > 0 and report.pending_rolled_back > 0
     assert report.host_hit_tokens > 0 and report.host_evictions > 0
     # A request met a pending backup it would split and waited (no lock leak: passed).
     assert report.deferred_splits > 0 and report.deferred_requests > 0

@@ -63,6 +63,13 @@ class PendingHostWrite:
     logical_host_locs: torch.Tensor
     operation: Optional[CacheOperation]
 
+    def assign_node(self, node_id: int) -> None:
+        """Name the node a reservation made before it existed belongs to (before submit:
+        the ack carries this id)."""
+        self.node_id = node_id
+        if self.operation is not None:
+            self.operation.node_ids = [node_id]
+
 
 class CpHybridCacheController(HybridCacheController):
     """``HybridCacheController`` over one rank's owned shards of logical HiCache nodes."""

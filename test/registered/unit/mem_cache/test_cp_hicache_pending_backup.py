@@ -59,7 +59,7 @@ def test_pending_backup_is_invisible_until_its_ack_commits_it(stack):
         node = nsa_stack.insert_at_root(stack, tokens)
         cache.check_hicache_events()  # in flight: nothing commits
         record = cache.pending_backups[node.id]
-        assert record.submitted and node.host_value is None and not node.backuped
+        assert node.id in cache.ongoing_write_through and node.host_value is None and not node.backuped
         assert _match(cache, tokens).last_host_node is cache.root_node
         cache.evict(EvictParams(num_tokens=10**6))  # locked by the write: stays on device
         assert not node.evicted and node not in cache.evictable_host_leaves
@@ -70,22 +70,6 @@ def test_pending_backup_is_invisible_until_its_ack_commits_it(stack):
     assert node.cp_host_lanes == record.write.plan.lane_pages
     assert node.id not in cache.pending_backups and cache.pending_stats.committed == 1
     assert _match(cache, tokens).last_host_node is node and _locks_clear(cache)
-
-
-def test_unsubmitted_reservation_rolls_back_to_the_start_counts(stack):
-    cache = stack.cache
-    node = nsa_stack.insert_at_root(stack, _tokens(1, 3))
-    cache.check_hicache_events()
-    cache.cache_controller.release_host(node.host_value, node.id)  # make it re-reservable
-    node.host_value = None
-    start = _host_free(stack)
-    record = cache._reserve_backup(node)
-    assert record is not None and not record.submitted and _host_free(stack) != start
-    assert not node.backuped and cache._pending_write_id(node) == node.id
-    cache._rollback_backup(record)
-    assert _host_free(stack) == start
-    assert node.id not in cache.pending_backups and cache.pending_stats.rolled_back == 1
-    assert not node.backuped and _locks_clear(cache)
 
 
 def test_flush_with_backups_in_flight_returns_every_host_slot(stack):
@@ -265,3 +249,102 @@ def test_chunked_prompt_comes_back_from_host_after_device_eviction(gloo_world1, 
     assert len(loaded) == 6 * PS
     assert nsa_stack.count_kv_mismatches(stack, loaded, ids, pos) == 0
     stack.close()
+
+
+# -------------------------------------------------- reservation before the forward
+class Scheduled:
+    """One request between its scheduling (match, lock, slots, KV written) and its
+    release (cache_finished_req), as the scheduler drives the cache."""
+
+    def __init__(self, stack, rid, tokens):
+        cache, pool = stack.cache, stack.req_to_token_pool
+        self.stack, self.req = stack, _req(rid, tokens)
+        req = self.req
+        req.init_next_round_input(cache)  # match: prefix_indices, last_node, fill_ids
+        cache.inc_lock_ref(req.last_node)
+        pool.alloc([req])
+        prefix = len(req.prefix_indices)
+        new = stack.allocator.alloc(len(req.fill_ids) - prefix)
+        row = torch.cat([req.prefix_indices.to(torch.int64), new])
+        pool.req_to_token[req.req_pool_idx, : len(row)] = row.to(pool.req_to_token.dtype)
+        ids, pos = torch.tensor(req.fill_ids), torch.arange(len(row))
+        nsa_stack.write_prefill_kv(stack, new, ids[prefix:], pos[prefix:])
+        req.kv_committed_len = len(row)
+
+    def release(self, is_insert=True):
+        self.stack.cache.cache_finished_req(self.req, is_insert=is_insert)
+        self.stack.req_to_token_pool.free(self.req)
+
+
+def test_reservation_before_the_forward_is_claimed_by_the_insert(stack, scheduler_args):
+    cache = stack.cache
+    start = _host_free(stack)
+    a = Scheduled(stack, "a", _tokens(1, 3) + [7])
+    assert cache.reserve_for_extend(a.req)
+    reserved = cache._forward_reservations["a"]
+    assert _host_free(stack) != start and not cache.cache_controller.ack_write_queue  # no transfer
+    with device_module().hold_events() as hold:
+        a.release()
+        leaf = cache.root_node.children[nsa_stack.radix_key(_tokens(1, 3)).child_key(PS)]
+        assert cache.pending_backups[leaf.id].write is reserved and not leaf.backuped
+        acked = [i for ack in cache.cache_controller.ack_write_queue for i in ack.node_ids]
+        assert acked == [leaf.id]
+        hold.release()
+    cache.check_hicache_events()
+    assert leaf.backuped and torch.equal(leaf.host_value, reserved.logical_host_locs)
+    assert not cache._forward_reservations and cache.pending_stats.rolled_back == 0
+
+
+def test_insert_miss_and_retraction_roll_the_reservation_back(stack, scheduler_args):
+    cache = stack.cache
+    start = _host_free(stack)
+    tokens = _tokens(1, 2) + [7]
+    # bs 2: both requests matched before either inserted the same new pages.
+    a, b = Scheduled(stack, "a", tokens), Scheduled(stack, "b", tokens)
+    assert cache.reserve_for_extend(a.req) and cache.reserve_for_extend(b.req)
+    a.release()
+    b.release()  # finds a's leaf: its reservation is rolled back
+    cache.check_hicache_events()
+    leaf = cache.root_node.children[nsa_stack.radix_key(tokens).child_key(PS)]
+    assert leaf.backuped and cache.pending_stats.rolled_back == 1
+    cache.evict(EvictParams(num_tokens=10**6))
+    cache.evict_host(10**6)
+    assert _host_free(stack) == start
+    c = Scheduled(stack, "c", _tokens(5000, 2) + [7])
+    assert cache.reserve_for_extend(c.req)
+    c.release(is_insert=False)  # retracted (or aborted) after its forward
+    assert _host_free(stack) == start and cache.pending_stats.rolled_back == 2
+    assert not cache._forward_reservations and _locks_clear(cache)
+
+
+def test_reservation_probes_the_final_insertion_prefix(stack, scheduler_args):
+    cache = stack.cache
+    shared = _tokens(1, 2)
+    b = Scheduled(stack, "b", shared + _tokens(9000, 2) + [7])  # matched nothing
+    a = Scheduled(stack, "a", shared + [7])
+    a.release()  # a inserts the shared pages after b's match, before b's forward
+    cache.check_hicache_events()
+    assert b.req.cache_protected_len == 0
+    assert cache.reserve_for_extend(b.req)
+    reserved = cache._forward_reservations["b"]
+    assert len(reserved.logical_host_locs) == 2 * PS  # only the pages b's insert adds
+    b.release()
+    cache.check_hicache_events()
+    assert cache.pending_stats.rolled_back == 0 and cache.pending_stats.committed == 2
+    assert _locks_clear(cache)
+
+
+def test_prepare_for_extend_hook_reserves_for_every_request_of_the_batch(stack, scheduler_args):
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    from sglang_cp_hicache.managers.schedule_batch import prepare_for_extend_after
+
+    cache = stack.cache
+    scheduled = [Scheduled(stack, rid, _tokens(1000 * (i + 1), 2) + [7]) for i, rid in enumerate("ab")]
+    batch = ScheduleBatch(reqs=[s.req for s in scheduled], tree_cache=cache)
+    assert prepare_for_extend_after(None, batch) is None
+    assert sorted(cache._forward_reservations) == ["a", "b"]
+    for s in scheduled:
+        s.release()
+    cache.check_hicache_events()
+    assert cache.pending_stats.committed == 2 and not cache._forward_reservations
