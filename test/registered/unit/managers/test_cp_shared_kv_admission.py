@@ -63,11 +63,11 @@ def _req(rid, num_tokens, seed=0):
     return Req(str(rid), "", tokens, SamplingParams(max_new_tokens=4))
 
 
-def _admit_round(cache, allocator, waiting):
+def _admit_round(cache, allocator, waiting, chunk_tokens=None):
     """``Scheduler._get_new_batch_prefill_raw``'s admission loop; returns the batch."""
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 
-    adder = PrefillAdder(PAGE, cache, allocator, None, 1.0, 1 << 20, None)
+    adder = PrefillAdder(PAGE, cache, allocator, None, 1.0, 1 << 20, chunk_tokens)
     for req in waiting:
         req.init_next_round_input(cache)
         if adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None) != AddReqResult.CONTINUE:
@@ -90,6 +90,35 @@ def test_a_batch_is_cut_where_the_dense_buffers_end(scheduler, monkeypatch):
     assert len(_admit_round(cache, allocator, [_req(3, 300, 3), _req(4, 200, 4)])) == 2
 
 
+def test_with_chunked_prefill_a_request_counts_only_the_chunk_it_can_get(scheduler, monkeypatch):
+    """Request 1 (7 pages) would not fit next to request 0 (2 pages) in 8 pages, but the
+    chunk budget left (4 pages) cuts it to 4: admitted, as a chunked request."""
+    cache, allocator = scheduler
+    _budget(monkeypatch, 8)
+    waiting = [_req(0, 2 * PAGE, 0), _req(1, 7 * PAGE, 1)]
+    batch = _admit_round(cache, allocator, waiting, chunk_tokens=6 * PAGE)
+    assert [r.rid for r in batch] == ["0", "1"] and len(batch[1].fill_ids) == 4 * PAGE
+    waiting = [_req(2, 2 * PAGE, 2), _req(3, 7 * PAGE, 3)]
+    assert len(_admit_round(cache, allocator, waiting, chunk_tokens=9 * PAGE)) == 1  # 2 + 7 > 8
+
+
+def test_a_cached_prefix_counts_with_the_chunk(scheduler, monkeypatch):
+    """Request 1 has 3 of its 7 pages cached: after the 4-page chunk it reads all 7, which
+    do not fit next to request 0's 2 pages; and the forward would have refused them."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    cache, allocator = scheduler
+    budget = _budget(monkeypatch, 8)
+    cached = _req(1, 7 * PAGE, 1)
+    cache.insert(InsertParams(key=RadixKey(cached.origin_input_ids[: 3 * PAGE]), value=allocator.alloc(3 * PAGE)))
+    waiting = [_req(0, 2 * PAGE, 0), cached]
+    batch = _admit_round(cache, allocator, waiting, chunk_tokens=6 * PAGE)
+    assert [r.rid for r in batch] == ["0"] and len(cached.prefix_indices) == 3 * PAGE
+    with pytest.raises(budget_mod.SharedKVBudgetExceeded):
+        budget.check_batch(2 + 7)
+
+
 def test_admitted_batches_never_reach_the_forward_check(scheduler, monkeypatch):
     """Every batch admission lets through fits the forward's check, even with no page
     shared between requests (the most distinct pages a batch can read)."""
@@ -100,7 +129,7 @@ def test_admitted_batches_never_reach_the_forward_check(scheduler, monkeypatch):
     waiting = [_req(i, rng.randint(1, 16 * PAGE - 1), i) for i in range(40)]
     rounds = cuts = 0
     while waiting:
-        batch = _admit_round(cache, allocator, waiting)
+        batch = _admit_round(cache, allocator, waiting, chunk_tokens=rng.choice([None, 4 * PAGE, 12 * PAGE]))
         assert batch, "a lone request always fits"
         rounds += 1
         cuts += len(batch) < len(waiting)
