@@ -154,3 +154,23 @@ def test_a_request_larger_than_the_reservation_is_aborted_at_admission(scheduler
     batch = _admit_round(cache, allocator, [big])
     assert batch == [big] and big.fill_ids == [0]  # SGLang's abort: a one-token prefill
     assert "dense buffers were reserved" in big.to_finish.message and "request 0 reads 5 KV pages" in big.to_finish.message
+
+
+def test_admission_reads_nothing_from_the_device(scheduler, monkeypatch):
+    """The decision uses host lengths only (``prefix_indices`` is a device tensor on a GPU)."""
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
+    from sglang_cp_hicache.managers.schedule_policy import add_one_req_around
+    from sglang_cp_hicache.testing.host_reads import device_only, recording_host_reads
+
+    cache, allocator = scheduler
+    _budget(monkeypatch, 6)
+    adder = PrefillAdder(PAGE, cache, allocator, None, 1.0, 1 << 20, 4 * PAGE)
+    admitted, candidate = _req(0, 3 * PAGE, 0), _req(1, 6 * PAGE, 1)
+    for req in (admitted, candidate):
+        req.init_next_round_input(cache)
+        req.prefix_indices = device_only(req.prefix_indices)
+    adder.can_run_list.append(admitted)
+    with recording_host_reads() as reads:
+        result = add_one_req_around(lambda *args: AddReqResult.CONTINUE, adder, candidate, False, None)
+    assert result == AddReqResult.OTHER and reads == []  # 3 + min(6, 0 + 4) pages > 6
