@@ -122,6 +122,12 @@ HOOKS: Tuple[HookSpec, ...] = (
         f"{_NSA_HOOKS}:dummy_run_around",
         "AROUND",
     ),
+    # Prefill admission: a batch never reads more KV pages than the dense buffers hold.
+    HookSpec(
+        "sglang.srt.managers.schedule_policy:PrefillAdder.add_one_req",
+        "sglang_cp_hicache.managers.schedule_policy:add_one_req_around",
+        "AROUND",
+    ),
     # PD transfer: each CP rank sends only the pages (and NSA state pages) it owns.
     HookSpec(
         "sglang.srt.disaggregation.utils:filter_kv_indices_for_cp_rank",
