@@ -44,6 +44,8 @@ def test_profile_hook_reserves_and_logs(monkeypatch, caplog):
     import sglang.srt.layers.dp_attention as dp
 
     monkeypatch.setattr(dp, "get_attention_cp_size", lambda: 8)
+    # The hook sets the process-wide budget; restore it so no later test inherits it.
+    monkeypatch.setattr(budget_mod, "_active_budget", budget_mod.active_budget())
     runner = _runner()
     available = 100 * 2**30
     with caplog.at_level("INFO"):
