@@ -156,6 +156,12 @@ def test_wrong_load_back_is_caught(fault: str) -> None:
     assert any("wrong KV/indexer bytes" in v for v in report.invariant_violations)
 
 
+def test_wrong_node_runs_are_caught() -> None:
+    report = _faulty("shift_mirror", num_requests=1)
+    assert not report.passed
+    assert any("host run" in v for v in report.invariant_violations)
+
+
 def test_drop_on_one_rank_is_seen_only_there() -> None:
     report = _faulty("drop_last_rank_loads")
     assert all(v.startswith("rank 1 ") for v in report.invariant_violations)
