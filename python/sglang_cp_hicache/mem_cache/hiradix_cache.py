@@ -20,15 +20,17 @@ it adds only the CP deltas, as policy; the controller is mechanism:
 * load-back admission counts device-evictable cache in its quota.
 
 Per node, the replicated lane state the planners read is kept on the node (never recomputed
-per eviction call): ``cp_device_run`` (the node's logical device locs on the host),
-``cp_device_lanes`` and ``cp_host_lanes`` (pages per owner lane on each tier).
+per eviction call): ``cp_device_locs`` (the node's logical device locs on the host),
+``cp_device_run`` / ``cp_device_lanes`` (its pages and pages per owner lane, derived from
+``cp_device_locs`` on a planner's first use and kept until the value changes) and
+``cp_host_lanes`` (host pages per owner lane).
 
-``cp_device_run`` comes from host state, never from reading ``node.value`` back (a stream
+``cp_device_locs`` comes from host state, never from reading ``node.value`` back (a stream
 sync per node on a GPU): a node inserted by ``cache_finished_req`` / ``cache_unfinished_req``
 takes its slice of the request's row of :class:`ReqToTokenHostMirror` (written where SGLang
 allocates, ``mem_cache/common.py``), a loaded node its slice of the load plan's new locs, a
-split node splits its run. Only a direct :meth:`insert` without a request (unit tests) leaves
-the run to be derived from ``node.value`` on first use: counted in
+split node its part of the locs. Only a direct :meth:`insert` without a request (unit tests,
+benchmarks) leaves them to be read from ``node.value`` on first use: counted in
 :attr:`device_value_reads`, and warned once when the value is on a real device.
 """
 
@@ -145,17 +147,26 @@ class CpHiRadixCache(FastHiRadixCache):
     def _on_device_value(self, node: TreeNode, start: int) -> None:
         if not self.uses_cp_hicache:
             return
+        # The run and lanes are derived when a planner first needs them: many nodes never
+        # meet a planner before their value changes.
+        node.cp_device_run = None
         if self._value_source is None:
-            node.cp_device_run = None  # no host form: derived on first use (counted)
-            return
-        locs = self._value_source[start : start + len(node.value)].astype(np.int64)
-        self._set_device_run(node, PageRun.of(locs, self.page_size))
+            node.cp_device_locs = None  # no host form: read back on first use (counted)
+        else:  # a copy: mirror rows are reused
+            node.cp_device_locs = self._value_source[start : start + len(node.value)].astype(np.int64)
+
+    def _device_locs(self, node: TreeNode) -> np.ndarray:
+        """The node's logical device locs on the host (replicated state)."""
+        locs = getattr(node, "cp_device_locs", None)
+        if locs is None:
+            locs = node.cp_device_locs = self._read_device_value(node)
+        return locs
 
     def _device_run(self, node: TreeNode) -> PageRun:
-        """The node's logical device locs on the host (replicated state)."""
+        """The node's logical device pages (replicated state)."""
         run = getattr(node, "cp_device_run", None)
         if run is None:
-            run = self._set_device_run(node, PageRun.of(self._read_device_value(node), self.page_size))
+            run = self._set_device_run(node, PageRun.of(self._device_locs(node), self.page_size))
         return run
 
     def _read_device_value(self, node: TreeNode) -> np.ndarray:
@@ -176,11 +187,11 @@ class CpHiRadixCache(FastHiRadixCache):
     def device_prefix_locs(self, node: TreeNode) -> np.ndarray:
         """Logical device locs of the path root -> ``node`` (a device node), on the host,
         from the nodes' runs: what ``match_prefix`` returns as ``device_indices``."""
-        runs = []
+        parts = []
         while node is not self.root_node:
-            runs.append(self._device_run(node).locs)
+            parts.append(self._device_locs(node))
             node = node.parent
-        return np.concatenate(runs[::-1]) if runs else np.empty(0, dtype=np.int64)
+        return np.concatenate(parts[::-1]) if parts else np.empty(0, dtype=np.int64)
 
     def _device_lanes(self, node: TreeNode) -> List[int]:
         """The node's device pages per owner lane."""
@@ -223,11 +234,11 @@ class CpHiRadixCache(FastHiRadixCache):
             return super()._split_node(key, child, split_len)
         before = self.node_host_metadata(child)
         new_node = super()._split_node(key, child, split_len)
-        new_node.cp_device_run = None
-        if child.value is not None and getattr(child, "cp_device_run", None) is not None:
-            parent_run, child_run = child.cp_device_run.split(split_len)
-            self._set_device_run(new_node, parent_run)
-            self._set_device_run(child, child_run)
+        # Both halves' runs are derived again, from their part of the locs, on first use.
+        new_node.cp_device_run = new_node.cp_device_locs = child.cp_device_run = None
+        locs = getattr(child, "cp_device_locs", None)
+        if child.value is not None and locs is not None:
+            new_node.cp_device_locs, child.cp_device_locs = locs[:split_len], locs[split_len:]
         if before is not None:
             # Fails fast (node id, rank) if the split cut a page: one physical host page
             # would then back two nodes.

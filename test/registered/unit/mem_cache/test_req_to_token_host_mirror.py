@@ -16,7 +16,11 @@ import numpy as np
 import pytest
 import torch
 from sglang.srt.managers.schedule_batch import Req
-from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, InsertParams
+from sglang.srt.mem_cache.base_prefix_cache import (
+    InitLoadBackParams,
+    InsertParams,
+    MatchPrefixParams,
+)
 from sglang.srt.mem_cache.common import release_kv_cache
 from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -149,6 +153,26 @@ def test_scheduler_path_reads_no_device_value(stack, monkeypatch):
     assert loaded > 0 and evictions.calls > 0 and backups.calls > 0 and splits.calls > 0
 
 
+def _req(rid: str, ids: List[int]) -> Req:
+    return Req(
+        rid=rid,
+        origin_input_text="",
+        origin_input_ids=ids,
+        sampling_params=SamplingParams(max_new_tokens=DECODE),
+    )
+
+
+def test_split_of_a_planned_node_splits_its_host_locs(stack):
+    first = list(range(1, 1 + 5 * PS))
+    _run_batch(stack, [_req("first", first)])
+    # The second chunk's node (pages 2..3); its backup was planned from its run.
+    key = nsa_stack.radix_key(first[: 4 * PS])
+    node = stack.cache.match_prefix(MatchPrefixParams(key=key)).last_device_node
+    assert node.cp_device_run is not None and len(node.key) == 2 * PS
+    _run_batch(stack, [_req("second", first[: 3 * PS] + [7] * PS)])  # splits that node
+    assert len(node.key) == PS and stack.cache.device_value_reads == 0
+
+
 def test_direct_insert_is_counted_as_a_device_value_read(stack):
     tokens = list(range(1, 1 + 2 * PS))
     locs = stack.allocator.alloc(len(tokens))
@@ -162,7 +186,9 @@ def test_run_checker_reports_a_wrong_run(stack):
     locs = stack.allocator.alloc(len(tokens))
     stack.cache.insert(InsertParams(key=nsa_stack.radix_key(tokens), value=locs))
     (node,) = stack.cache.root_node.children.values()
-    stack.cache._set_device_run(node, PageRun.of(node.cp_device_run.locs + PS, PS))
+    stack.cache._set_device_run(node, PageRun.of(node.cp_device_locs + PS, PS))
+    assert len(nsa_stack.device_run_mismatches(stack.cache)) == 1
+    node.cp_device_run, node.cp_device_locs = None, node.cp_device_locs + PS
     assert len(nsa_stack.device_run_mismatches(stack.cache)) == 1
 
 
