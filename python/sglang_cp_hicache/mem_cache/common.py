@@ -5,7 +5,7 @@
 :class:`ReqToTokenHostMirror`, from host state only (no device read-back):
 
 * prefix positions of a request new to its req slot: the device path of its last node
-  (the nodes' runs), which is exactly the ``prefix_indices`` the match (and load-back)
+  (the nodes' host locs), which is exactly the ``prefix_indices`` the match (and load-back)
   returned; a request keeping its slot (chunked prefill) already has them in its row,
   kept current by ``CpHiRadixCache.cache_unfinished_req``;
 * new positions: the pages the CP allocator took (host NumPy, recorded during the call),

@@ -176,7 +176,7 @@ class CpHiRadixCache(FastHiRadixCache):
             self._warned_device_read = True
             logger.warning(
                 "CP HiCache on rank %d: node %d was given device locs without their host form "
-                "(an insert outside cache_finished_req/cache_unfinished_req); its run is read "
+                "(an insert outside cache_finished_req/cache_unfinished_req); its locs are read "
                 "back from the device, a stream sync (logged once; counted in "
                 "device_value_reads)",
                 self.layout.cp_rank,
@@ -186,7 +186,7 @@ class CpHiRadixCache(FastHiRadixCache):
 
     def device_prefix_locs(self, node: TreeNode) -> np.ndarray:
         """Logical device locs of the path root -> ``node`` (a device node), on the host,
-        from the nodes' runs: what ``match_prefix`` returns as ``device_indices``."""
+        from the nodes' host locs: what ``match_prefix`` returns as ``device_indices``."""
         parts = []
         while node is not self.root_node:
             parts.append(self._device_locs(node))

@@ -173,6 +173,37 @@ def test_split_of_a_planned_node_splits_its_host_locs(stack):
     assert len(node.key) == PS and stack.cache.device_value_reads == 0
 
 
+def test_retracted_request_is_mirrored_again_in_a_new_slot(stack):
+    cache = stack.cache
+    req = _req("retracted", list(range(1, 1 + 3 * PS + 9)))
+    _admit(stack, req)
+    n = len(req.origin_input_ids)
+    scheduler_batch.alloc_for_extend(stack, [req], [n])
+    req.kv_committed_len = req.kv_allocated_len = n
+    cache.cache_unfinished_req(req)
+    for step in range(PS):  # decode into a new page, then retract
+        req.output_ids.append(60000 + step)
+        scheduler_batch.alloc_for_decode(stack, [req], [req.kv_allocated_len])
+        req.kv_committed_len += 1
+        req.kv_allocated_len += 1
+    _check(stack, [req])
+    release_kv_cache(req, cache, is_insert=False)
+    req.reset_for_retract()
+    other = _req("slot-taker", list(range(90000, 90000 + 2 * PS)))
+    _run_batch(stack, [other])  # writes over other rows of the mirror meanwhile
+    # Re-scheduled in a fresh slot (whose mirror row is stale): the prefix comes from the tree.
+    _admit(stack, req)
+    n = len(req.fill_ids)
+    scheduler_batch.alloc_for_extend(stack, [req], [n])
+    req.kv_committed_len = req.kv_allocated_len = n
+    assert len(req.prefix_indices) == 3 * PS  # its prompt's cached pages, from the tree
+    _check(stack, [req])
+    release_kv_cache(req, cache)
+    cache.check_hicache_events()
+    _check(stack, [])
+    assert cache.device_value_reads == 0
+
+
 def test_direct_insert_is_counted_as_a_device_value_read(stack):
     tokens = list(range(1, 1 + 2 * PS))
     locs = stack.allocator.alloc(len(tokens))
