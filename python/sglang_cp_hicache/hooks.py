@@ -88,6 +88,17 @@ HOOKS: Tuple[HookSpec, ...] = (
         "sglang_cp_hicache.model_executor.model_runner_kv_cache_mixin:init_pools_around",
         "AROUND",
     ),
+    # The host mirror of req_to_token that CP HiCache plans backups from.
+    HookSpec(
+        "sglang.srt.mem_cache.common:alloc_for_extend",
+        "sglang_cp_hicache.mem_cache.common:alloc_for_extend_around",
+        "AROUND",
+    ),
+    HookSpec(
+        "sglang.srt.mem_cache.common:alloc_for_decode",
+        "sglang_cp_hicache.mem_cache.common:alloc_for_decode_around",
+        "AROUND",
+    ),
     # Safe to replace: the scheduler imports HiRadixCache lazily, after hooks apply, and
     # the subclass is upstream HiRadixCache unless the allocator is the CP one.
     HookSpec(

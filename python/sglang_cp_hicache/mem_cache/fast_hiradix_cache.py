@@ -151,7 +151,7 @@ class FastHiRadixCache(UPSTREAM["HiRadixCache"]):
         if len(key) == 0:
             return InsertResult(prefix_len=0)
         now = time.monotonic()
-        node, cached_len = self.root_node, 0
+        node, cached_len, start = self.root_node, 0, 0  # start: offset of key in the value
         while len(key) > 0:
             child = node.children.get(key.child_key(self.page_size))
             if child is None:
@@ -164,30 +164,37 @@ class FastHiRadixCache(UPSTREAM["HiRadixCache"]):
                 child.priority = max(child.priority, priority)
             if child.evicted:
                 # Recomputed KV of a device-evicted node takes its place again.
-                self._revive_on_device(child, value[:prefix_len])
+                self._revive_on_device(child, value[:prefix_len], start)
             else:
                 self._inc_hit_count(child, params.chunked)
                 cached_len += prefix_len
             node = child
             key, value = key[prefix_len:], value[prefix_len:]
+            start += prefix_len
         if len(key):
-            self._add_device_leaf(node, key, value, priority, params.chunked)
+            self._add_device_leaf(node, key, value, priority, params.chunked, start)
         return InsertResult(prefix_len=cached_len)
 
-    def _revive_on_device(self, node: TreeNode, value: torch.Tensor) -> None:
+    def _revive_on_device(self, node: TreeNode, value: torch.Tensor, start: int) -> None:
         node.value = value.clone()
-        self._on_device_value(node)
+        self._on_device_value(node, start)
         self.evictable_size_ += len(node.value)
         self._update_leaf_status(node)
         self._update_host_leaf_status(node)
         self._update_leaf_status(node.parent)
 
     def _add_device_leaf(
-        self, parent: TreeNode, key: RadixKey, value: torch.Tensor, priority: int, chunked: bool
+        self,
+        parent: TreeNode,
+        key: RadixKey,
+        value: torch.Tensor,
+        priority: int,
+        chunked: bool,
+        start: int,
     ) -> None:
         leaf = TreeNode(priority=priority)
         leaf.parent, leaf.key, leaf.value = parent, key, value.clone()
-        self._on_device_value(leaf)
+        self._on_device_value(leaf, start)
         parent.children[key.child_key(self.page_size)] = leaf
         self.evictable_size_ += len(value)
         self._update_leaf_status(parent)
@@ -198,8 +205,9 @@ class FastHiRadixCache(UPSTREAM["HiRadixCache"]):
         if self.cache_controller.write_policy != "write_back":
             self._inc_hit_count(leaf, chunked)
 
-    def _on_device_value(self, node: TreeNode) -> None:
-        """``node.value`` was just set (insert, revive, load); subclasses derive state."""
+    def _on_device_value(self, node: TreeNode, start: int) -> None:
+        """``node.value`` was just set to ``[start, start + len(node.value))`` of the value
+        being placed (an insert's value, a load-back's new locs); subclasses derive state."""
 
     def _insert_helper_host(self, node: TreeNode, key: RadixKey, host_value, hash_value):
         now = time.monotonic()
@@ -404,8 +412,8 @@ class FastHiRadixCache(UPSTREAM["HiRadixCache"]):
         offset = 0
         for loaded in nodes_to_load:
             loaded.value = device_indices[offset : offset + len(loaded.host_value)].clone()
+            self._on_device_value(loaded, offset)
             offset += len(loaded.host_value)
-            self._on_device_value(loaded)
             self._record_store_event(loaded, medium=GPU)
         self.evictable_size_ += len(device_indices)
         self._lock_path(hit_node, cached_ancestor)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import atexit
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 
@@ -230,3 +230,45 @@ def insert_at_root(stack: RankStack, token_ids: list, locs: Optional[torch.Tenso
     locs = stack.allocator.alloc(len(token_ids)) if locs is None else locs
     stack.cache.insert(InsertParams(key=key, value=locs))
     return stack.cache.root_node.children[key.child_key(stack.cache.page_size)]
+
+
+# ------------------------------------------------------------------ node runs
+def device_run_mismatches(cache: Any) -> List[str]:
+    """Every device node's host locs (``cp_device_locs``) and, where derived,
+    ``cp_device_run`` / ``cp_device_lanes`` (what the CP planners read) against its value
+    read back from the device: one line per node that differs or has no host locs.
+    Reading ``node.value`` here is the check's own cost."""
+    import numpy as np
+
+    from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import host_int64
+
+    problems = []
+    nodes = list(cache.root_node.children.values())
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.children.values())
+        if node.value is None:
+            continue
+        host_locs = getattr(node, "cp_device_locs", None)
+        if host_locs is None:
+            problems.append(f"node {node.id}: device value without host locs")
+            continue
+        locs = host_int64(node.value)
+        if not np.array_equal(host_locs, locs):
+            problems.append(
+                f"node {node.id}: host locs {host_locs[:4].tolist()}.. != device value "
+                f"{locs[:4].tolist()}.."
+            )
+        run = getattr(node, "cp_device_run", None)
+        if run is None:
+            continue
+        lanes = np.bincount(
+            cache.layout.owner_for_logical_pages(locs[:: cache.page_size] // cache.page_size),
+            minlength=cache.layout.cp_size,
+        ).tolist()
+        if not np.array_equal(run.locs, locs) or node.cp_device_lanes != lanes:
+            problems.append(
+                f"node {node.id}: host run {run.locs[:4].tolist()}.. (lanes "
+                f"{node.cp_device_lanes}) != device value {locs[:4].tolist()}.. (lanes {lanes})"
+            )
+    return problems

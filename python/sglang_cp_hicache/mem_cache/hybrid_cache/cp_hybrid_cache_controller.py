@@ -105,7 +105,10 @@ class CpHybridCacheController(HybridCacheController):
         """Back up a node given its logical device locs; return its logical host locs.
 
         Reserve and submit at once (all layers). ``plan``: the cache's
-        :meth:`CpHostPageTable.plan_write` of ``device_indices``. Returns None (on every
+        :meth:`CpHostPageTable.plan_write` of ``device_indices`` (the cache always passes
+        one, planned from the node's host-mirrored run, so a backup reads nothing back from
+        the device; ``device_indices`` is then unused). Without a plan (direct callers) the
+        locs are copied to the host here, a stream sync on a GPU. Returns None (on every
         rank alike) when some owner lane's host pool lacks room; the caller reads the
         deficit from the table before calling, not after.
         """
@@ -214,6 +217,19 @@ class CpHybridCacheController(HybridCacheController):
         """
         if plan is None:
             plan = self.host_table.plan_load(host_int64(host_indices), node_id)
+        logical_locs = self.load_planned(plan, priority, node_id, extra_pools)
+        return None if logical_locs is None else self.allocator.to_device(logical_locs)
+
+    def load_planned(
+        self,
+        plan: HostLoadPlan,
+        priority: Optional[int] = None,
+        node_id: int = -1,
+        extra_pools=None,
+    ) -> Optional[np.ndarray]:
+        """:meth:`load` of a planned load, returning the new logical device locs on the
+        host (int64): the cache keeps them as the loaded nodes' runs, so nothing is read
+        back from the device."""
         device_pages = self.allocator.alloc_logical_pages(plan.page_owners, plan.lane_pages)
         if device_pages is None:
             return None
@@ -248,7 +264,7 @@ class CpHybridCacheController(HybridCacheController):
                 pool_transfers=pool_transfers or None,
             )
         )
-        return self.allocator.to_device(plan.host_run.relocate(device_pages))
+        return plan.host_run.relocate(device_pages)
 
     def start_loading(self) -> int:
         if self.load_queue and all(op.host_indices.numel() == 0 for op in self.load_queue):
