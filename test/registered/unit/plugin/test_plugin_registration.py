@@ -155,6 +155,13 @@ def test_speculative_decoding_with_cp_hicache_is_refused_until_draft_lockstep(pl
         )
 
 
+def test_cli_speculative_decoding_with_cp_hicache_fails_at_parse(plugins_loaded):
+    from sglang.srt.server_args import prepare_server_args
+
+    with pytest.raises(CpSharedKVConfigError, match="draft KV on host is not yet kept in lockstep"):
+        prepare_server_args(CP_ARGS + ["--enable-hierarchical-cache", "--speculative-algorithm", "NEXTN"])
+
+
 @pytest.mark.parametrize("algorithm", ["NEXTN", "EAGLE"])
 def test_nsa_mtp_speculative_decoding_is_accepted_at_parse_and_launch(plugins_loaded, monkeypatch, algorithm):
     from sglang.srt.server_args import prepare_server_args
