@@ -131,6 +131,16 @@ def unsupported_cache_combinations(server_args: Any) -> List[str]:
         )
     if getattr(server_args, "enable_hisparse", False):
         problems.append(f"{CLI_FLAG} does not support --enable-hisparse")
+    algorithm = getattr(server_args, "speculative_algorithm", None)
+    if algorithm and getattr(server_args, "enable_hierarchical_cache", False):
+        # Upstream's draft host pool (Scheduler._maybe_register_hicache_draft) is MLA-only,
+        # sized apart from the target's and ignored by the hybrid controller: a host hit
+        # would restore target KV without draft KV and silently poison MTP acceptance.
+        problems.append(
+            f"{CLI_FLAG} with --enable-hierarchical-cache does not support "
+            f"--speculative-algorithm {algorithm} yet: draft KV on host is not yet kept in "
+            "lockstep with the target's (drop --enable-hierarchical-cache to serve with MTP)"
+        )
     return problems
 
 
@@ -141,7 +151,8 @@ SUPPORTED_SPECULATIVE_ALGORITHMS = ("NEXTN", "EAGLE")
 def unsupported_speculative_combinations(server_args: Any) -> List[str]:
     """Why speculative decoding in ``server_args`` cannot run with CP shared KV (empty when
     it can): only the NSA MTP draft (NextN / EAGLE, one draft layer) shares the target's
-    logical locs and layout; whether the draft *is* NSA is checked where its pool is built."""
+    logical locs and layout; whether the draft *is* NSA is checked where its pool is built.
+    Speculative decoding with HiCache is refused by :func:`unsupported_cache_combinations`."""
     algorithm = getattr(server_args, "speculative_algorithm", None)
     if not algorithm:
         return []
@@ -164,15 +175,6 @@ def unsupported_speculative_combinations(server_args: Any) -> List[str]:
         problems.append(
             f"{CLI_FLAG} needs the draft on the NSA attention backend, got "
             f"--speculative-draft-attention-backend {draft_backend}"
-        )
-    if getattr(server_args, "enable_hierarchical_cache", False):
-        # Upstream's draft host pool (Scheduler._maybe_register_hicache_draft) is MLA-only,
-        # sized apart from the target's and ignored by the hybrid controller: a host hit
-        # would restore target KV without draft KV and silently poison MTP acceptance.
-        problems.append(
-            f"{CLI_FLAG} with --enable-hierarchical-cache does not support "
-            f"--speculative-algorithm {algorithm} yet: draft KV on host is not yet kept in "
-            "lockstep with the target's (drop --enable-hierarchical-cache to serve with MTP)"
         )
     return problems
 
