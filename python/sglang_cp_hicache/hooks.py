@@ -116,6 +116,13 @@ HOOKS: Tuple[HookSpec, ...] = (
         f"{_NSA_HOOKS}:model_forward_around",
         "AROUND",
     ),
+    # The NSA MTP draft (DeepSeek-V3.2 and GLM-5 drafts are both this class) overrides
+    # forward; its prefill extend materialises its one layer's prefix the same way.
+    HookSpec(
+        "sglang.srt.models.deepseek_nextn:DeepseekV3ForCausalLMNextN.forward",
+        f"{_NSA_HOOKS}:model_forward_around",
+        "AROUND",
+    ),
     # Startup: the materialisation group and the read-path self-test, the dense-buffer
     # budget out of the KV pool, warm-up DECODE dummy runs.
     HookSpec(

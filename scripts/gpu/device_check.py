@@ -96,7 +96,7 @@ def describe(options: CheckOptions) -> str:
         f"plan: {options.cp_size} processes, gloo CP group, device={options.device}, {kernels}; "
         f"self-test kv={list(KV_KINDS)} x strategies={list(STRATEGIES)}; twin variants={variants()}; "
         "then owned-shard D2H/H2D bandwidth and the hicache JIT transfer in the main process; "
-        "replicated vs shared KV, identical outputs required"
+        "replicated vs shared KV (target + 1-layer MTP draft), identical outputs required"
     )
 
 
@@ -269,6 +269,9 @@ def summarize(
             if not result["identical"]:
                 failures.append(f"{label}: max |shared - replicated| = {result['max_abs_diff']:.3g}")
             failures.extend(f"{label}: {p}" for p in result["pool_problems"])
+            if result.get("draft_identical") is False:  # None: the twin ran no draft
+                failures.append(f"{label}: draft max |shared - replicated| = {result['draft_max_abs_diff']:.3g}")
+            failures.extend(f"{label}: draft {p}" for p in result.get("draft_pool_problems", ()))
     timings = ", ".join(
         f"{r['strategy']}/prefetch={int(r['prefetch'])} {max(rep['results'][i]['seconds'] for rep in per_rank) * 1e3:.0f} ms"
         for i, r in enumerate(per_rank[0]["results"])

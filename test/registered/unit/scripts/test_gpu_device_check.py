@@ -66,6 +66,12 @@ def test_a_selftest_failure_or_twin_mismatch_is_one_fail_line():
     bad = dict(good, identical=False, max_abs_diff=0.5)
     ok, lines = driver.summarize([{"pool": "p", "results": [good]}, {"pool": "p", "results": [bad]}], options, 1.0)
     assert not ok and lines[0].startswith("FAIL") and "rank 1" in lines[0]
+    bad_draft = dict(good, draft_identical=False, draft_max_abs_diff=0.5)
+    ok, lines = driver.summarize([{"pool": "p", "results": [bad_draft]}], options, 1.0)
+    assert not ok and "rank 0" in lines[0] and "draft max" in lines[0]
+    draft_pool = dict(good, draft_identical=True, draft_max_abs_diff=0.0, draft_pool_problems=("layer 0: x",))
+    ok, lines = driver.summarize([{"pool": "p", "results": [draft_pool]}], options, 1.0)
+    assert not ok and "draft layer 0: x" in lines[0]
     ok, lines = driver.summarize(
         [{"pool": "p", "results": [good], "selftest": [passing]}], options, 1.0,
         {"hicache_jit": {"ran": True, "ok": False}},
