@@ -331,7 +331,14 @@ class CpHybridCacheController(HybridCacheController):
 
     def rollback_write(self, pending: PendingHostWrite) -> None:
         """Free a reservation that was never submitted, or whose ack has completed:
-        its logical host pages and this rank's physical slots, nothing else."""
+        its logical host pages and this rank's physical slots, nothing else. A per-layer
+        backup still waiting for its layers cannot be rolled back (its transfer would write
+        into freed pages): roll it back after its ack."""
+        if pending.node_id in self.held_write_node_ids:
+            raise CpHiCacheMetadataError(
+                f"node {pending.node_id} on CP rank {self.cp_rank}: rollback of a per-layer "
+                "backup before its last layer was submitted"
+            )
         self.release_host(pending.logical_host_locs, pending.node_id)
 
     def _ack_without_transfer(self, node_id: int) -> None:

@@ -12,7 +12,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import PoolName
 
 from sglang_cp_hicache.mem_cache import cp_layer_backup
-from sglang_cp_hicache.mem_cache.cp_hicache_metadata import PageRun
+from sglang_cp_hicache.mem_cache.cp_hicache_metadata import CpHiCacheMetadataError, PageRun
 from sglang_cp_hicache.mem_cache.hybrid_cache.cp_hybrid_cache_controller import (
     PerLayerBackupIncomplete,
 )
@@ -208,3 +208,20 @@ def test_the_pool_routes_layer_notifications_to_its_controller(stack):
     for layer in range(LAYERS):  # model layer ids: pool-local index + start_layer
         cp_layer_backup.notify_layer_stored(stack.kv_pool, stack.kv_pool.start_layer + layer)
     assert _ack_ids(controller) == [[7]]
+
+
+def test_a_held_backup_rolls_back_only_after_its_ack(stack):
+    controller = stack.cache.cache_controller
+    host = stack.cache.token_to_kv_pool_host
+    free_before = host.available_size()
+    pending = _reserve(stack, [0, 1], 7)
+    controller.submit_write(pending, per_layer=True)
+    with pytest.raises(CpHiCacheMetadataError, match="node 7 on CP rank 0: rollback of a per-layer"):
+        controller.rollback_write(pending)
+    controller.backup_layer(0)
+    with pytest.raises(CpHiCacheMetadataError, match="node 7"):
+        controller.rollback_write(pending)  # mid-forward: its transfer still comes
+    for layer in range(1, LAYERS):
+        controller.backup_layer(layer)
+    controller.rollback_write(pending)  # acked (e.g. an insert miss): frees the reservation
+    assert host.available_size() == free_before
