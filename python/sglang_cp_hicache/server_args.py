@@ -22,6 +22,7 @@ import os
 from typing import Any, Callable, List
 
 from sglang_cp_hicache.hooks import verify_hooks_installed
+from sglang_cp_hicache.mem_cache.cp_layer_backup import per_layer_backup_problem
 
 FLAG = "enable_nsa_prefill_cp_shared_kv"
 CLI_FLAG = "--enable-nsa-prefill-cp-shared-kv"
@@ -131,6 +132,18 @@ def unsupported_cache_combinations(server_args: Any) -> List[str]:
         )
     if getattr(server_args, "enable_hisparse", False):
         problems.append(f"{CLI_FLAG} does not support --enable-hisparse")
+    if getattr(server_args, "enable_hierarchical_cache", False):
+        # Backups go to the host layer by layer during the forward; no slow stand-in.
+        io_backend = getattr(server_args, "hicache_io_backend", "kernel")
+        layout = getattr(server_args, "hicache_mem_layout", "layer_first")
+        problem = per_layer_backup_problem(io_backend, layout)
+        if problem is not None:
+            problems.append(
+                f"{CLI_FLAG} with --enable-hierarchical-cache backs up KV per layer, which "
+                f"needs a per-layer device->host transfer; {problem}. Use "
+                "--hicache-mem-layout layer_first (any io backend) or "
+                "--hicache-io-backend direct with page_first_direct"
+            )
     algorithm = getattr(server_args, "speculative_algorithm", None)
     if algorithm and getattr(server_args, "enable_hierarchical_cache", False):
         # Upstream's draft host pool (Scheduler._maybe_register_hicache_draft) is MLA-only,

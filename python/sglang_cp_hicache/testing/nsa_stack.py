@@ -194,18 +194,33 @@ def count_kv_mismatches(
     stack: RankStack, logical_locs: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor
 ) -> int:
     """Owned tokens whose KV or indexer bytes differ from the pattern (this rank)."""
+    bad = _mismatch_masks(stack, logical_locs, token_ids, positions)
+    return int(torch.stack(bad).any(dim=0).sum()) if bad else 0
+
+
+def kv_mismatches_per_layer(
+    stack: RankStack, logical_locs: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor
+) -> list:
+    """Per layer, the owned tokens whose KV or indexer bytes differ from the pattern."""
+    bad = _mismatch_masks(stack, logical_locs, token_ids, positions)
+    return [int(mask.sum()) for mask in bad] or [0] * stack.kv_pool.layer_num
+
+
+def _mismatch_masks(stack, logical_locs, token_ids, positions) -> list:
+    """Per layer, a mask over this rank's owned tokens of those with wrong bytes."""
     owned, physical_locs = owned_physical(stack, logical_locs)
     if len(owned) == 0:
-        return 0
+        return []
     pages, cols = _index_byte_offsets(physical_locs, stack.kv_pool.page_size)
-    bad = torch.zeros(len(owned), dtype=torch.bool)
+    masks = []
     for layer in range(stack.kv_pool.layer_num):
         kv = stack.kv_pool.kv_buffer[layer][physical_locs]
         expected = expected_kv_rows(token_ids[owned], positions[owned], layer)
-        bad |= (kv != expected).reshape(len(owned), -1).any(dim=1)
+        bad = (kv != expected).reshape(len(owned), -1).any(dim=1)
         index_bytes = stack.kv_pool.index_k_with_scale_buffer[layer][pages.unsqueeze(1), cols]
         bad |= (index_bytes != expected_index_bytes(token_ids[owned], positions[owned], layer)).any(dim=1)
-    return int(bad.sum())
+        masks.append(bad)
+    return masks
 
 
 def wipe_device_kv(stack: RankStack) -> None:

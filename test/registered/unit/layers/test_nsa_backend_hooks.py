@@ -127,7 +127,9 @@ def test_hooks_pass_through_when_shared_kv_is_off():
     calls = []
     hooks.init_forward_metadata_around(lambda self, fb: calls.append("init"), backend, batch)
     assert calls == ["init"] and not hasattr(batch, hooks.STATE_ATTR)
-    out = hooks.forward_extend_around(lambda *a, **kw: kw, None, 1, 2, 3, None, batch, save_kv_cache=False, k_rope=4)
+    batch.token_to_kv_pool = SimpleNamespace(start_layer=0)  # no layer-backup listener
+    layer = SimpleNamespace(layer_id=0)
+    out = hooks.forward_extend_around(lambda *a, **kw: kw, None, 1, 2, 3, layer, batch, save_kv_cache=False, k_rope=4)
     assert out == {"save_kv_cache": False, "k_rope": 4}
 
 

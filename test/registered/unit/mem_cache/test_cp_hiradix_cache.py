@@ -207,6 +207,13 @@ def test_storage_backend_is_refused(stack):
         validate_cp_shared_kv_args(launch)
 
 
+def test_kernel_page_first_is_refused_when_the_cache_is_built(gloo_world1):
+    """No per-layer D2H op exists for it: refused with the remedy, never emulated."""
+    cfg = nsa_stack.StackConfig(cp_size=2, physical_tokens=PS * 16, io_backend="kernel", mem_layout="page_first")
+    with pytest.raises(CpSharedKVConfigError, match="per-layer.*'kernel'.*'page_first'.*layer_first"):
+        nsa_stack.build_rank_stack(cfg, 0, None, gloo_world1)
+
+
 def test_flush_returns_every_device_and_host_slot(stack):
     device_free = stack.allocator.available_size()
     host_free = stack.cache.token_to_kv_pool_host.available_size()

@@ -109,6 +109,10 @@ def test_engine_style_kwargs_and_pickling(plugins_loaded):
         ({}, "--enable-nsa-prefill-context-parallel"),
         ({"hicache_storage_backend": "file"}, "--hicache-storage-backend"),
         ({"enable_hisparse": True}, "--enable-hisparse"),
+        (
+            {"enable_hierarchical_cache": True, "hicache_io_backend": "kernel", "hicache_mem_layout": "page_first"},
+            "no per-layer device->host op into a page_first host buffer",
+        ),
         ({"disaggregation_mode": "decode"}, "--disaggregation-mode decode"),
         ({"use_ray": True}, "--use-ray"),
         ({"enable_return_routed_experts": True}, "--enable-return-routed-experts"),
