@@ -44,7 +44,7 @@ class RecordingListener:
 
 @pytest.fixture
 def twin(gloo_world1):
-    return TwinRank(CONFIG, TwinBatchSpec(), gloo_world1, 0, 1)
+    return TwinRank(CONFIG, TwinBatchSpec(draft_layers=0), gloo_world1, 0, 1)
 
 
 def test_each_layer_is_reported_once_in_order_after_its_stores(twin):
@@ -58,7 +58,7 @@ def test_each_layer_is_reported_once_in_order_after_its_stores(twin):
         return pool
 
     twin.pool_factory = pool_with_listener
-    _, pool = twin.run_shared("all_gather", prefetch=False)
+    pool = twin.run_shared("all_gather", prefetch=False).target_pool
     (listener,) = listeners
     assert listener.layers == list(range(CONFIG.num_layers))
     assert listener.ends == [None]
