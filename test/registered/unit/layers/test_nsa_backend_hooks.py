@@ -167,7 +167,7 @@ def test_target_and_draft_model_forwards_activate_the_shared_kv_state(plugins_lo
         def activate(self, forward_batch):
             raise _Activated
 
-    batch = SimpleNamespace(**{hooks.STATE_ATTR: State()})
+    batch = SimpleNamespace(token_to_kv_pool=None, **{hooks.STATE_ATTR: State()})
     with pytest.raises(_Activated):
         cls.forward(SimpleNamespace(), torch.zeros(1), torch.zeros(1), batch)
     assert getattr(batch, hooks.STATE_ATTR) is None  # consumed by this forward
