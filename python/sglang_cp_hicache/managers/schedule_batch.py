@@ -20,11 +20,11 @@ def get_model_worker_batch_around(original: Callable, self: Any, *args, **kwargs
     """AROUND hook of ``ScheduleBatch.get_model_worker_batch``."""
     worker_batch = original(self, *args, **kwargs)
     snapshot = getattr(self, LOGICAL_PAGES_ATTR, None)
+    if snapshot is None or not worker_batch.forward_mode.is_extend():
+        return worker_batch  # e.g. the prefill batch object decoding on as the running batch
     seq_lens_cpu = worker_batch.seq_lens_cpu  # a host tensor
-    if (
-        snapshot is not None
-        and seq_lens_cpu is not None
-        and snapshot.taken_for([req.req_pool_idx for req in self.reqs], seq_lens_cpu.tolist())
+    if seq_lens_cpu is not None and snapshot.taken_for(
+        [req.req_pool_idx for req in self.reqs], seq_lens_cpu.tolist()
     ):
         setattr(worker_batch, LOGICAL_PAGES_ATTR, snapshot)
     return worker_batch

@@ -41,9 +41,8 @@ class BatchLogicalPages:
     def taken_for(self, req_pool_indices: Sequence[int], seq_lens: Sequence[int]) -> bool:
         """True when a batch with these slots and lens, in this order, is the one it was
         taken for (a batch merged, filtered or re-allocated since is not)."""
-        return self.req_pool_indices == tuple(int(i) for i in req_pool_indices) and (
-            self.seq_lens == tuple(int(n) for n in seq_lens)
-        )
+        # Element-wise ==: a request without a slot (None) matches none.
+        return self.req_pool_indices == tuple(req_pool_indices) and self.seq_lens == tuple(seq_lens)
 
 
 class ReqToTokenHostMirror:

@@ -118,7 +118,10 @@ def test_a_batch_changed_since_its_allocation_carries_no_pages(stack):
         _admit(stack, req)
     batch = scheduler_batch.extend_batch(stack, reqs, [len(r.origin_input_ids) for r in reqs])
     assert getattr(scheduler_batch.forward_batch(stack, batch), LOGICAL_PAGES_ATTR) is not None
-    batch.seq_lens_cpu = batch.seq_lens_cpu + 1  # the same batch object decoding next
+    batch.seq_lens_cpu = batch.seq_lens_cpu + 1  # its lens grew (as in a decode step)
+    assert getattr(scheduler_batch.forward_batch(stack, batch), LOGICAL_PAGES_ATTR) is None
+    batch.seq_lens_cpu = batch.seq_lens_cpu - 1
+    batch.reqs.reverse()  # the same requests, another order
     assert getattr(scheduler_batch.forward_batch(stack, batch), LOGICAL_PAGES_ATTR) is None
 
 
@@ -128,6 +131,7 @@ def test_a_snapshot_is_taken_for_its_slots_in_order_and_lens():
     assert not pages.taken_for([1, 3], [5, 70])
     assert not pages.taken_for([3, 1, 2], [70, 5, 1])
     assert not pages.taken_for([3, 1], [71, 6])
+    assert not pages.taken_for([3, None], [70, 5])  # a request without a req slot
 
 
 def test_a_forward_whose_lens_are_not_those_of_its_pages_fails_fast():
