@@ -99,6 +99,18 @@ HOOKS: Tuple[HookSpec, ...] = (
         "sglang_cp_hicache.mem_cache.common:alloc_for_decode_around",
         "AROUND",
     ),
+    # alloc_for_extend's host snapshot of the batch's logical pages, carried to the forward
+    # (the shared-KV page mapping then reads no req_to_token column back).
+    HookSpec(
+        "sglang.srt.managers.schedule_batch:ScheduleBatch.get_model_worker_batch",
+        "sglang_cp_hicache.managers.schedule_batch:get_model_worker_batch_around",
+        "AROUND",
+    ),
+    HookSpec(
+        "sglang.srt.model_executor.forward_batch_info:ForwardBatch.init_new",
+        "sglang_cp_hicache.model_executor.forward_batch_info:init_new_around",
+        "AROUND",
+    ),
     # Safe to replace: the scheduler imports HiRadixCache lazily, after hooks apply, and
     # the subclass is upstream HiRadixCache unless the allocator is the CP one.
     HookSpec(

@@ -11,6 +11,12 @@
 * new positions: the pages the CP allocator took (host NumPy, recorded during the call),
   expanded with the allocator's own layout (:func:`extend_token_locs_host`).
 
+``alloc_for_extend`` then leaves on the batch (``LOGICAL_PAGES_ATTR``) a snapshot of each
+request's logical page ids taken from those rows: what the batch's forward reads from
+``req_to_token``, even if a later scheduling step (overlap scheduler) rewrites the rows.
+``managers/schedule_batch.py`` and ``model_executor/forward_batch_info.py`` carry it to the
+forward, whose shared-KV page mapping then reads nothing back from the device.
+
 Replicated logical state: every rank computes the same rows; no collective. Without a
 mirror (flag off, or CP without HiCache) both hooks are upstream's functions unchanged.
 """
@@ -24,6 +30,7 @@ import numpy as np
 from sglang_cp_hicache.mem_cache.cp_hicache_metadata import CpHiCacheMetadataError
 from sglang_cp_hicache.mem_cache.cp_shared_allocator import extend_token_locs_host
 from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import host_int64
+from sglang_cp_hicache.mem_cache.memory_pool import LOGICAL_PAGES_ATTR
 from sglang_cp_hicache.server_args import CLI_FLAG, CpSharedKVConfigError
 
 
@@ -37,6 +44,12 @@ def alloc_for_extend_around(original: Callable, batch: Any):
     with cache.token_to_kv_pool_allocator.recording_new_pages() as taken:
         result = original(batch)
     _mirror_extend(cache, batch, had_slot, taken)
+    _, _, req_pool_indices = result
+    setattr(
+        batch,
+        LOGICAL_PAGES_ATTR,
+        mirror.batch_logical_pages(req_pool_indices, host_int64(batch.seq_lens_cpu), cache.page_size),
+    )
     return result
 
 

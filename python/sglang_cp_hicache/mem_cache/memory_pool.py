@@ -13,7 +13,36 @@ allocator's placement does not depend on the rank), so no collective is ever nee
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Sequence, Tuple
+
 import numpy as np
+
+from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import ceil_div
+
+# The attribute a ScheduleBatch, ModelWorkerBatch and ForwardBatch carry it in.
+LOGICAL_PAGES_ATTR = "cp_logical_pages_host"
+
+
+@dataclass(frozen=True)
+class BatchLogicalPages:
+    """An extend batch's logical page ids, host int64, as its ``req_to_token`` rows were
+    when ``alloc_for_extend`` wrote them (the rows its forward reads).
+
+    Invariant: ``pages[i]`` are the ids of request ``i``'s pages ``0 ..
+    ceil(seq_lens[i] / page_size) - 1`` (page-start loc ``// page_size``), request ``i``
+    being the one in req slot ``req_pool_indices[i]``, in the batch's request order.
+    """
+
+    req_pool_indices: Tuple[int, ...]
+    seq_lens: Tuple[int, ...]
+    pages: Tuple[np.ndarray, ...]
+
+    def taken_for(self, req_pool_indices: Sequence[int], seq_lens: Sequence[int]) -> bool:
+        """True when a batch with these slots and lens, in this order, is the one it was
+        taken for (a batch merged, filtered or re-allocated since is not)."""
+        # Element-wise ==: a request without a slot (None) matches none.
+        return self.req_pool_indices == tuple(req_pool_indices) and self.seq_lens == tuple(seq_lens)
 
 
 class ReqToTokenHostMirror:
@@ -52,3 +81,17 @@ class ReqToTokenHostMirror:
     ) -> None:
         """One position per request."""
         self.locs[req_pool_indices, positions] = logical_locs
+
+    def batch_logical_pages(
+        self, req_pool_indices: Sequence[int], seq_lens: Sequence[int], page_size: int
+    ) -> BatchLogicalPages:
+        """A snapshot (copies) of each request's page ids, in the order given."""
+        pages = tuple(
+            self.locs[slot, : ceil_div(int(n), page_size) * page_size : page_size].astype(np.int64) // page_size
+            for slot, n in zip(req_pool_indices, seq_lens, strict=True)
+        )
+        return BatchLogicalPages(
+            req_pool_indices=tuple(int(i) for i in req_pool_indices),
+            seq_lens=tuple(int(n) for n in seq_lens),
+            pages=pages,
+        )

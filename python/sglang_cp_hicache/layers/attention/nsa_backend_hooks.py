@@ -51,7 +51,7 @@ from sglang_cp_hicache.layers.attention.cp_shared_kv_collectives import (
 from sglang_cp_hicache.layers.attention.cp_shared_kv_mapping import (
     CpSharedKVBatchMapping,
     build_batch_mapping,
-    read_request_logical_pages,
+    forward_logical_pages,
 )
 from sglang_cp_hicache.layers.attention.cp_shared_kv_materialize import (
     DenseLayerKV,
@@ -205,12 +205,7 @@ class CpSharedKVForwardState:
     @classmethod
     def build(cls, runtime: CpSharedKVRuntime, backend: Any, forward_batch: Any) -> "CpSharedKVForwardState":
         layout = runtime.layout
-        logical_pages = read_request_logical_pages(
-            forward_batch.req_to_token_pool.req_to_token,
-            forward_batch.req_pool_indices,
-            forward_batch.seq_lens_cpu.tolist(),
-            layout.page_size,
-        )
+        logical_pages = forward_logical_pages(forward_batch, layout.page_size)
         mapping = build_batch_mapping(
             layout, logical_pages, forward_batch.extend_prefix_lens_cpu, forward_batch.out_cache_loc.device
         )
