@@ -48,7 +48,7 @@ def plan_lane_victims(
     freed_parents: List[Tuple[Any, int, TreeNode]] = []
     head = next(candidates, None)
     # Plain loops and max() rather than generator expressions: this runs once per
-    # candidate on the scheduler thread, where a generator's frame costs more than 8 lanes.
+    # candidate on the scheduler thread, and each generator expression costs a new frame.
     while max(need) > 0:
         if freed_parents and (head is None or freed_parents[0][:2] < (priority(head), head.id)):
             node = heapq.heappop(freed_parents)[2]
