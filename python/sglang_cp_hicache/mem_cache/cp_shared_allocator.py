@@ -348,6 +348,10 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         ``ValueError`` on an owner outside ``[0, cp_size)``."""
         return self.lanes.lane_demand(page_owners)
 
+    def lane_fits(self, lane_pages: List[int]) -> bool:
+        """Whether every lane has ``lane_pages`` free (Python ints): ``lane_deficit`` all 0."""
+        return self.lanes.fits(lane_pages)
+
     def lane_deficit(self, lane_pages: Sequence[int]) -> List[int]:
         """Pages each lane lacks to serve ``lane_pages`` pages per lane (all 0: it fits)."""
         return self.lanes.deficit(list(lane_pages))

@@ -439,14 +439,17 @@ class FastHiRadixCache(UPSTREAM["HiRadixCache"]):
         over_quota = mem_quota is not None and len(host_indices) > mem_quota + delta
         if too_short or over_quota:
             return None
-        return self._load_host_indices(hit_node, host_indices)
+        return self._load_host_indices(hit_node, nodes_to_load, host_indices)
 
     def _default_load_quota(self) -> Optional[int]:
         """The quota when the scheduler passes none: upstream checks none."""
         return None
 
-    def _load_host_indices(self, hit_node: TreeNode, host_indices: torch.Tensor) -> Optional[torch.Tensor]:
-        """Upstream's load: copy, and on a full device evict and copy once more."""
+    def _load_host_indices(
+        self, hit_node: TreeNode, nodes_to_load: List[TreeNode], host_indices: torch.Tensor
+    ) -> Optional[torch.Tensor]:
+        """Upstream's load of ``host_indices`` (the host values of ``nodes_to_load``, in
+        order): copy, and on a full device evict and copy once more."""
         extra_pools = self._get_extra_pools()
         device_indices = self.cache_controller.load(
             host_indices=host_indices, node_id=hit_node.id, **extra_pools

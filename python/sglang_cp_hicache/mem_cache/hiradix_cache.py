@@ -22,8 +22,10 @@ it adds only the CP deltas, as policy; the controller is mechanism:
 Per node, the replicated lane state the planners read is kept on the node (never recomputed
 per eviction call): ``cp_device_locs`` (the node's logical device locs on the host),
 ``cp_device_run`` / ``cp_device_lanes`` (its pages and pages per owner lane, derived from
-``cp_device_locs`` on a planner's first use and kept until the value changes) and
-``cp_host_lanes`` (host pages per owner lane).
+``cp_device_locs`` on a planner's first use and kept until the value changes),
+``cp_host_lanes`` (host pages per owner lane) and ``cp_host_plan`` (the
+:class:`HostLoadPlan` of the node's host value, made when it is backed up or split: the only
+two places a CP host value is set, so a load joins plans instead of deriving them).
 
 ``cp_device_locs`` comes from host state, never from reading ``node.value`` back (a stream
 sync per node on a GPU): a node inserted by ``cache_finished_req`` / ``cache_unfinished_req``
@@ -51,6 +53,7 @@ from sglang.srt.mem_cache.radix_cache import TreeNode
 from sglang_cp_hicache.mem_cache.cp_hicache_metadata import (
     CpHiCacheMetadataError,
     CpHiCacheNodeMetadata,
+    HostLoadPlan,
     PageRun,
 )
 from sglang_cp_hicache.mem_cache.cp_lane_eviction import plan_lane_victims
@@ -250,8 +253,31 @@ class CpHiRadixCache(FastHiRadixCache):
                         f"CP HiCache split of node {child.id} on CP rank "
                         f"{self.layout.cp_rank}: host shards diverged from metadata"
                     )
-                node.cp_host_lanes = self.host_table.lane_pages(host_int64(node.host_value), node.id)
+                self._set_host_plan(node)
         return new_node
+
+    def _set_host_plan(self, node: TreeNode) -> None:
+        """Plan the load of ``node``'s host value now: it stays fixed until a split, which
+        plans both halves again, so a load reads the plan instead of deriving it."""
+        plan = self.host_table.plan_load(host_int64(node.host_value), node.id)
+        node.cp_host_plan = plan
+        node.cp_host_lanes = plan.lane_pages
+
+    def _host_load_plan(self, nodes: List[TreeNode], host_indices: torch.Tensor) -> HostLoadPlan:
+        """The load plan of consecutive host-only ``nodes`` (host values ``host_indices``)
+        from their own plans; fails fast on a node whose plan does not cover its value."""
+        plans = []
+        for node in nodes:
+            plan = getattr(node, "cp_host_plan", None)
+            if plan is None or plan.host_run.locs.size != node.host_value.numel():
+                raise CpHiCacheMetadataError(
+                    f"node {node.id} on CP rank {self.layout.cp_rank}: its host load plan does "
+                    "not match its host value (a host value set without _set_host_plan)"
+                )
+            plans.append(plan)
+        if len(plans) == 1:
+            return plans[0]
+        return HostLoadPlan.concat(plans, host_int64(host_indices))
 
     # -------------------------------------------------------------- backup (D2H)
     def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
@@ -275,7 +301,7 @@ class CpHiRadixCache(FastHiRadixCache):
                 "its lanes short of host pages"
             )
         node.host_value = host_value
-        node.cp_host_lanes = plan.lane_pages
+        self._set_host_plan(node)
         self.ongoing_write_through[node.id] = node
         if not write_back:
             self.inc_lock_ref(node)
@@ -284,9 +310,9 @@ class CpHiRadixCache(FastHiRadixCache):
     def _make_host_room(self, lane_pages: List[int]) -> bool:
         """Evict host-only leaves until every lane has ``lane_pages``; False (nothing
         evicted) if the leaves holding pages on the short lanes cannot cover them."""
-        deficit = self.host_table.lane_deficit(lane_pages)
-        if not any(deficit):
+        if self.host_table.lane_fits(lane_pages):  # the usual case: no deficit list to build
             return True
+        deficit = self.host_table.lane_deficit(lane_pages)
         candidates = self.evictable_host_leaves.victims(host_evictable)
         with closing(candidates):
             victims = plan_lane_victims(
@@ -326,13 +352,15 @@ class CpHiRadixCache(FastHiRadixCache):
         with self._placing(None):  # _load_host_indices places the loaded locs
             return super().load_back(node, mem_quota)
 
-    def _load_host_indices(self, hit_node: TreeNode, host_indices: torch.Tensor) -> Optional[torch.Tensor]:
+    def _load_host_indices(
+        self, hit_node: TreeNode, nodes_to_load: List[TreeNode], host_indices: torch.Tensor
+    ) -> Optional[torch.Tensor]:
         """Plan the load per owner lane (write-time owners), make device room on the short
         lanes only, then let the controller execute the plan. The new locs' host form is
         what the loaded nodes' runs are sliced from."""
         if not self.uses_cp_hicache:
-            return super()._load_host_indices(hit_node, host_indices)
-        plan = self.host_table.plan_load(host_int64(host_indices), hit_node.id)
+            return super()._load_host_indices(hit_node, nodes_to_load, host_indices)
+        plan = self._host_load_plan(nodes_to_load, host_indices)
         if not self._make_device_room(plan.lane_pages):
             self._refuse(
                 "device_loads", hit_node, plan.lane_pages,
@@ -354,9 +382,9 @@ class CpHiRadixCache(FastHiRadixCache):
         """Evict device leaves until every lane has ``lane_pages`` free; False (nothing
         evicted) if the leaves holding pages on the short lanes cannot cover them."""
         allocator: CPSharedPagedTokenToKVPoolAllocator = self.token_to_kv_pool_allocator
-        deficit = allocator.lane_deficit(lane_pages)
-        if not any(deficit):
+        if allocator.lane_fits(lane_pages):  # the usual case: no deficit list to build
             return True
+        deficit = allocator.lane_deficit(lane_pages)
         candidates = self.evictable_leaves.victims()
         with closing(candidates):
             victims = plan_lane_victims(

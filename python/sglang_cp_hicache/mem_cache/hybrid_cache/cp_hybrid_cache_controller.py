@@ -119,8 +119,8 @@ class CpHybridCacheController(HybridCacheController):
         self.host_table = CpHostPageTable(self.layout, self.mem_pool_host.size // self.page_size)
         self._no_locs = torch.empty(0, dtype=torch.int64)
         self._no_device_locs = torch.empty(0, dtype=torch.int64, device=self.device)
-        # Host frees held back while batched_host_frees() is open.
-        self._deferred_host_frees: Optional[List[np.ndarray]] = None
+        # Host frees (logical host locs) held back while batched_host_frees() is open.
+        self._deferred_host_frees: Optional[List[torch.Tensor]] = None
         # Per-layer backups: submitted for the next forward, then that forward's batch.
         self._held_writes: List[PendingHostWrite] = []
         self._layer_batch: Optional[LayerBackupBatch] = None
@@ -178,7 +178,7 @@ class CpHybridCacheController(HybridCacheController):
         lacks host room. Until :meth:`submit_write` and its ack, nothing may read the
         reserved pages; :meth:`rollback_write` frees exactly this reservation.
         """
-        if any(self.host_table.lane_deficit(plan.lane_pages)):
+        if not self.host_table.lane_fits(plan.lane_pages):
             return None
         operation = None
         if plan.lane_pages[self.cp_rank]:
@@ -386,7 +386,7 @@ class CpHybridCacheController(HybridCacheController):
 
         if plan.lane_pages[self.cp_rank]:
             owned = plan.page_owners == self.cp_rank
-            physical_host_locs = torch.from_numpy(self.host_table.owned_host_locs(plan))
+            physical_host_locs = torch.from_numpy(self.host_table.owned_host_locs(plan, owned))
             # The owner lanes only hold pages of their owner: no ownership re-check needed.
             physical_device_pages = self.layout.logical_pages_to_physical(
                 device_pages[owned], validate=False
@@ -449,11 +449,10 @@ class CpHybridCacheController(HybridCacheController):
     def release_host(self, host_indices: torch.Tensor, node_id: int = -1) -> None:
         """Free a node's host pages: in the table and this rank's host pool now, or, inside
         :meth:`batched_host_frees`, when the batch closes."""
-        logical_host_locs = host_int64(host_indices)
         if self._deferred_host_frees is None:
-            self._release_now(logical_host_locs, node_id)
-        else:
-            self._deferred_host_frees.append(logical_host_locs)
+            self._release_now(host_int64(host_indices), node_id)
+        else:  # converted once, when the batch closes
+            self._deferred_host_frees.append(host_indices)
 
     def _release_now(self, logical_host_locs: np.ndarray, node_id: int = -1) -> None:
         owned_physical_pages, _ = self.host_table.release(logical_host_locs, node_id)
@@ -473,7 +472,7 @@ class CpHybridCacheController(HybridCacheController):
         finally:
             deferred, self._deferred_host_frees = self._deferred_host_frees, None
             if deferred:
-                self._release_now(np.concatenate(deferred))
+                self._release_now(host_int64(torch.cat(deferred)))
 
     # ----------------------------------------------------------------- metrics
     def host_usage(self) -> dict:
