@@ -88,6 +88,29 @@ HOOKS: Tuple[HookSpec, ...] = (
         "sglang_cp_hicache.model_executor.model_runner_kv_cache_mixin:init_pools_around",
         "AROUND",
     ),
+    # The host mirror of req_to_token that CP HiCache plans backups from.
+    HookSpec(
+        "sglang.srt.mem_cache.common:alloc_for_extend",
+        "sglang_cp_hicache.mem_cache.common:alloc_for_extend_around",
+        "AROUND",
+    ),
+    HookSpec(
+        "sglang.srt.mem_cache.common:alloc_for_decode",
+        "sglang_cp_hicache.mem_cache.common:alloc_for_decode_around",
+        "AROUND",
+    ),
+    # alloc_for_extend's host snapshot of the batch's logical pages, carried to the forward
+    # (the shared-KV page mapping then reads no req_to_token column back).
+    HookSpec(
+        "sglang.srt.managers.schedule_batch:ScheduleBatch.get_model_worker_batch",
+        "sglang_cp_hicache.managers.schedule_batch:get_model_worker_batch_around",
+        "AROUND",
+    ),
+    HookSpec(
+        "sglang.srt.model_executor.forward_batch_info:ForwardBatch.init_new",
+        "sglang_cp_hicache.model_executor.forward_batch_info:init_new_around",
+        "AROUND",
+    ),
     # Safe to replace: the scheduler imports HiRadixCache lazily, after hooks apply, and
     # the subclass is upstream HiRadixCache unless the allocator is the CP one.
     HookSpec(
@@ -95,7 +118,8 @@ HOOKS: Tuple[HookSpec, ...] = (
         "sglang_cp_hicache.mem_cache.hiradix_cache:CpHiRadixCache",
         "REPLACE",
     ),
-    # Prefill admission: a request that would split a pending host backup waits a round.
+    # Prefill admission: a request that would split a pending host backup waits a round; a
+    # batch never reads more KV pages than the dense buffers hold.
     HookSpec(
         "sglang.srt.managers.schedule_policy:PrefillAdder.add_one_req",
         "sglang_cp_hicache.managers.schedule_policy:add_one_req_around",
@@ -114,6 +138,13 @@ HOOKS: Tuple[HookSpec, ...] = (
     HookSpec(f"{_INDEXER}._store_index_k_cache", f"{_NSA_HOOKS}:store_index_k_cache_around", "AROUND"),
     HookSpec(
         "sglang.srt.models.deepseek_v2:DeepseekV2ForCausalLM.forward",
+        f"{_NSA_HOOKS}:model_forward_around",
+        "AROUND",
+    ),
+    # The NSA MTP draft (DeepSeek-V3.2 and GLM-5 drafts are both this class) overrides
+    # forward; its prefill extend materialises its one layer's prefix the same way.
+    HookSpec(
+        "sglang.srt.models.deepseek_nextn:DeepseekV3ForCausalLMNextN.forward",
         f"{_NSA_HOOKS}:model_forward_around",
         "AROUND",
     ),

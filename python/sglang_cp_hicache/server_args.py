@@ -22,6 +22,7 @@ import os
 from typing import Any, Callable, List
 
 from sglang_cp_hicache.hooks import verify_hooks_installed
+from sglang_cp_hicache.mem_cache.cp_layer_backup import per_layer_backup_problem
 
 FLAG = "enable_nsa_prefill_cp_shared_kv"
 CLI_FLAG = "--enable-nsa-prefill-cp-shared-kv"
@@ -131,6 +132,63 @@ def unsupported_cache_combinations(server_args: Any) -> List[str]:
         )
     if getattr(server_args, "enable_hisparse", False):
         problems.append(f"{CLI_FLAG} does not support --enable-hisparse")
+    if getattr(server_args, "enable_hierarchical_cache", False):
+        # Backups go to the host layer by layer during the forward; no slow stand-in.
+        io_backend = getattr(server_args, "hicache_io_backend", "kernel")
+        layout = getattr(server_args, "hicache_mem_layout", "layer_first")
+        problem = per_layer_backup_problem(io_backend, layout)
+        if problem is not None:
+            problems.append(
+                f"{CLI_FLAG} with --enable-hierarchical-cache backs up KV per layer, which "
+                f"needs a per-layer device->host transfer; {problem}. Use "
+                "--hicache-mem-layout layer_first (any io backend) or "
+                "--hicache-io-backend direct with page_first_direct"
+            )
+    algorithm = getattr(server_args, "speculative_algorithm", None)
+    if algorithm and getattr(server_args, "enable_hierarchical_cache", False):
+        # Upstream's draft host pool (Scheduler._maybe_register_hicache_draft) is MLA-only,
+        # sized apart from the target's and ignored by the hybrid controller: a host hit
+        # would restore target KV without draft KV and silently poison MTP acceptance.
+        problems.append(
+            f"{CLI_FLAG} with --enable-hierarchical-cache does not support "
+            f"--speculative-algorithm {algorithm} yet: draft KV on host is not yet kept in "
+            "lockstep with the target's (drop --enable-hierarchical-cache to serve with MTP)"
+        )
+    return problems
+
+
+# Both name the MTP draft (SGLang resolves NEXTN to EAGLE, _resolve_speculative_algorithm_alias).
+SUPPORTED_SPECULATIVE_ALGORITHMS = ("NEXTN", "EAGLE")
+
+
+def unsupported_speculative_combinations(server_args: Any) -> List[str]:
+    """Why speculative decoding in ``server_args`` cannot run with CP shared KV (empty when
+    it can): only the NSA MTP draft (NextN / EAGLE, one draft layer) shares the target's
+    logical locs and layout; whether the draft *is* NSA is checked where its pool is built.
+    Speculative decoding with HiCache is refused by :func:`unsupported_cache_combinations`."""
+    algorithm = getattr(server_args, "speculative_algorithm", None)
+    if not algorithm:
+        return []
+    problems: List[str] = []
+    if str(algorithm).upper() not in SUPPORTED_SPECULATIVE_ALGORITHMS:
+        problems.append(
+            f"{CLI_FLAG} supports --speculative-algorithm "
+            f"{' or '.join(SUPPORTED_SPECULATIVE_ALGORITHMS)} with an NSA draft (the "
+            f"DeepSeek-V3.2 / GLM-5 MTP layer), got {algorithm}"
+        )
+    elif getattr(server_args, "enable_multi_layer_eagle", False):
+        problems.append(
+            f"{CLI_FLAG} supports the one-layer NSA MTP draft only, not multi-layer EAGLE "
+            "(--enable-multi-layer-eagle)"
+        )
+    draft_backend = getattr(server_args, "speculative_draft_attention_backend", None)
+    if draft_backend not in (None, "nsa"):
+        # Only the NSA backend is wrapped by the shared-KV read path; another backend would
+        # read logical locs from the draft's physical pool.
+        problems.append(
+            f"{CLI_FLAG} needs the draft on the NSA attention backend, got "
+            f"--speculative-draft-attention-backend {draft_backend}"
+        )
     return problems
 
 
@@ -161,15 +219,7 @@ def unsupported_combinations(server_args: Any) -> List[str]:
             f"{CLI_FLAG} does not support --use-ray: SGLang does not load plugins in Ray "
             "scheduler actors, so shared KV would silently be off there"
         )
-    if getattr(server_args, "enable_hierarchical_cache", False) and getattr(
-        server_args, "speculative_algorithm", None
-    ):
-        # Draft (MTP/NextN) KV is not backed up with the target's shards yet: cache hits
-        # would silently lose draft state and collapse acceptance.
-        problems.append(
-            f"{CLI_FLAG} with --enable-hierarchical-cache does not support "
-            f"--speculative-algorithm {server_args.speculative_algorithm} yet"
-        )
+    problems += unsupported_speculative_combinations(server_args)
     if getattr(server_args, "enable_hierarchical_cache", False):
         for env in ("SGLANG_ENABLE_UNIFIED_RADIX_TREE", "SGLANG_EXPERIMENTAL_CPP_RADIX_TREE"):
             if os.environ.get(env, "").lower() in ("1", "true", "yes", "on"):

@@ -11,7 +11,7 @@ for Mooncake). Needs the zai-org/GLM-5-FP8 weights, ``mooncake-transfer-engine``
 * ``prefill`` / ``decode`` / ``router``: run one component in the foreground, its output
   also in ``<log-dir>/<name>.log``; the prefill one prints hit rates every
   ``--report-interval`` seconds; on exit the log is scanned and errors fail the script;
-* ``repeated-prefix``: launch all three (unless ``--no-launch``), send rounds of requests
+* ``repeated-prefix``: launch all three, send rounds of requests
   over more distinct long prefixes than the prefill device pool holds, so revisits are
   served by host load-back; print hit rates from the prefill server's metrics; fail on
   request errors, errors in the logs, or no host hits. Probe prompts (a prefix + a fixed
@@ -19,6 +19,12 @@ for Mooncake). Needs the zai-org/GLM-5-FP8 weights, ``mooncake-transfer-engine``
   greedy outputs and first-token logprobs must agree, else the run fails;
 * ``host-pressure``: the same with a small ``--hicache-size`` so the host pool evicts too;
 * ``metrics``: print hit rates of a running prefill server.
+
+``--no-launch``: start no server at all; check that the endpoints are up (``/health``) and run
+the checks against them: the workloads need a running prefill, decode and router (on any
+hosts: ``--host``/``--decode-host`` only name the endpoints, so the two-node launch checks do
+not apply); ``prefill``/``decode``/``router --no-launch`` check that component's endpoint
+(prefill: and print its hit rates). Remote decode *with* a launch is ``--nodes 2``.
 
 Every subcommand takes ``--dry-run``: print the commands (and the workload plan) only.
 """
@@ -369,15 +375,31 @@ def log_errors(paths: Sequence[Path]) -> List[str]:
 
 # -------------------------------------------------------------------- running
 def _wait_healthy(url: str, timeout_s: float) -> bool:
+    """``GET url/health`` until it answers 200 or ``timeout_s`` passes (tried at least once)."""
     deadline = time.time() + timeout_s
-    while time.time() < deadline:
+    while True:
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
                 if response.status == 200:
                     return True
         except Exception:
-            time.sleep(5)
-    return False
+            pass
+        if time.time() >= deadline:
+            return False
+        time.sleep(min(5.0, max(deadline - time.time(), 0.0)))
+
+
+def component_url(d: Deployment, name: str) -> str:
+    return {"prefill": d.prefill_url, "decode": d.decode_url, "router": d.router_url}[name]
+
+
+def running_endpoint_problems(d: Deployment, names: Sequence[str], timeout_s: float) -> List[str]:
+    """``--no-launch``: one line per component whose endpoint is not healthy."""
+    return [
+        f"{name} at {component_url(d, name)} is not healthy (--no-launch uses running servers: start it first)"
+        for name in names
+        if not _wait_healthy(component_url(d, name), timeout_s)
+    ]
 
 
 class Launched:
@@ -447,7 +469,14 @@ def run_workload(
     log_dir.mkdir(parents=True, exist_ok=True)
     launched = Launched(log_dir)
     try:
-        if launch:
+        if not launch:
+            problems = running_endpoint_problems(d, WORKLOAD_ENDPOINTS, NO_LAUNCH_HEALTH_TIMEOUT_S)
+            if problems:
+                for problem in problems:
+                    print(f"error: {problem}")
+                print(f"FAIL {len(problems)} endpoints not healthy")
+                return 1
+        else:
             launched.start("prefill", prefill_command(d))
             if d.nodes == 1:
                 launched.start("decode", decode_command(d))
@@ -498,7 +527,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--hicache-size", type=int, default=0, help="GB per rank (0: use the ratio)")
     parser.add_argument("--ib-device", default=None)
     parser.add_argument("--log-dir", default="glm5_pd_logs")
-    parser.add_argument("--no-launch", action="store_true", help="workloads: use running servers")
+    parser.add_argument("--no-launch", action="store_true",
+                        help="launch nothing: check the running endpoints (/health) and run the checks against them")
     parser.add_argument("--num-prefixes", type=int, default=0, help="0: sized from the server's capacity")
     parser.add_argument("--prefix-tokens", type=int, default=32768)
     parser.add_argument("--rounds", type=int, default=3)
@@ -514,6 +544,24 @@ HOST_PRESSURE_FACTOR = 3.0
 # Per rank. HiCache needs the host pool larger than the device pool; raise it if startup
 # says so. The workload then needs about three times the device pool.
 HOST_PRESSURE_HICACHE_GB = 40
+# --no-launch: the endpoints a workload talks to, and how long each may take to answer.
+WORKLOAD_ENDPOINTS = ("prefill", "decode", "router")
+NO_LAUNCH_HEALTH_TIMEOUT_S = 30.0
+
+
+def check_running_component(d: Deployment, name: str, dry_run: bool) -> int:
+    """``<component> --no-launch``: the running endpoint is healthy (prefill: hit rates too)."""
+    url = component_url(d, name)
+    if dry_run:
+        print(f"no launch: GET {url}/health" + (f"; GET {url}/metrics -> hit rates" if name == "prefill" else ""))
+        return 0
+    problems = running_endpoint_problems(d, [name], NO_LAUNCH_HEALTH_TIMEOUT_S)
+    if not problems and name == "prefill":
+        print(hit_rates(fetch_metrics(url)).line())
+    for problem in problems:
+        print(f"error: {problem}")
+    print(f"{'FAIL' if problems else 'PASS'} {name} at {url}")
+    return 1 if problems else 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -529,12 +577,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         decode_base_gpu=decode_base_gpu, nodes=args.nodes, hicache_ratio=args.hicache_ratio,
         hicache_size_gb=hicache_size, ib_device=args.ib_device, log_dir=args.log_dir,
     )
-    problems = topology_problems(d)
+    # Only a launch needs the two-node topology; --no-launch just names endpoints.
+    problems = [] if args.no_launch else topology_problems(d)
     if problems:
         print(f"FAIL {'; '.join(problems)}")
         return 2
-    components = [args.command] if args.command in ("prefill", "decode", "router") else []
-    if args.command in ("repeated-prefix", "host-pressure") and not args.no_launch:
+    launches = not args.no_launch
+    components = [args.command] if args.command in ("prefill", "decode", "router") and launches else []
+    if args.command in ("repeated-prefix", "host-pressure") and launches:
         components = ["prefill", "router"] + (["decode"] if d.nodes == 1 else [])
     missing = missing_dependencies(components)
     if missing and not args.dry_run:
@@ -544,6 +594,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"note: {dependency_message(missing)}")
     workload = Workload(num_prefixes=args.num_prefixes, prefix_tokens=args.prefix_tokens, rounds=args.rounds)
     single = {"prefill": prefill_command, "decode": decode_command, "router": router_command}
+    if args.command in single and args.no_launch:
+        return check_running_component(d, args.command, args.dry_run)
     if args.command in single:
         cmd = single[args.command](d)
         env = ENV if args.command != "router" else {}
@@ -558,7 +610,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(hit_rates(fetch_metrics(d.prefill_url)).line())
         return 0
     if args.dry_run:
-        if not args.no_launch:
+        if args.no_launch:
+            print("no launch: " + "; ".join(f"GET {component_url(d, n)}/health" for n in WORKLOAD_ENDPOINTS))
+        else:
             for name, builder in single.items():
                 if name == "decode" and d.nodes == 2:
                     print(f"decode: remote, on the decode node: {shell_line(builder(d), ENV)}")

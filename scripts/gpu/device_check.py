@@ -1,6 +1,6 @@
 """Driver of scripts/gpu/device_check.sh: the offline one-GPU check of CP shared KV.
 
-Four checks, one ``PASS``/``FAIL`` line, a JSON report (``$OUT/device_check.json`` when
+Five checks, one ``PASS``/``FAIL`` line, a JSON report (``$OUT/device_check.json`` when
 ``OUT`` is set, or ``GPU_CHECK_JSON``):
 
 1. **self-test** (every rank): the server's startup self-test
@@ -16,6 +16,9 @@ Four checks, one ``PASS``/``FAIL`` line, a JSON report (``$OUT/device_check.json
 4. **hicache_jit** (main process, CUDA): ``sglang.jit_kernel.hicache``'s MLA one-layer
    transfer, which HiCache uses on CUDA when ``can_use_hicache_jit_kernel`` allows, on the
    owned pages, D2H and back, byte-exact.
+5. **per_layer_backup** (main process): the plugin's per-layer HiCache D2H on SGLang's NSA
+   device and host pools, every supported io backend/layout, byte-exact against SGLang's
+   all-layer backup, and one layer's owned shard in GB/s (vs the pinned peak of check 3).
 
 NCCL refuses two ranks on one GPU, so the CP ranks are ``--cp`` processes on the one
 device with a gloo CP group (gloo moves CUDA tensors through host staging). ``--device
@@ -96,7 +99,7 @@ def describe(options: CheckOptions) -> str:
         f"plan: {options.cp_size} processes, gloo CP group, device={options.device}, {kernels}; "
         f"self-test kv={list(KV_KINDS)} x strategies={list(STRATEGIES)}; twin variants={variants()}; "
         "then owned-shard D2H/H2D bandwidth and the hicache JIT transfer in the main process; "
-        "replicated vs shared KV, identical outputs required"
+        "replicated vs shared KV (target + 1-layer MTP draft), identical outputs required"
     )
 
 
@@ -249,6 +252,70 @@ def hicache_jit_transfer(device, shard: ShardGeometry = ShardGeometry(prefix_tok
     }
 
 
+def _page_bytes(host_pool, index: int):
+    """A host page (all layers) as bytes: random bf16 patterns include NaNs."""
+    import torch
+
+    return host_pool.get_data_page(index).contiguous().view(-1).view(torch.uint8)
+
+
+def per_layer_backup(device, shard: ShardGeometry = ShardGeometry(), repeats: int = 5) -> dict:
+    """The plugin's per-layer D2H (``mem_cache/memory_pool_host.py``) on SGLang's real NSA
+    device pool and host pools, for each io backend/layout it supports: byte-exact against
+    SGLang's own all-layer backup, and one layer's owned shard (KV + index K) in GB/s."""
+    import torch
+
+    from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool_host import MLATokenToKVPoolHost, NSAIndexerPoolHost
+
+    from sglang_cp_hicache.mem_cache.cp_layer_backup import PER_LAYER_D2H_LAYOUTS
+    from sglang_cp_hicache.mem_cache.memory_pool_host import layer_backup_for
+
+    layers, pages = 2, shard.owned_pages
+    pool = NSATokenToKVPool(
+        3 * pages * PAGE_SIZE, page_size=PAGE_SIZE, kv_lora_rank=512, dtype=torch.bfloat16,
+        qk_rope_head_dim=64, layer_num=layers, device=str(device), index_head_dim=128,
+        enable_memory_saver=False, kv_cache_dim=576,
+    )
+    for buf in [*pool.kv_buffer, *pool.index_k_with_scale_buffer]:
+        buf.view(torch.uint8).copy_(torch.randint(0, 256, buf.view(torch.uint8).shape, dtype=torch.uint8))
+    device_pages = torch.randperm(3 * pages - 1)[:pages] + 1  # page 0 is padding
+    tokens = lambda p: (p[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).flatten()  # noqa: E731
+    device_locs, host_locs = tokens(device_pages), tokens(torch.arange(pages))
+    results = {}
+    for io_backend, layout in PER_LAYER_D2H_LAYOUTS:
+        # The indices where the controller's move_indices leaves them for this backend.
+        host_idx = host_locs.to(device) if io_backend == "kernel" else host_locs
+        dev_idx = device_locs.to(device) if io_backend == "kernel" else device_locs
+        hosts = []
+        for _ in range(2):  # per-layer, and SGLang's all-layer reference
+            anchor = MLATokenToKVPoolHost(pool, 2.0, 0, PAGE_SIZE, layout)
+            hosts.append([anchor, NSAIndexerPoolHost(pool, anchor, layout)])
+        for host in hosts[1]:
+            host.backup_from_device_all_layer(pool, host_idx, dev_idx, io_backend)
+        backups = [layer_backup_for(host) for host in hosts[0]]
+
+        def one_layer(layer: int) -> None:
+            for backup in backups:
+                backup.backup_from_device_per_layer(pool, host_idx, dev_idx, layer, io_backend)
+
+        for layer in range(layers):
+            one_layer(layer)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        exact = all(
+            torch.equal(_page_bytes(ours, int(h)), _page_bytes(ref, int(h)))
+            for ours, ref in zip(hosts[0], hosts[1])
+            for h in host_locs[::PAGE_SIZE]
+        )
+        seconds = _timed(lambda: one_layer(0), device, repeats)
+        results[f"{io_backend}/{layout}"] = {
+            "exact": bool(exact), "layer_shard_gbps": pages * shard.page_bytes / seconds / 1e9,
+            "layer_ms": seconds * 1e3,
+        }
+    return {"ran": True, "ok": all(r["exact"] for r in results.values()), "owned_pages": pages, **results}
+
+
 def summarize(
     per_rank: Sequence[dict], options: CheckOptions, wall_s: float, extra: Optional[dict] = None
 ) -> tuple[bool, List[str]]:
@@ -263,12 +330,18 @@ def summarize(
     jit = extra.get("hicache_jit", {})
     if jit.get("ran") and not jit.get("ok"):
         failures.append(f"hicache JIT transfer not byte-exact: {jit}")
+    per_layer = extra.get("per_layer_backup", {})
+    if per_layer.get("ran") and not per_layer.get("ok"):
+        failures.append(f"per-layer HiCache backup differs from SGLang's all-layer backup: {per_layer}")
     for rank, report in enumerate(per_rank):
         for result in report["results"]:
             label = f"rank {rank} {result['strategy']}/prefetch={result['prefetch']}"
             if not result["identical"]:
                 failures.append(f"{label}: max |shared - replicated| = {result['max_abs_diff']:.3g}")
             failures.extend(f"{label}: {p}" for p in result["pool_problems"])
+            if result.get("draft_identical") is False:  # None: the twin ran no draft
+                failures.append(f"{label}: draft max |shared - replicated| = {result['draft_max_abs_diff']:.3g}")
+            failures.extend(f"{label}: draft {p}" for p in result.get("draft_pool_problems", ()))
     timings = ", ".join(
         f"{r['strategy']}/prefetch={int(r['prefetch'])} {max(rep['results'][i]['seconds'] for rep in per_rank) * 1e3:.0f} ms"
         for i, r in enumerate(per_rank[0]["results"])
@@ -294,6 +367,14 @@ def summarize(
         )
     if jit:
         lines.append(f"hicache JIT MLA transfer: {jit}")
+    if per_layer:
+        peak = bw["peak_d2h_gbps"] if bw else None
+        figures = ", ".join(
+            f"{name} {r['layer_shard_gbps']:.1f} GB/s" + (f" ({r['layer_shard_gbps'] / peak:.0%} of pinned peak)" if peak else "")
+            for name, r in per_layer.items()
+            if isinstance(r, dict)
+        )
+        lines.append(f"per-layer backup (one layer's owned shard, KV + index K, byte-exact={per_layer['ok']}): {figures}")
     return not failures, lines
 
 
@@ -385,11 +466,19 @@ def main(argv: Optional[Sequence[str]] = None, launch: Callable = spawn_ranks) -
 
 
 def main_process_checks(options: CheckOptions) -> dict:
+    if options.device == "cpu":  # the per-layer backup check loads SGLang's host pools
+        from sglang_cp_hicache.testing import install
+
+        install()
     import torch
 
     device = torch.device("cuda:0" if options.device == "cuda" else "cpu")
     shard = ShardGeometry() if options.device == "cuda" else ShardGeometry(prefix_tokens=16384)
-    return {"bandwidth": shard_bandwidth(device, shard), "hicache_jit": hicache_jit_transfer(device)}
+    return {
+        "bandwidth": shard_bandwidth(device, shard),
+        "hicache_jit": hicache_jit_transfer(device),
+        "per_layer_backup": per_layer_backup(device, shard),
+    }
 
 
 def versions() -> dict:

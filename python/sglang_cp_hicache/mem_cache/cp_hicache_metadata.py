@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, List, Optional, Tuple
+from typing import Deque, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ import torch
 from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import (
     CpSharedKVLayout,
     host_int64,
+    page_offsets,
     page_token_locs,
 )
 
@@ -33,7 +34,10 @@ class CpHiCacheMetadataError(RuntimeError):
     """CP HiCache bookkeeping is inconsistent; the message names the node and rank."""
 
 
-@dataclass(frozen=True)
+# The run and plan records below are plain (not frozen) dataclasses: one or two are built
+# per load, backup or host free, where a frozen one's per-field setattr costs more than
+# the NumPy work on a one-page node. Nothing writes their fields after construction.
+@dataclass
 class PageRun:
     """The pages of a run of locs (host int64) that lists each page's tokens contiguously.
 
@@ -50,11 +54,10 @@ class PageRun:
     @classmethod
     def of(cls, locs: np.ndarray, page_size: int) -> "PageRun":
         pages = locs[::page_size] // page_size
-        whole = len(locs) == len(pages) * page_size and bool(
-            (locs == page_token_locs(pages, page_size)).all()
-        )
-        if whole:
-            return cls(locs, pages, None, page_size)
+        if len(locs) == len(pages) * page_size:
+            whole_pages = pages[:, None] * page_size + page_offsets(page_size)
+            if (locs.reshape(whole_pages.shape) == whole_pages).all():
+                return cls(locs, pages, None, page_size)
         token_pages = locs // page_size
         first_of_page = np.empty(len(token_pages), dtype=bool)
         first_of_page[:1] = True
@@ -76,7 +79,7 @@ class PageRun:
         return new_pages[self.page_of_loc] * self.page_size + self.locs % self.page_size
 
 
-@dataclass(frozen=True)
+@dataclass
 class HostWritePlan:
     """One logical backup: the node's device pages, the owner lane of each and each lane's
     page need. Replicated: every rank computes the same plan from the same node."""
@@ -86,7 +89,7 @@ class HostWritePlan:
     lane_pages: List[int]
 
 
-@dataclass(frozen=True)
+@dataclass
 class HostLoadPlan:
     """One logical load: the node's logical host pages, their write-time owner lanes and
     each lane's device page need. Replicated like :class:`HostWritePlan`."""
@@ -94,6 +97,19 @@ class HostLoadPlan:
     host_run: PageRun
     page_owners: np.ndarray
     lane_pages: List[int]
+
+    @classmethod
+    def concat(cls, plans: Sequence["HostLoadPlan"], logical_host_locs: np.ndarray) -> "HostLoadPlan":
+        """The plan of consecutive nodes loaded together, from their own plans, whose runs
+        concatenate to ``logical_host_locs`` (a whole-page run when every part is one)."""
+        pages = np.concatenate([plan.host_run.pages for plan in plans])
+        if any(plan.host_run.page_of_loc is not None for plan in plans):
+            run = PageRun.of(logical_host_locs, plans[0].host_run.page_size)
+        else:
+            run = PageRun(logical_host_locs, pages, None, plans[0].host_run.page_size)
+        lane_pages = [sum(counts) for counts in zip(*(plan.lane_pages for plan in plans))]
+        return cls(run, np.concatenate([plan.page_owners for plan in plans]), lane_pages)
+
 
 @dataclass
 class CpHiCacheNodeMetadata:
@@ -216,6 +232,11 @@ class CpHostPageTable:
     def used_logical_tokens(self) -> int:
         return (self.num_logical_pages - len(self._free_logical_pages)) * self.page_size
 
+    def lane_fits(self, lane_pages: List[int]) -> bool:
+        """Whether every lane has room for ``lane_pages`` (:meth:`lane_deficit` all 0)."""
+        free = self.physical_host_pages
+        return all(need <= free - used for need, used in zip(lane_pages, self._lane_used_pages))
+
     def lane_deficit(self, lane_pages: List[int]) -> List[int]:
         """Host pages each lane lacks to admit ``lane_pages`` (all zero: admissible)."""
         return [
@@ -247,15 +268,14 @@ class CpHostPageTable:
     # ------------------------------------------------------------------ load
     def plan_load(self, logical_host_locs: np.ndarray, node_id: int = -1) -> HostLoadPlan:
         run = PageRun.of(logical_host_locs, self.page_size)
-        owners = self._owners(run.pages, node_id, "is not allocated")
-        lane_pages = np.bincount(owners, minlength=self.layout.cp_size).tolist()
+        owners, lane_pages = self._owners(run.pages, node_id, "is not allocated")
         return HostLoadPlan(run, owners, lane_pages)
 
-    def owned_host_locs(self, plan: HostLoadPlan) -> np.ndarray:
-        """Physical host locs (this rank, whole pages) of the plan's owned pages, read at
-        execution time: after any eviction the planner made room with."""
-        owned = plan.host_run.pages[plan.page_owners == self.layout.cp_rank]
-        return page_token_locs(self._physical_page[owned], self.page_size)
+    def owned_host_locs(self, plan: HostLoadPlan, owned: np.ndarray) -> np.ndarray:
+        """Physical host locs (this rank, whole pages) of the plan's owned pages (``owned``:
+        ``plan.page_owners == cp_rank``), read at execution time: after any eviction the
+        planner made room with."""
+        return page_token_locs(self._physical_page[plan.host_run.pages[owned]], self.page_size)
 
     # ------------------------------------------------------------------ lookup
     def lane_pages(self, logical_host_locs: np.ndarray, node_id: int = -1) -> List[int]:
@@ -268,7 +288,7 @@ class CpHostPageTable:
         """This rank's view of a node backed up at ``logical_host_locs``."""
         locs = host_int64(logical_host_locs)
         run = PageRun.of(locs, self.page_size)
-        owners = self._owners(run.pages, node_id, "is not allocated")
+        owners, _ = self._owners(run.pages, node_id, "is not allocated")
         page_of_loc = (
             np.arange(len(locs)) // self.page_size if run.page_of_loc is None else run.page_of_loc
         )
@@ -292,9 +312,8 @@ class CpHostPageTable:
         """Free the pages of one or more nodes; return (owned physical host pages, pages
         freed per lane)."""
         pages = PageRun.of(logical_host_locs, self.page_size).pages
-        owners = self._owners(pages, node_id, "is freed twice")
+        owners, lane_freed = self._owners(pages, node_id, "is freed twice")
         owned_physical = self._physical_page[pages[owners == self.layout.cp_rank]]
-        lane_freed = np.bincount(owners, minlength=self.layout.cp_size).tolist()
         self._page_owner[pages] = -1
         self._physical_page[pages] = -1
         for lane, freed in enumerate(lane_freed):
@@ -302,14 +321,19 @@ class CpHostPageTable:
         self._free_logical_pages.extend(pages.tolist())
         return owned_physical, lane_freed
 
-    def _owners(self, pages: np.ndarray, node_id: int, problem: str) -> np.ndarray:
+    def _owners(self, pages: np.ndarray, node_id: int, problem: str) -> Tuple[np.ndarray, List[int]]:
+        """Owner lane of each logical host page and the pages per lane; raises if a page
+        is not allocated (owner -1)."""
         owners = self._page_owner[pages]
-        if len(owners) and int(owners.min()) < 0:
+        try:
+            # bincount refuses negative entries: the free-page check costs nothing extra.
+            lane_pages = np.bincount(owners, minlength=self.layout.cp_size).tolist()
+        except ValueError:
             raise CpHiCacheMetadataError(
                 f"node {node_id} on CP rank {self.layout.cp_rank}: logical host page "
                 f"{int(pages[owners < 0][0])} {problem}"
-            )
-        return owners
+            ) from None
+        return owners, lane_pages
 
 
 __all__ = [

@@ -47,7 +47,9 @@ def plan_lane_victims(
     planned_set: Set[TreeNode] = set()
     freed_parents: List[Tuple[Any, int, TreeNode]] = []
     head = next(candidates, None)
-    while any(n > 0 for n in need):
+    # Plain loops and max() rather than generator expressions: this runs once per
+    # candidate on the scheduler thread, and each generator expression costs a new frame.
+    while max(need) > 0:
         if freed_parents and (head is None or freed_parents[0][:2] < (priority(head), head.id)):
             node = heapq.heappop(freed_parents)[2]
         elif head is not None:
@@ -55,8 +57,11 @@ def plan_lane_victims(
         else:
             return None
         pages = lane_pages(node)
-        if not any(p and n > 0 for p, n in zip(pages, need)):
-            continue
+        for lane_need, lane_pages_freed in zip(need, pages):
+            if lane_pages_freed and lane_need > 0:
+                break
+        else:
+            continue  # frees nothing on a short lane
         planned.append(node)
         planned_set.add(node)
         need = [n - p for n, p in zip(need, pages)]

@@ -27,7 +27,9 @@ says, before a call, which lanes would be short.
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Sequence, Tuple, Union
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -95,6 +97,44 @@ def balanced_page_owners(lane_free: Sequence[int], num_pages: int) -> Optional[n
     return lanes[np.lexsort((lanes, -free[lanes], rounds))].astype(np.int64)
 
 
+@dataclass(frozen=True)
+class _ExtendRows:
+    """An extend batch's locs as rows: one continuation row per request that continues
+    its partially filled prefix page, then one row per new page (the last one possibly
+    partial). ``slots`` index ``[last_loc + 1 per request, new page bases...]``."""
+
+    slots: np.ndarray
+    tokens: np.ndarray
+    batch_size: int
+
+
+def _extend_rows(prefix_lens_cpu: IntArrayLike, seq_lens_cpu: IntArrayLike, page_size: int) -> _ExtendRows:
+    """The row plan of upstream ``alloc_extend_naive``'s layout, on the host."""
+    prefix_lens = host_int64(prefix_lens_cpu)
+    seq_lens = host_int64(seq_lens_cpu)
+    batch_size = len(prefix_lens)
+    first_new_page = ceil_div(prefix_lens, page_size)
+    num_new_pages = ceil_div(seq_lens, page_size) - first_new_page
+    num_continued = np.minimum(seq_lens, first_new_page * page_size) - prefix_lens
+    continues = (num_continued > 0).astype(np.int64)
+
+    request_ids, row_in_request = _segment_offsets(continues + num_new_pages)
+    is_continuation_row = row_in_request < continues[request_ids]
+    page_in_request = row_in_request - continues[request_ids]
+    first_page_slot = batch_size + np.cumsum(num_new_pages) - num_new_pages
+    # Slots index the row bases: request i's continuation at i, new pages after the batch.
+    row_slots = np.where(
+        is_continuation_row, request_ids, first_page_slot[request_ids] + page_in_request
+    )
+    new_page_tokens = (seq_lens - prefix_lens - num_continued)[request_ids]
+    row_tokens = np.where(
+        is_continuation_row,
+        num_continued[request_ids],
+        np.minimum(new_page_tokens - page_in_request * page_size, page_size),
+    )
+    return _ExtendRows(row_slots, row_tokens, batch_size)
+
+
 def _extend_token_locs(
     prefix_lens_cpu: torch.Tensor,
     seq_lens_cpu: torch.Tensor,
@@ -110,40 +150,37 @@ def _extend_token_locs(
     partial. The plan is built per *row* (one continuation row or one new page) on CPU
     from the CPU lens, so the device expands rows to tokens without a host sync.
     """
-    prefix_lens = host_int64(prefix_lens_cpu)
-    seq_lens = host_int64(seq_lens_cpu)
-    batch_size = len(prefix_lens)
-    first_new_page = ceil_div(prefix_lens, page_size)
-    num_new_pages = ceil_div(seq_lens, page_size) - first_new_page
-    num_continued = np.minimum(seq_lens, first_new_page * page_size) - prefix_lens
-    continues = (num_continued > 0).astype(np.int64)
-
-    request_ids, row_in_request = _segment_offsets(continues + num_new_pages)
-    is_continuation_row = row_in_request < continues[request_ids]
-    page_in_request = row_in_request - continues[request_ids]
-    first_page_slot = batch_size + np.cumsum(num_new_pages) - num_new_pages
-    # Slots index `bases` below: request i's continuation at i, new pages after the batch.
-    row_slots = np.where(
-        is_continuation_row, request_ids, first_page_slot[request_ids] + page_in_request
-    )
-    new_page_tokens = (seq_lens - prefix_lens - num_continued)[request_ids]
-    row_tokens = np.where(
-        is_continuation_row,
-        num_continued[request_ids],
-        np.minimum(new_page_tokens - page_in_request * page_size, page_size),
-    )
-
+    rows = _extend_rows(prefix_lens_cpu, seq_lens_cpu, page_size)
     device = new_pages.device
     bases = torch.cat((last_loc.to(device=device, dtype=torch.int64) + 1, new_pages * page_size))
-    row_bases = bases[torch.from_numpy(row_slots).to(device)]
+    row_bases = bases[torch.from_numpy(rows.slots).to(device)]
     token_grid = (row_bases[:, None] + torch.arange(page_size, device=device)).reshape(-1)
-    if bool((row_tokens == page_size).all()):
+    if bool((rows.tokens == page_size).all()):
         token_locs = token_grid
     else:
-        kept = np.flatnonzero(np.arange(page_size)[None, :] < row_tokens[:, None])
+        kept = np.flatnonzero(np.arange(page_size)[None, :] < rows.tokens[:, None])
         token_locs = token_grid[torch.from_numpy(kept).to(device)]
     assert len(token_locs) == extend_num_tokens, (len(token_locs), extend_num_tokens)
     return token_locs
+
+
+def extend_token_locs_host(
+    prefix_lens_cpu: IntArrayLike,
+    seq_lens_cpu: IntArrayLike,
+    last_locs: np.ndarray,
+    new_pages: np.ndarray,
+    page_size: int,
+) -> np.ndarray:
+    """Host twin of the locs ``alloc_extend`` returns, given the same lens, each request's
+    last prefix loc (-1 without a prefix) and the new pages it took (host int64); raises
+    ``ValueError`` if the lens need another number of new pages."""
+    rows = _extend_rows(prefix_lens_cpu, seq_lens_cpu, page_size)
+    needed = int(np.count_nonzero(rows.slots >= rows.batch_size))
+    if len(new_pages) != needed:
+        raise ValueError(f"{len(new_pages)} new pages given, the lens need {needed}")
+    bases = np.concatenate((last_locs + 1, new_pages * page_size))
+    token_grid = bases[rows.slots][:, None] + np.arange(page_size)
+    return token_grid[np.arange(page_size)[None, :] < rows.tokens[:, None]]
 
 
 # ------------------------------------------------------------------------ lanes
@@ -290,6 +327,7 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         self.physical_size = physical_size
         self.lanes = OwnerLaneFreePages(self.layout, physical_size // page_size, need_sort)
         self._on_host = torch.device(device).type == "cpu"
+        self._new_page_log: Optional[List[np.ndarray]] = None  # open in recording_new_pages
         # Upstream __init__ calls clear(), which resets the lanes built above.
         super().__init__(physical_size * cp_size, page_size, dtype, device, kvcache, need_sort)
 
@@ -309,6 +347,10 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         """Pages per owner lane that ``page_owners`` (host int64) asks for; raises
         ``ValueError`` on an owner outside ``[0, cp_size)``."""
         return self.lanes.lane_demand(page_owners)
+
+    def lane_fits(self, lane_pages: List[int]) -> bool:
+        """Whether every lane has ``lane_pages`` free (Python ints): ``lane_deficit`` all 0."""
+        return self.lanes.fits(lane_pages)
 
     def lane_deficit(self, lane_pages: Sequence[int]) -> List[int]:
         """Pages each lane lacks to serve ``lane_pages`` pages per lane (all 0: it fits)."""
@@ -431,6 +473,19 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         tensor = torch.from_numpy(host_locs)
         return tensor if self._on_host else tensor.to(self.device, non_blocking=True)
 
+    @contextmanager
+    def recording_new_pages(self) -> Iterator[List[np.ndarray]]:
+        """The new pages (host int64, in order) that ``alloc``, ``alloc_extend`` and
+        ``alloc_decode`` take inside: the host form of the locs they return, which the
+        scheduler path mirrors (``ReqToTokenHostMirror``) instead of reading them back."""
+        if self._new_page_log is not None:
+            raise RuntimeError("recording_new_pages does not nest")
+        self._new_page_log = []
+        try:
+            yield self._new_page_log
+        finally:
+            self._new_page_log = None
+
     # --------------------------------------------------------------- helpers
     def _take_new_pages(self, num_pages: int) -> Optional[np.ndarray]:
         """``num_pages`` balanced new pages, or ``None`` (lanes untouched) if the lanes
@@ -439,4 +494,7 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         if page_owners is None:
             logger.debug("CP shared KV allocator short of %d pages", num_pages)
             return None
-        return self.lanes.take(page_owners, self.lanes.lane_demand(page_owners))
+        pages = self.lanes.take(page_owners, self.lanes.lane_demand(page_owners))
+        if self._new_page_log is not None:
+            self._new_page_log.append(pages)
+        return pages

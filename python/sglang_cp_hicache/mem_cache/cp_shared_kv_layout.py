@@ -21,6 +21,7 @@ kind, with identical values either way.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence, TypeVar, Union
 
@@ -53,9 +54,25 @@ def ceil_div(values: IndexArray, divisor: int) -> IndexArray:
     return (values + divisor - 1) // divisor
 
 
+@functools.lru_cache(maxsize=None)
+def page_offsets(page_size: int) -> np.ndarray:
+    """``arange(page_size)`` as a read-only int64 array, built once per page size (the hot
+    paths expand a page or two per call, where building it would be a fair share)."""
+    offsets = np.arange(page_size, dtype=np.int64)
+    offsets.flags.writeable = False
+    return offsets
+
+
 def page_token_locs(pages: IndexArray, page_size: int) -> IndexArray:
     """Token locs covering whole pages, page by page (same kind and device as ``pages``)."""
     if isinstance(pages, np.ndarray):
+        if len(pages) == 1:
+            # The usual node: one arange, far cheaper than a broadcast when the caches are
+            # cold (as on the scheduler thread between tree walks).
+            start = pages.item() * page_size
+            return np.arange(start, start + page_size, dtype=pages.dtype)
+        if pages.dtype == np.int64:
+            return (pages[:, None] * page_size + page_offsets(page_size)).reshape(-1)
         offsets = np.arange(page_size, dtype=pages.dtype)
         return (pages[:, None] * page_size + offsets).reshape(-1)
     offsets = torch.arange(page_size, dtype=pages.dtype, device=pages.device)

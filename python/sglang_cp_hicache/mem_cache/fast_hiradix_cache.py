@@ -179,7 +179,7 @@ class FastHiRadixCache(UPSTREAM["HiRadixCache"]):
         if len(key) == 0:
             return InsertResult(prefix_len=0)
         now = time.monotonic()
-        node, cached_len = self.root_node, 0
+        node, cached_len, start = self.root_node, 0, 0  # start: offset of key in the value
         while len(key) > 0:
             child = node.children.get(key.child_key(self.page_size))
             if child is None:
@@ -192,14 +192,15 @@ class FastHiRadixCache(UPSTREAM["HiRadixCache"]):
                 child.priority = max(child.priority, priority)
             if child.evicted:
                 # Recomputed KV of a device-evicted node takes its place again.
-                self._revive_on_device(child, value[:prefix_len])
+                self._revive_on_device(child, value[:prefix_len], start)
             else:
                 self._inc_hit_count(child, params.chunked)
                 cached_len += prefix_len
             node = child
             key, value = key[prefix_len:], value[prefix_len:]
+            start += prefix_len
         if len(key):
-            self._add_device_leaf(node, key, value, priority, params.chunked)
+            self._add_device_leaf(node, key, value, priority, params.chunked, start)
         return InsertResult(prefix_len=cached_len)
 
     def _inc_hit_count(self, node: TreeNode, chunked: bool = False) -> None:
@@ -213,20 +214,26 @@ class FastHiRadixCache(UPSTREAM["HiRadixCache"]):
             return
         super()._inc_hit_count(node, chunked)
 
-    def _revive_on_device(self, node: TreeNode, value: torch.Tensor) -> None:
+    def _revive_on_device(self, node: TreeNode, value: torch.Tensor, start: int) -> None:
         node.value = value.clone()
-        self._on_device_value(node)
+        self._on_device_value(node, start)
         self.evictable_size_ += len(node.value)
         self._update_leaf_status(node)
         self._update_host_leaf_status(node)
         self._update_leaf_status(node.parent)
 
     def _add_device_leaf(
-        self, parent: TreeNode, key: RadixKey, value: torch.Tensor, priority: int, chunked: bool
+        self,
+        parent: TreeNode,
+        key: RadixKey,
+        value: torch.Tensor,
+        priority: int,
+        chunked: bool,
+        start: int,
     ) -> None:
         leaf = TreeNode(priority=priority)
         leaf.parent, leaf.key, leaf.value = parent, key, value.clone()
-        self._on_device_value(leaf)
+        self._on_device_value(leaf, start)
         parent.children[key.child_key(self.page_size)] = leaf
         self.evictable_size_ += len(value)
         self._update_leaf_status(parent)
@@ -237,8 +244,9 @@ class FastHiRadixCache(UPSTREAM["HiRadixCache"]):
         if self.cache_controller.write_policy != "write_back":
             self._inc_hit_count(leaf, chunked)
 
-    def _on_device_value(self, node: TreeNode) -> None:
-        """``node.value`` was just set (insert, revive, load); subclasses derive state."""
+    def _on_device_value(self, node: TreeNode, start: int) -> None:
+        """``node.value`` was just set to ``[start, start + len(node.value))`` of the value
+        being placed (an insert's value, a load-back's new locs); subclasses derive state."""
 
     def _insert_helper_host(self, node: TreeNode, key: RadixKey, host_value, hash_value):
         now = time.monotonic()
@@ -450,8 +458,8 @@ class FastHiRadixCache(UPSTREAM["HiRadixCache"]):
         offset = 0
         for loaded in nodes_to_load:
             loaded.value = device_indices[offset : offset + len(loaded.host_value)].clone()
+            self._on_device_value(loaded, offset)
             offset += len(loaded.host_value)
-            self._on_device_value(loaded)
             self._record_store_event(loaded, medium=GPU)
         self.evictable_size_ += len(device_indices)
         self._lock_path(hit_node, cached_ancestor)
@@ -477,14 +485,17 @@ class FastHiRadixCache(UPSTREAM["HiRadixCache"]):
         over_quota = mem_quota is not None and len(host_indices) > mem_quota + delta
         if too_short or over_quota:
             return None
-        return self._load_host_indices(hit_node, host_indices)
+        return self._load_host_indices(hit_node, nodes_to_load, host_indices)
 
     def _default_load_quota(self) -> Optional[int]:
         """The quota when the scheduler passes none: upstream checks none."""
         return None
 
-    def _load_host_indices(self, hit_node: TreeNode, host_indices: torch.Tensor) -> Optional[torch.Tensor]:
-        """Upstream's load: copy, and on a full device evict and copy once more."""
+    def _load_host_indices(
+        self, hit_node: TreeNode, nodes_to_load: List[TreeNode], host_indices: torch.Tensor
+    ) -> Optional[torch.Tensor]:
+        """Upstream's load of ``host_indices`` (the host values of ``nodes_to_load``, in
+        order): copy, and on a full device evict and copy once more."""
         extra_pools = self._get_extra_pools()
         device_indices = self.cache_controller.load(
             host_indices=host_indices, node_id=hit_node.id, **extra_pools

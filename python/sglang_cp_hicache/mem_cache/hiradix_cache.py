@@ -26,18 +26,29 @@ it adds only the CP deltas, as policy; the controller is mechanism:
   at the commit (docs/cp_hicache_design.md, "Backup state machine").
 
 Per node, the replicated lane state the planners read is kept on the node (never recomputed
-per eviction call): ``cp_device_run`` (a host copy of the node's logical device locs, derived on
-first use and kept until the value changes; splits split it), ``cp_device_lanes`` and
-``cp_host_lanes`` (pages per owner lane on each tier).
+per eviction call): ``cp_device_locs`` (the node's logical device locs on the host),
+``cp_device_run`` / ``cp_device_lanes`` (its pages and pages per owner lane, derived from
+``cp_device_locs`` on a planner's first use and kept until the value changes),
+``cp_host_lanes`` (host pages per owner lane) and ``cp_host_plan`` (the
+:class:`HostLoadPlan` of the node's host value, made when it is backed up or split: the only
+two places a CP host value is set, so a load joins plans instead of deriving them).
+
+``cp_device_locs`` comes from host state, never from reading ``node.value`` back (a stream
+sync per node on a GPU): a node inserted by ``cache_finished_req`` / ``cache_unfinished_req``
+takes its slice of the request's row of :class:`ReqToTokenHostMirror` (written where SGLang
+allocates, ``mem_cache/common.py``), a loaded node its slice of the load plan's new locs, a
+split node its part of the locs. Only a direct :meth:`insert` without a request (unit tests,
+benchmarks) leaves them to be read from ``node.value`` on first use: counted in
+:attr:`device_value_reads`, and warned once when the value is on a real device.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from contextlib import closing
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, Iterator, List, Optional, Set
 
 import numpy as np
 import torch
@@ -48,6 +59,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 from sglang_cp_hicache.mem_cache.cp_hicache_metadata import (
     CpHiCacheMetadataError,
     CpHiCacheNodeMetadata,
+    HostLoadPlan,
     HostWritePlan,
     PageRun,
 )
@@ -59,6 +71,7 @@ from sglang_cp_hicache.mem_cache.hybrid_cache.cp_hybrid_cache_controller import 
     CpHybridCacheController,
     PendingHostWrite,
 )
+from sglang_cp_hicache.mem_cache.memory_pool import ReqToTokenHostMirror
 from sglang_cp_hicache.server_args import (
     CLI_FLAG,
     CpSharedKVConfigError,
@@ -116,11 +129,18 @@ class CpHiRadixCache(FastHiRadixCache):
         self._forward_reservations: Dict[str, PendingHostWrite] = {}
         self._forward_reservation_rids: Dict[int, str] = {}
         self.pending_stats = PendingBackupStats()
+        # Host form of the value being placed on nodes (a request's mirrored row inside
+        # cache_*_req, the new locs inside load_back); None outside those calls.
+        self._value_source: Optional[np.ndarray] = None
+        self.device_value_reads = 0  # runs derived by reading node.value back
+        self._warned_device_read = False
         super().__init__(params, server_args)
         self.capacity_refusals = CapacityRefusals()
         self._warned_refusals: Set[str] = set()
+        self.req_loc_mirror: Optional[ReqToTokenHostMirror] = None
         if not self.uses_cp_hicache:
             return
+        self.req_loc_mirror = ReqToTokenHostMirror(*params.req_to_token_pool.req_to_token.shape)
         self.layout = allocator.layout
         self.cache_controller = self._build_cp_controller(self.cache_controller)
         self.host_table = self.cache_controller.host_table
@@ -155,17 +175,64 @@ class CpHiRadixCache(FastHiRadixCache):
         )
 
     # ------------------------------------------------------- per-node lane state
-    def _on_device_value(self, node: TreeNode) -> None:
-        # Derived on first use by a planner, then kept until the value changes: a load or an
-        # insert pays nothing for it, and the host copy is read once per value.
+    @contextmanager
+    def _placing(self, host_locs: Optional[np.ndarray]) -> Iterator[None]:
+        """Nodes given a device value inside take their runs from ``host_locs`` (the host
+        form of the value being placed, indexed by the offsets ``_on_device_value`` gets)."""
+        self._value_source = host_locs
+        try:
+            yield
+        finally:
+            self._value_source = None
+
+    def _on_device_value(self, node: TreeNode, start: int) -> None:
+        if not self.uses_cp_hicache:
+            return
+        # The run and lanes are derived when a planner first needs them: many nodes never
+        # meet a planner before their value changes.
         node.cp_device_run = None
+        if self._value_source is None:
+            node.cp_device_locs = None  # no host form: read back on first use (counted)
+        else:  # a copy: mirror rows are reused
+            node.cp_device_locs = self._value_source[start : start + len(node.value)].astype(np.int64)
+
+    def _device_locs(self, node: TreeNode) -> np.ndarray:
+        """The node's logical device locs on the host (replicated state)."""
+        locs = getattr(node, "cp_device_locs", None)
+        if locs is None:
+            locs = node.cp_device_locs = self._read_device_value(node)
+        return locs
 
     def _device_run(self, node: TreeNode) -> PageRun:
-        """The node's logical device locs on the host (replicated state)."""
+        """The node's logical device pages (replicated state)."""
         run = getattr(node, "cp_device_run", None)
         if run is None:
-            run = self._set_device_run(node, PageRun.of(host_int64(node.value), self.page_size))
+            run = self._set_device_run(node, PageRun.of(self._device_locs(node), self.page_size))
         return run
+
+    def _read_device_value(self, node: TreeNode) -> np.ndarray:
+        """``node.value`` read back to the host: only for nodes inserted without a request."""
+        self.device_value_reads += 1
+        if node.value.device.type != "cpu" and not self._warned_device_read:
+            self._warned_device_read = True
+            logger.warning(
+                "CP HiCache on rank %d: node %d was given device locs without their host form "
+                "(an insert outside cache_finished_req/cache_unfinished_req); its locs are read "
+                "back from the device, a stream sync (logged once; counted in "
+                "device_value_reads)",
+                self.layout.cp_rank,
+                node.id,
+            )
+        return host_int64(node.value)
+
+    def device_prefix_locs(self, node: TreeNode) -> np.ndarray:
+        """Logical device locs of the path root -> ``node`` (a device node), on the host,
+        from the nodes' host locs: what ``match_prefix`` returns as ``device_indices``."""
+        parts = []
+        while node is not self.root_node:
+            parts.append(self._device_locs(node))
+            node = node.parent
+        return np.concatenate(parts[::-1]) if parts else np.empty(0, dtype=np.int64)
 
     def _device_lanes(self, node: TreeNode) -> List[int]:
         """The node's device pages per owner lane."""
@@ -190,11 +257,11 @@ class CpHiRadixCache(FastHiRadixCache):
             return super()._split_node(key, child, split_len)
         before = self.node_host_metadata(child)
         new_node = super()._split_node(key, child, split_len)
-        new_node.cp_device_run = None
-        if child.value is not None and getattr(child, "cp_device_run", None) is not None:
-            parent_run, child_run = child.cp_device_run.split(split_len)
-            self._set_device_run(new_node, parent_run)
-            self._set_device_run(child, child_run)
+        # Both halves' runs are derived again, from their part of the locs, on first use.
+        new_node.cp_device_run = new_node.cp_device_locs = child.cp_device_run = None
+        locs = getattr(child, "cp_device_locs", None)
+        if child.value is not None and locs is not None:
+            new_node.cp_device_locs, child.cp_device_locs = locs[:split_len], locs[split_len:]
         if before is not None:
             # Fails fast (node id, rank) if the split cut a page: one physical host page
             # would then back two nodes.
@@ -206,8 +273,31 @@ class CpHiRadixCache(FastHiRadixCache):
                         f"CP HiCache split of node {child.id} on CP rank "
                         f"{self.layout.cp_rank}: host shards diverged from metadata"
                     )
-                node.cp_host_lanes = self.host_table.lane_pages(host_int64(node.host_value), node.id)
+                self._set_host_plan(node)
         return new_node
+
+    def _set_host_plan(self, node: TreeNode) -> None:
+        """Plan the load of ``node``'s host value now: it stays fixed until a split, which
+        plans both halves again, so a load reads the plan instead of deriving it."""
+        plan = self.host_table.plan_load(host_int64(node.host_value), node.id)
+        node.cp_host_plan = plan
+        node.cp_host_lanes = plan.lane_pages
+
+    def _host_load_plan(self, nodes: List[TreeNode], host_indices: torch.Tensor) -> HostLoadPlan:
+        """The load plan of consecutive host-only ``nodes`` (host values ``host_indices``)
+        from their own plans; fails fast on a node whose plan does not cover its value."""
+        plans = []
+        for node in nodes:
+            plan = getattr(node, "cp_host_plan", None)
+            if plan is None or plan.host_run.locs.size != node.host_value.numel():
+                raise CpHiCacheMetadataError(
+                    f"node {node.id} on CP rank {self.layout.cp_rank}: its host load plan does "
+                    "not match its host value (a host value set without _set_host_plan)"
+                )
+            plans.append(plan)
+        if len(plans) == 1:
+            return plans[0]
+        return HostLoadPlan.concat(plans, host_int64(host_indices))
 
     # -------------------------------------------------------------- backup (D2H)
     def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
@@ -271,13 +361,14 @@ class CpHiRadixCache(FastHiRadixCache):
         if not self.uses_cp_hicache or not self._backs_up_new_leaves(req):
             return False
         key = RadixKey(req.fill_ids, req.extra_key, is_bigram=self.is_eagle).page_aligned(self.page_size)
-        value = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(key)]
+        # The mirrored row, not req_to_token: no device read before the forward.
+        value = self.req_loc_mirror.row(req.req_pool_idx)[: len(key)]
         key, value = key.maybe_to_bigram_view(self.is_eagle, value)
         key = key.page_aligned(self.page_size)
         matched, parent = self._probe_insert(key)
         if matched == len(key) or not self._may_back_up_under(parent):
             return False
-        run = PageRun.of(host_int64(value[matched : len(key)]), self.page_size)
+        run = PageRun.of(value[matched : len(key)].astype(np.int64), self.page_size)
         write = self._reserve(self.host_table.plan_write(run), -1)
         if write is None:
             return False
@@ -335,15 +426,27 @@ class CpHiRadixCache(FastHiRadixCache):
         self.cache_controller.rollback_write(write)
         self.pending_stats.rolled_back += 1
 
+    # ----------------------------------------------------- request inserts
     def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
-        super().cache_finished_req(req, is_insert)
-        if self.uses_cp_hicache:
-            self._settle_forward_reservation(req)
+        """Upstream's, with the inserted nodes' runs taken from the request's mirrored row;
+        then what the insert did not claim of the reservation made before the forward is
+        rolled back."""
+        if not self.uses_cp_hicache:
+            return super().cache_finished_req(req, is_insert)
+        with self._placing(self.req_loc_mirror.row(req.req_pool_idx)):
+            super().cache_finished_req(req, is_insert)
+        self._settle_forward_reservation(req)
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
-        super().cache_unfinished_req(req, chunked)
-        if self.uses_cp_hicache:
-            self._settle_forward_reservation(req)
+        """As :meth:`cache_finished_req`; the mirror follows upstream's rewrite of
+        ``req_to_token`` with the re-matched prefix (positions another request had inserted
+        first now hold the tree's locs)."""
+        if not self.uses_cp_hicache:
+            return super().cache_unfinished_req(req, chunked)
+        with self._placing(self.req_loc_mirror.row(req.req_pool_idx)):
+            super().cache_unfinished_req(req, chunked)
+        self.req_loc_mirror.write(req.req_pool_idx, 0, self.device_prefix_locs(req.last_node))
+        self._settle_forward_reservation(req)
 
     def _submit_backup(self, record: PendingBackup) -> None:
         """Queue the reserved transfer and its one ack (all layers at once; per-layer
@@ -372,7 +475,7 @@ class CpHiRadixCache(FastHiRadixCache):
         locs, offset = record.write.logical_host_locs, 0
         for part in reversed(chain):
             part.host_value = locs[offset : offset + len(part.key)].clone()
-            part.cp_host_lanes = self.host_table.lane_pages(host_int64(part.host_value), part.id)
+            self._set_host_plan(part)
             offset += len(part.key)
         if offset != len(locs):
             raise CpHiCacheMetadataError(
@@ -392,9 +495,9 @@ class CpHiRadixCache(FastHiRadixCache):
     def _make_host_room(self, lane_pages: List[int]) -> bool:
         """Evict host-only leaves until every lane has ``lane_pages``; False (nothing
         evicted) if the leaves holding pages on the short lanes cannot cover them."""
-        deficit = self.host_table.lane_deficit(lane_pages)
-        if not any(deficit):
+        if self.host_table.lane_fits(lane_pages):  # the usual case: no deficit list to build
             return True
+        deficit = self.host_table.lane_deficit(lane_pages)
         candidates = self.evictable_host_leaves.victims(host_evictable)
         with closing(candidates):
             victims = plan_lane_victims(
@@ -428,35 +531,45 @@ class CpHiRadixCache(FastHiRadixCache):
         # Upstream passes no quota; count what eviction could free, not only free slots.
         return self.token_to_kv_pool_allocator.available_size() + self.evictable_size()
 
-    def _load_host_indices(self, hit_node: TreeNode, host_indices: torch.Tensor) -> Optional[torch.Tensor]:
-        """Plan the load per owner lane (write-time owners), make device room on the short
-        lanes only, then let the controller execute the plan."""
+    def load_back(self, node: TreeNode, mem_quota: Optional[int] = None) -> Optional[torch.Tensor]:
         if not self.uses_cp_hicache:
-            return super()._load_host_indices(hit_node, host_indices)
-        plan = self.host_table.plan_load(host_int64(host_indices), hit_node.id)
+            return super().load_back(node, mem_quota)
+        with self._placing(None):  # _load_host_indices places the loaded locs
+            return super().load_back(node, mem_quota)
+
+    def _load_host_indices(
+        self, hit_node: TreeNode, nodes_to_load: List[TreeNode], host_indices: torch.Tensor
+    ) -> Optional[torch.Tensor]:
+        """Plan the load per owner lane (write-time owners), make device room on the short
+        lanes only, then let the controller execute the plan. The new locs' host form is
+        what the loaded nodes' runs are sliced from."""
+        if not self.uses_cp_hicache:
+            return super()._load_host_indices(hit_node, nodes_to_load, host_indices)
+        plan = self._host_load_plan(nodes_to_load, host_indices)
         if not self._make_device_room(plan.lane_pages):
             self._refuse(
                 "device_loads", hit_node.id, plan.lane_pages,
                 self.token_to_kv_pool_allocator.lane_free_pages(),
             )  # fmt: skip
             return None
-        device_indices = self.cache_controller.load(
-            host_indices, node_id=hit_node.id, plan=plan, **self._get_extra_pools()
+        logical_locs = self.cache_controller.load_planned(
+            plan, node_id=hit_node.id, **self._get_extra_pools()
         )
-        if device_indices is None:
+        if logical_locs is None:
             raise CpHiCacheMetadataError(
                 f"node {hit_node.id} on CP rank {self.layout.cp_rank}: the planned load found "
                 "its lanes short of device pages"
             )
-        return device_indices
+        self._value_source = logical_locs  # inside load_back's _placing
+        return self.token_to_kv_pool_allocator.to_device(logical_locs)
 
     def _make_device_room(self, lane_pages: List[int]) -> bool:
         """Evict device leaves until every lane has ``lane_pages`` free; False (nothing
         evicted) if the leaves holding pages on the short lanes cannot cover them."""
         allocator: CPSharedPagedTokenToKVPoolAllocator = self.token_to_kv_pool_allocator
-        deficit = allocator.lane_deficit(lane_pages)
-        if not any(deficit):
+        if allocator.lane_fits(lane_pages):  # the usual case: no deficit list to build
             return True
+        deficit = allocator.lane_deficit(lane_pages)
         candidates = self.evictable_leaves.victims()
         with closing(candidates):
             victims = plan_lane_victims(

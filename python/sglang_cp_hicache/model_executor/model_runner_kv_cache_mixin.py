@@ -5,6 +5,11 @@ The target worker's allocator becomes the *logical* owner-lane allocator over th
 and ``max_total_num_tokens`` becomes logical (physical x cp_size), which is what the
 scheduler, radix cache and req_to_token see. ``memory_pool_config`` keeps the physical size,
 so draft pools built from it later stay physical and reuse the target's logical allocator.
+
+The draft (NSA MTP) worker receives the target's ``req_to_token_pool`` and allocator from
+SGLang; :func:`check_draft_pool` proves its pool is the one the shared-KV runtime serves:
+an NSA pool with the target's physical slots and page geometry, so one logical loc names
+the same physical owner slot in both pools and the startup self-test covers both.
 """
 
 from __future__ import annotations
@@ -65,15 +70,65 @@ def install_cp_shared_allocator(model_runner: Any, cp_rank: int, cp_size: int) -
     )
 
 
+def check_draft_pool(model_runner: Any) -> None:
+    """Fail fast unless the draft worker's pool mirrors the target's under shared KV.
+
+    Invariant checked: the draft allocates through the target's logical owner-lane
+    allocator, and its NSA pool has the target pool's physical size and per-layer
+    geometry, so a draft write at a logical loc lands on the target's physical slot.
+    """
+    from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseNSATokenToKVPool
+    from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+
+    from sglang_cp_hicache.layers.attention.cp_shared_kv_materialize import PagedLayerGeometry
+    from sglang_cp_hicache.mem_cache.cp_shared_allocator import (
+        CPSharedPagedTokenToKVPoolAllocator,
+    )
+
+    pool = model_runner.token_to_kv_pool
+    if not isinstance(pool, NSATokenToKVPool) or isinstance(pool, HiSparseNSATokenToKVPool):
+        raise CpSharedKVConfigError(
+            f"{CLI_FLAG} supports speculative decoding with an NSA draft only (NEXTN / EAGLE "
+            f"with the DeepSeek-V3.2 / GLM-5 MTP layer); the draft model built "
+            f"{type(pool).__name__}"
+        )
+    allocator = model_runner.token_to_kv_pool_allocator
+    if not isinstance(allocator, CPSharedPagedTokenToKVPoolAllocator):
+        raise CpSharedKVConfigError(
+            f"{CLI_FLAG}: the draft worker must allocate through the target's logical "
+            f"owner-lane allocator, got {type(allocator).__name__}"
+        )
+    target_pool = allocator.get_kvcache()
+    draft_geometry = PagedLayerGeometry.of_pool(pool)
+    target_geometry = PagedLayerGeometry.of_pool(target_pool)
+    if pool.size != target_pool.size or draft_geometry != target_geometry:
+        raise CpSharedKVConfigError(
+            f"{CLI_FLAG}: the draft KV pool must mirror the target's physical pool on rank "
+            f"{allocator.cp_rank} (same slots, same page geometry): draft {pool.size} tokens "
+            f"{draft_geometry}, target {target_pool.size} tokens {target_geometry}"
+        )
+    logger.info(
+        "CP shared KV: draft pool on rank %d/%d mirrors the target's %d physical KV tokens "
+        "(%d draft layers, one logical allocator)",
+        allocator.cp_rank,
+        allocator.cp_size,
+        pool.size,
+        len(pool.kv_buffer),
+    )
+
+
 def init_pools_around(original: Callable, self: Any, *args, **kwargs) -> Any:
     is_target = (
         is_cp_shared_kv_enabled(self.server_args)
         and not getattr(self, "is_draft_worker", False)
         and self.token_to_kv_pool_allocator is None
     )
+    is_draft = is_cp_shared_kv_enabled(self.server_args) and getattr(self, "is_draft_worker", False)
     result = original(self, *args, **kwargs)
     if is_target:
         verify_hooks_installed()
         cp_rank, cp_size = _cp_rank_and_size()
         install_cp_shared_allocator(self, cp_rank, cp_size)
+    elif is_draft:
+        check_draft_pool(self)
     return result

@@ -14,6 +14,8 @@ FAULTS = {
     "hot_path_barrier": "match_prefix issues a barrier on the CP group",
     "diverge_last_rank": "the last rank evicts one extra node half-way through the run",
     "leak_tail": "the unaligned tail of finished requests is never freed",
+    "shift_mirror": "the host mirror of req_to_token gets each batch's new locs one "
+    "position late, so node runs (what backups and evictions plan from) are wrong",
 }
 
 # Named workloads: overrides of the SimConfig defaults (``default`` is the defaults).

@@ -7,9 +7,9 @@ Per step (``Scheduler._get_new_batch_prefill_raw`` -> ``PrefillAdder`` ->
 2. per request: ``match_prefix``, then under a temporary lock ``init_load_back`` when the
    match ended on host, then the request's own lock on its last node;
 3. ``ready_to_load_host_cache`` (starts the H2D copies);
-4. ``alloc_for_extend``: a req slot, SGLang's own ``alloc_paged_token_slots_extend``
-   (``evict_from_tree_cache`` + ``alloc_extend``, with whatever hooks the plugin put
-   around it), the ``req_to_token`` rows;
+4. SGLang's own ``alloc_for_extend`` (with the plugin's hooks around it in CP ranks): a
+   req slot, ``alloc_paged_token_slots_extend`` (``evict_from_tree_cache`` +
+   ``alloc_extend``), the ``req_to_token`` rows (and, under CP, their host mirror);
 5. "forward": pattern KV for the new tokens into owned slots; the hit is verified;
 6. ``release_kv_cache``: the cache's own ``cache_finished_req`` (insert the page-aligned
    key, free duplicates and the unaligned tail, unlock), then the req slot.
@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
-from sglang.srt.mem_cache import common as sglang_mem_common
 from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
     InitLoadBackParams,
@@ -53,8 +52,8 @@ from sglang_cp_hicache.sim.results import (
     SeriesPoint,
 )
 from sglang_cp_hicache.sim.workload import Request
-from sglang_cp_hicache.testing import device_module
-from sglang_cp_hicache.testing.nsa_stack import RankStack, write_prefill_kv
+from sglang_cp_hicache.testing import device_module, scheduler_batch
+from sglang_cp_hicache.testing.nsa_stack import RankStack, device_run_mismatches, write_prefill_kv
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +235,10 @@ class RankDriver:
         )
 
     def run(self, steps: Sequence[Sequence[Request]], progress: Any = None) -> RankResult:
+        with scheduler_batch.cpu_scheduler_server_args(self.page_size):
+            return self._run(steps, progress)
+
+    def _run(self, steps: Sequence[Sequence[Request]], progress: Any) -> RankResult:
         stopped: Optional[str] = None
         for self.step_index, requests in enumerate(self._schedule(steps)):
             try:
@@ -319,6 +322,10 @@ class RankDriver:
                     hold.seal()  # this step's writes stay in flight, later events do not
                     self._in_flight.append((self.step_index, hold))
             records.append(alloc_record)
+        if self.shared_kv:
+            # What the planners read for each device node must be its device locs.
+            for problem in device_run_mismatches(self.cache):
+                self._violation(problem)
         for op, micros in self._pending.items():
             self.samples[op].append(micros)
             self.wall_samples[op].append(self._pending_wall[op])
@@ -421,50 +428,24 @@ class RankDriver:
         return int(req.loaded > 0)
 
     def _alloc(self, reqs: List[SimReq]) -> tuple:
-        """alloc_for_extend: req slots, SGLang's paged extend allocation, req_to_token."""
-        prefix_lens = torch.tensor([len(r.prefix_indices) for r in reqs], dtype=torch.int64)
-        seq_lens = torch.tensor([len(r.token_ids) for r in reqs], dtype=torch.int64)
-        extend_num_tokens = int((seq_lens - prefix_lens).sum())
-        # The loc before each request's first new token; -1 without a cached prefix.
-        last_loc = torch.cat(
-            [
-                r.prefix_indices[-1:].to(torch.int64)
-                if len(r.prefix_indices)
-                else torch.tensor([-1])
-                for r in reqs
-            ]
-        )
+        """SGLang's own ``alloc_for_extend`` (req slots, paged extend allocation with its
+        eviction, ``req_to_token`` rows; the plugin's hooks around it in CP ranks)."""
+        seq_lens = [len(r.token_ids) for r in reqs]
         available_before = self.allocator.available_size()
         with self._op("alloc"):
-            if self.req_pool.alloc(reqs) is None:
-                raise SimulationError("req_to_token_pool is out of slots")
             try:
-                # Looked up at call time: the plugin's hooks wrap the module attribute.
-                out_cache_loc = sglang_mem_common.alloc_paged_token_slots_extend(
-                    tree_cache=self.cache,
-                    prefix_lens=prefix_lens,
-                    prefix_lens_cpu=prefix_lens,
-                    seq_lens=seq_lens,
-                    seq_lens_cpu=seq_lens,
-                    last_loc=last_loc,
-                    extend_num_tokens=extend_num_tokens,
-                )
-            except RuntimeError as exc:  # SGLang's "Prefill out of memory"
+                out_cache_loc = scheduler_batch.alloc_for_extend(self.stack, reqs, seq_lens)
+            except RuntimeError as exc:  # SGLang's "Prefill out of memory" / out of req slots
                 lanes = ""
                 if self.shared_kv:
                     lanes = f", free pages per owner lane {self.ledger.lanes()}"
                 raise SimulationError(
-                    f"prefill out of memory for {extend_num_tokens} tokens (prefix lens "
-                    f"{prefix_lens.tolist()}, seq lens {seq_lens.tolist()}, available "
-                    f"{self.allocator.available_size()}, evictable "
-                    f"{self.cache.evictable_size()}{lanes}): {str(exc).splitlines()[0]}"
+                    f"prefill out of memory (prefix lens {[len(r.prefix_indices) for r in reqs]}, "
+                    f"seq lens {seq_lens}, available {self.allocator.available_size()}, "
+                    f"evictable {self.cache.evictable_size()}{lanes}): "
+                    f"{str(exc).splitlines()[0]}"
                 ) from None
-            offset = 0
-            for req, prefix_len, seq_len in zip(reqs, prefix_lens.tolist(), seq_lens.tolist()):
-                row = self.req_pool.req_to_token[req.req_pool_idx]
-                row[:prefix_len] = req.prefix_indices
-                row[prefix_len:seq_len] = out_cache_loc[offset : offset + seq_len - prefix_len]
-                offset += seq_len - prefix_len
+            for req, seq_len in zip(reqs, seq_lens):
                 req.kv_committed_len = seq_len
         return out_cache_loc, ("alloc", available_before, self.allocator.available_size())
 
@@ -586,6 +567,11 @@ class RankDriver:
             # disagree on whether writing_check all-reduces (a hang).
             summary = tree_summary(self.cache)
         self._read_backup_stats()
+        if self.shared_kv and self.cache.device_value_reads:
+            self._violation(
+                f"{self.cache.device_value_reads} node runs were read back from node.value "
+                "instead of coming from host state"
+            )
         d2h = self.observer.d2h_tokens * self.bytes_per_token
         h2d = self.observer.h2d_tokens * self.bytes_per_token
         return RankResult(

@@ -55,7 +55,22 @@ def apply_fault(
         hooks.extra_eviction_at_step = num_steps // 2
     elif name == "leak_tail":
         _drop_partial_page_frees(stack)
+    elif name == "shift_mirror":
+        _shift_mirrored_extend_locs()
     return hooks
+
+
+def _shift_mirrored_extend_locs() -> None:
+    """The extend hook's host locs arrive one position late (the first one doubled)."""
+    from sglang_cp_hicache.mem_cache import common as mirror_hooks
+
+    expand = mirror_hooks.extend_token_locs_host
+
+    def shifted(*args, **kwargs):
+        locs = expand(*args, **kwargs)
+        return np.concatenate((locs[:1], locs[:-1]))
+
+    mirror_hooks.extend_token_locs_host = shifted
 
 
 def _drop_partial_page_frees(stack: RankStack) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import atexit
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 
@@ -194,18 +194,33 @@ def count_kv_mismatches(
     stack: RankStack, logical_locs: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor
 ) -> int:
     """Owned tokens whose KV or indexer bytes differ from the pattern (this rank)."""
+    bad = _mismatch_masks(stack, logical_locs, token_ids, positions)
+    return int(torch.stack(bad).any(dim=0).sum()) if bad else 0
+
+
+def kv_mismatches_per_layer(
+    stack: RankStack, logical_locs: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor
+) -> list:
+    """Per layer, the owned tokens whose KV or indexer bytes differ from the pattern."""
+    bad = _mismatch_masks(stack, logical_locs, token_ids, positions)
+    return [int(mask.sum()) for mask in bad] or [0] * stack.kv_pool.layer_num
+
+
+def _mismatch_masks(stack, logical_locs, token_ids, positions) -> list:
+    """Per layer, a mask over this rank's owned tokens of those with wrong bytes."""
     owned, physical_locs = owned_physical(stack, logical_locs)
     if len(owned) == 0:
-        return 0
+        return []
     pages, cols = _index_byte_offsets(physical_locs, stack.kv_pool.page_size)
-    bad = torch.zeros(len(owned), dtype=torch.bool)
+    masks = []
     for layer in range(stack.kv_pool.layer_num):
         kv = stack.kv_pool.kv_buffer[layer][physical_locs]
         expected = expected_kv_rows(token_ids[owned], positions[owned], layer)
-        bad |= (kv != expected).reshape(len(owned), -1).any(dim=1)
+        bad = (kv != expected).reshape(len(owned), -1).any(dim=1)
         index_bytes = stack.kv_pool.index_k_with_scale_buffer[layer][pages.unsqueeze(1), cols]
         bad |= (index_bytes != expected_index_bytes(token_ids[owned], positions[owned], layer)).any(dim=1)
-    return int(bad.sum())
+        masks.append(bad)
+    return masks
 
 
 def wipe_device_kv(stack: RankStack) -> None:
@@ -230,3 +245,45 @@ def insert_at_root(stack: RankStack, token_ids: list, locs: Optional[torch.Tenso
     locs = stack.allocator.alloc(len(token_ids)) if locs is None else locs
     stack.cache.insert(InsertParams(key=key, value=locs))
     return stack.cache.root_node.children[key.child_key(stack.cache.page_size)]
+
+
+# ------------------------------------------------------------------ node runs
+def device_run_mismatches(cache: Any) -> List[str]:
+    """Every device node's host locs (``cp_device_locs``) and, where derived,
+    ``cp_device_run`` / ``cp_device_lanes`` (what the CP planners read) against its value
+    read back from the device: one line per node that differs or has no host locs.
+    Reading ``node.value`` here is the check's own cost."""
+    import numpy as np
+
+    from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import host_int64
+
+    problems = []
+    nodes = list(cache.root_node.children.values())
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.children.values())
+        if node.value is None:
+            continue
+        host_locs = getattr(node, "cp_device_locs", None)
+        if host_locs is None:
+            problems.append(f"node {node.id}: device value without host locs")
+            continue
+        locs = host_int64(node.value)
+        if not np.array_equal(host_locs, locs):
+            problems.append(
+                f"node {node.id}: host locs {host_locs[:4].tolist()}.. != device value "
+                f"{locs[:4].tolist()}.."
+            )
+        run = getattr(node, "cp_device_run", None)
+        if run is None:
+            continue
+        lanes = np.bincount(
+            cache.layout.owner_for_logical_pages(locs[:: cache.page_size] // cache.page_size),
+            minlength=cache.layout.cp_size,
+        ).tolist()
+        if not np.array_equal(run.locs, locs) or node.cp_device_lanes != lanes:
+            problems.append(
+                f"node {node.id}: host run {run.locs[:4].tolist()}.. (lanes "
+                f"{node.cp_device_lanes}) != device value {locs[:4].tolist()}.. (lanes {lanes})"
+            )
+    return problems

@@ -156,6 +156,12 @@ def test_wrong_load_back_is_caught(fault: str) -> None:
     assert any("wrong KV/indexer bytes" in v for v in report.invariant_violations)
 
 
+def test_wrong_node_runs_are_caught() -> None:
+    report = _faulty("shift_mirror", num_requests=1)
+    assert not report.passed
+    assert any("host locs" in v for v in report.invariant_violations)
+
+
 def test_drop_on_one_rank_is_seen_only_there() -> None:
     report = _faulty("drop_last_rank_loads")
     assert all(v.startswith("rank 1 ") for v in report.invariant_violations)
@@ -182,7 +188,7 @@ def test_leak_is_caught() -> None:
 
 def test_every_fault_has_a_test() -> None:
     tested = {"roll_load_owners", "drop_last_rank_loads", "hot_path_barrier"}
-    tested |= {"diverge_last_rank", "leak_tail"}
+    tested |= {"diverge_last_rank", "leak_tail", "shift_mirror"}
     assert set(FAULTS) == tested
 
 

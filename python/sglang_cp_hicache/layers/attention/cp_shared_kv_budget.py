@@ -5,9 +5,11 @@ at most ``LAYERS_IN_FLIGHT`` dense buffers (plus, for the all-gather, one send s
 receive buffer) are alive. Their size follows the largest prefix a forward may materialise
 (``max_prefix_tokens``, the model's context length: a batch's prefix + chunk pages). That many bytes are taken
 out of SGLang's KV budget before the pools are sized (AROUND
-``ModelRunnerKVCacheMixin._profile_available_bytes``) and logged; a batch whose prefix is
-larger is refused before anything is allocated (:func:`check_batch`), never an OOM in the
-middle of the layer loop.
+``ModelRunnerKVCacheMixin._profile_available_bytes``) and logged. Prefill admission
+(:mod:`sglang_cp_hicache.managers.schedule_policy`) keeps every batch within
+:attr:`DenseBufferBudget.max_batch_pages`; :meth:`DenseBufferBudget.check_batch` in the
+forward is the fail-fast for anything that slips past, before any dense buffer is
+allocated, never an OOM in the middle of the layer loop.
 """
 
 from __future__ import annotations
@@ -43,8 +45,16 @@ class DenseBufferBudget:
     cp_size: int
 
     @property
+    def max_batch_pages(self) -> int:
+        """Distinct KV pages one forward may read (the dense buffer less its padding page).
+
+        A request of at most ``max_prefix_tokens`` tokens spans at most this many pages.
+        """
+        return -(-self.max_prefix_tokens // self.page_size)
+
+    @property
     def dense_buffer_bytes(self) -> int:
-        pages = -(-self.max_prefix_tokens // self.page_size) + 1  # + padding page
+        pages = self.max_batch_pages + 1  # + padding page
         return pages * self.page_size * self.bytes_per_token
 
     @property
@@ -57,13 +67,17 @@ class DenseBufferBudget:
         return LAYERS_IN_FLIGHT * self.dense_buffer_bytes + self.all_gather_staging_bytes
 
     def check_batch(self, num_batch_pages: int) -> None:
-        """``num_batch_pages``: the batch's distinct KV pages (the dense buffer, less padding)."""
-        tokens = num_batch_pages * self.page_size
-        if tokens > self.max_prefix_tokens + self.page_size:
+        """Fail fast in the forward if a batch reads more pages than reserved.
+
+        ``num_batch_pages``: the batch's distinct KV pages (the dense buffer, less padding).
+        Unreachable through SGLang's scheduler: admission bounds every batch first.
+        """
+        if num_batch_pages > self.max_batch_pages:
             raise SharedKVBudgetExceeded(
-                f"--enable-nsa-prefill-cp-shared-kv: this batch reads {tokens} KV tokens per layer, "
-                f"more than the {self.max_prefix_tokens} the dense buffers were reserved for at "
-                f"init ({self.reserved_bytes / 2**20:.0f} MiB); refusing the batch before allocating"
+                f"--enable-nsa-prefill-cp-shared-kv: this batch reads {num_batch_pages} KV pages "
+                f"per layer, more than the {self.max_batch_pages} ({self.max_prefix_tokens} tokens) "
+                f"the dense buffers were reserved for at init ({self.reserved_bytes / 2**20:.0f} MiB); "
+                "prefill admission should have deferred part of it; refusing the batch before allocating"
             )
 
 

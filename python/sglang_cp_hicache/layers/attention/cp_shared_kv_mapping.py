@@ -11,6 +11,11 @@ collective sizes without talking to the others. Dense pages, in order:
 * the pages holding only current-chunk tokens, filled from the current chunk's KV, which
   prefill CP has already gathered on every rank.
 
+The logical pages come from the host snapshot ``alloc_for_extend`` took from the scheduler's
+``req_to_token`` mirror and the batches carried to the forward (:func:`forward_logical_pages`,
+no device read); without one (no CP HiRadixCache, hence no mirror) the batch's page-start
+column of ``req_to_token`` is copied to the host, one device sync per forward, warned once.
+
 Every distinct logical page appears once (requests sharing a prefix share its pages).
 Remapping logical locs/pages to dense ones is elementwise on the device (``searchsorted``
 over the sorted distinct pages, then a lookup): no host sync, and entries outside the
@@ -19,13 +24,54 @@ batch (stale ``req_to_token`` columns past a request's length) land on the paddi
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout, ceil_div
+from sglang_cp_hicache.mem_cache.memory_pool import LOGICAL_PAGES_ATTR
+
+logger = logging.getLogger(__name__)
+_warned_page_column_read = False
+
+
+def forward_logical_pages(forward_batch: Any, page_size: int) -> List[np.ndarray]:
+    """Logical page ids of each request of an extend forward, in the batch's order.
+
+    The host snapshot the batch carries (``LOGICAL_PAGES_ATTR``, taken by
+    ``alloc_for_extend`` from the req_to_token host mirror), checked against the batch's
+    lens; without one, :func:`read_request_logical_pages` (a device read, warned once).
+    """
+    seq_lens = [int(n) for n in forward_batch.seq_lens_cpu.tolist()]
+    carried = getattr(forward_batch, LOGICAL_PAGES_ATTR, None)
+    if carried is None:
+        _warn_page_column_read_once()
+        return read_request_logical_pages(
+            forward_batch.req_to_token_pool.req_to_token, forward_batch.req_pool_indices, seq_lens, page_size
+        )
+    if carried.seq_lens != tuple(seq_lens):
+        raise ValueError(
+            f"CP shared KV: the forward batch's lens {seq_lens} are not those of the logical "
+            f"pages alloc_for_extend took for it ({list(carried.seq_lens)}, req slots "
+            f"{list(carried.req_pool_indices)})"
+        )
+    return list(carried.pages)
+
+
+def _warn_page_column_read_once() -> None:
+    global _warned_page_column_read
+    if not _warned_page_column_read:
+        _warned_page_column_read = True
+        logger.warning(
+            "CP shared KV: an extend forward carries no host snapshot of its logical pages, so "
+            "its page mapping copies the batch's req_to_token page column to the host (one "
+            "device sync per prefill forward). The snapshot comes from the req_to_token host "
+            "mirror, which only the CP HiRadixCache keeps (--enable-hierarchical-cache); "
+            "without HiCache, or for a batch changed after alloc_for_extend, this path is taken"
+        )
 
 
 def read_request_logical_pages(

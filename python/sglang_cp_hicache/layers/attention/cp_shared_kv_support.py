@@ -2,13 +2,14 @@
 
 The runtime materialises prefix KV for EXTEND batches of the NSA backend's sparse MLA
 prefill paths. Anything that would read KV pages outside that path is refused here with
-a reason, rather than silently reading pages this rank does not hold:
+a reason, rather than silently reading pages this rank does not hold (speculative decoding
+is checked with the flag, :func:`sglang_cp_hicache.server_args.unsupported_combinations`:
+the NSA MTP draft's prefill extend is an EXTEND batch of the same runtime):
 
 * co-located decode (decode reads the whole KV every step; run the decode side as a
   separate ``--disaggregation-mode decode`` server, which receives the full KV);
 * PD transfer through a backend other than Mooncake, or with only CP rank 0 sending;
-* speculative decoding (draft extend / target verify), two-batch overlap, PD multiplexing
-  (split prefill), enforced piecewise CUDA graphs;
+* two-batch overlap, PD multiplexing (split prefill), enforced piecewise CUDA graphs;
 * NSA prefill kernels whose KV path the runtime does not wrap.
 """
 
@@ -55,12 +56,6 @@ def unsupported_serving_modes(server_args: Any) -> List[str]:
                 "servers: every CP rank sends the pages it owns (otherwise only CP rank 0 "
                 "sends, and it holds 1/cp_size of the pages)"
             )
-    if getattr(server_args, "speculative_algorithm", None):
-        problems.append(
-            f"{CLI_FLAG} does not support speculative decoding yet "
-            f"(--speculative-algorithm {server_args.speculative_algorithm}): the draft "
-            "model's KV is not materialised"
-        )
     if getattr(server_args, "enable_two_batch_overlap", False):
         problems.append(f"{CLI_FLAG} does not support --enable-two-batch-overlap")
     if getattr(server_args, "enable_pdmux", False):

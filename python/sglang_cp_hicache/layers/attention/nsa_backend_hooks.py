@@ -17,6 +17,11 @@ Per forward (extend batches only):
    chunk (already gathered by prefill CP) into the dense buffer and its own readers and
    kernels read prefix + chunk from it. The owned part of the chunk is written to the
    real pool first, at physical locs (``Indexer._store_index_k_cache`` and the MLA store).
+4. At each layer's end (after the extend attention returns, so after its KV and index K
+   stores are issued) the pool's per-layer backup listener hears of it
+   (:mod:`sglang_cp_hicache.mem_cache.cp_layer_backup`), and again when the model forward
+   returns or raises. Both run with shared KV on or off (a pool with no listener: one
+   ``getattr``).
 
 Everything but the thin hook functions is plain torch and runs in the CPU twin.
 """
@@ -46,7 +51,7 @@ from sglang_cp_hicache.layers.attention.cp_shared_kv_collectives import (
 from sglang_cp_hicache.layers.attention.cp_shared_kv_mapping import (
     CpSharedKVBatchMapping,
     build_batch_mapping,
-    read_request_logical_pages,
+    forward_logical_pages,
 )
 from sglang_cp_hicache.layers.attention.cp_shared_kv_materialize import (
     DenseLayerKV,
@@ -56,6 +61,7 @@ from sglang_cp_hicache.layers.attention.cp_shared_kv_materialize import (
     prefetch_from_env,
 )
 from sglang_cp_hicache.layers.attention.cp_shared_kv_write import WritePathLocs
+from sglang_cp_hicache.mem_cache import cp_layer_backup
 from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 
 logger = logging.getLogger(__name__)
@@ -199,12 +205,7 @@ class CpSharedKVForwardState:
     @classmethod
     def build(cls, runtime: CpSharedKVRuntime, backend: Any, forward_batch: Any) -> "CpSharedKVForwardState":
         layout = runtime.layout
-        logical_pages = read_request_logical_pages(
-            forward_batch.req_to_token_pool.req_to_token,
-            forward_batch.req_pool_indices,
-            forward_batch.seq_lens_cpu.tolist(),
-            layout.page_size,
-        )
+        logical_pages = forward_logical_pages(forward_batch, layout.page_size)
         mapping = build_batch_mapping(
             layout, logical_pages, forward_batch.extend_prefix_lens_cpu, forward_batch.out_cache_loc.device
         )
@@ -356,6 +357,17 @@ def init_forward_metadata_around(original: Callable, self: Any, forward_batch: A
 
 
 def model_forward_around(original: Callable, self: Any, input_ids, positions, forward_batch, *args, **kwargs):
+    pool = forward_batch.token_to_kv_pool
+    try:
+        result = _model_forward(original, self, input_ids, positions, forward_batch, *args, **kwargs)
+    except BaseException as error:
+        cp_layer_backup.notify_forward_end(pool, error)
+        raise
+    cp_layer_backup.notify_forward_end(pool)
+    return result
+
+
+def _model_forward(original: Callable, self: Any, input_ids, positions, forward_batch, *args, **kwargs):
     state = getattr(forward_batch, STATE_ATTR, None)
     if state is None:
         return original(self, input_ids, positions, forward_batch, *args, **kwargs)
@@ -369,6 +381,14 @@ def model_forward_around(original: Callable, self: Any, input_ids, positions, fo
 def forward_extend_around(
     original: Callable, self: Any, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs
 ):
+    output = _forward_extend(original, self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+    # Layer end: this layer's MLA KV store (above or in the original) and its index K store
+    # (by the indexer, which runs before the attention) are issued on the forward's stream.
+    cp_layer_backup.notify_layer_stored(forward_batch.token_to_kv_pool, layer.layer_id)
+    return output
+
+
+def _forward_extend(original: Callable, self: Any, q, k, v, layer, forward_batch, save_kv_cache: bool, **kwargs):
     state = active_state(forward_batch)
     if state is None:
         return original(self, q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)

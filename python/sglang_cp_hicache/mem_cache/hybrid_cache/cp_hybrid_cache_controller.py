@@ -17,6 +17,11 @@ Invariants kept for the replicated scheduler:
 * capacity (host room per lane, device pages per lane) is decided from replicated
   owner-lane state, so a write or load is refused on all ranks or on none, without a
   collective; after the planner made room, execution cannot fail for capacity.
+
+Backups go to the host either all layers at once (:meth:`submit_write`, the default: hit-
+count backups of computed nodes, write-back eviction) or layer by layer during the forward
+that computes them (``submit_write(pending, per_layer=True)``, then :meth:`backup_layer`
+from the attention hook, see :class:`LayerBackupBatch` for the ack rule).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
     HybridCacheController,
 )
 
+from sglang_cp_hicache.mem_cache import cp_layer_backup
 from sglang_cp_hicache.mem_cache.cp_hicache_metadata import (
     CpHiCacheMetadataError,
     CpHostPageTable,
@@ -45,6 +51,7 @@ from sglang_cp_hicache.mem_cache.cp_hicache_metadata import (
 )
 from sglang_cp_hicache.mem_cache.cp_shared_allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import host_int64, page_token_locs
+from sglang_cp_hicache.mem_cache.memory_pool_host import layer_backup_for
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +78,36 @@ class PendingHostWrite:
             self.operation.node_ids = [node_id]
 
 
+class PerLayerBackupIncomplete(RuntimeError):
+    """A per-layer backup was left without all its layers: its ack would never come."""
+
+
+@dataclass
+class LayerBackupBatch:
+    """The per-layer backups of one forward, submitted layer by layer as one transfer.
+
+    Invariants: ``node_ids`` lists every held backup in submission order, also those this
+    rank owns nothing of (their ack must still come); ``host_indices``/``device_indices``/
+    ``pool_transfers`` are this rank's owned pages of all of them merged and moved once
+    (None when it owns none); ``next_layer`` layers have been submitted, each once.
+
+    Ack rule: the batch's one ``HiCacheAck`` (all ``node_ids``) is appended when its last
+    layer is submitted, never per layer. An all-layer submission appends its ack when it
+    is submitted. Both points are reached by every rank in the same program order (the
+    scheduler is replicated and every rank runs every layer), so ``ack_write_queue`` has
+    the same order on every rank, which ``writing_check``'s count-based pop (MIN
+    all-reduce) needs: an all-layer backup submitted while a batch is held or in flight
+    acks before that batch.
+    """
+
+    node_ids: List[int]
+    host_indices: Optional[torch.Tensor]
+    device_indices: Optional[torch.Tensor]
+    pool_transfers: Optional[list]
+    start_event: object
+    next_layer: int = 0
+
+
 class CpHybridCacheController(HybridCacheController):
     """``HybridCacheController`` over one rank's owned shards of logical HiCache nodes."""
 
@@ -89,8 +126,13 @@ class CpHybridCacheController(HybridCacheController):
         self.host_table = CpHostPageTable(self.layout, self.mem_pool_host.size // self.page_size)
         self._no_locs = torch.empty(0, dtype=torch.int64)
         self._no_device_locs = torch.empty(0, dtype=torch.int64, device=self.device)
-        # Host frees held back while batched_host_frees() is open.
-        self._deferred_host_frees: Optional[List[np.ndarray]] = None
+        # Host frees (logical host locs) held back while batched_host_frees() is open.
+        self._deferred_host_frees: Optional[List[torch.Tensor]] = None
+        # Per-layer backups: submitted for the next forward, then that forward's batch.
+        self._held_writes: List[PendingHostWrite] = []
+        self._layer_batch: Optional[LayerBackupBatch] = None
+        self._layer_backup = layer_backup_for(self.mem_pool_host)
+        cp_layer_backup.register(self.mem_pool_device, self)
 
     @property
     def cp_rank(self) -> int:
@@ -99,6 +141,8 @@ class CpHybridCacheController(HybridCacheController):
     def reset(self) -> None:
         super().reset()
         self.host_table.clear()
+        self._held_writes.clear()
+        self._layer_batch = None
 
     # --------------------------------------------------------------- write (D2H)
     def write(
@@ -112,7 +156,10 @@ class CpHybridCacheController(HybridCacheController):
         """Back up a node given its logical device locs; return its logical host locs.
 
         Reserve and submit at once (all layers). ``plan``: the cache's
-        :meth:`CpHostPageTable.plan_write` of ``device_indices``. Returns None (on every
+        :meth:`CpHostPageTable.plan_write` of ``device_indices`` (the cache always passes
+        one, planned from the node's host-mirrored run, so a backup reads nothing back from
+        the device; ``device_indices`` is then unused). Without a plan (direct callers) the
+        locs are copied to the host here, a stream sync on a GPU. Returns None (on every
         rank alike) when some owner lane's host pool lacks room; the caller reads the
         deficit from the table before calling, not after.
         """
@@ -138,7 +185,7 @@ class CpHybridCacheController(HybridCacheController):
         lacks host room. Until :meth:`submit_write` and its ack, nothing may read the
         reserved pages; :meth:`rollback_write` frees exactly this reservation.
         """
-        if any(self.host_table.lane_deficit(plan.lane_pages)):
+        if not self.host_table.lane_fits(plan.lane_pages):
             return None
         operation = None
         if plan.lane_pages[self.cp_rank]:
@@ -181,18 +228,124 @@ class CpHybridCacheController(HybridCacheController):
         logical_host_locs = torch.from_numpy(self.host_table.commit_write(plan, owned_physical_host_pages))
         return PendingHostWrite(node_id, plan, logical_host_locs, operation)
 
-    def submit_write(self, pending: PendingHostWrite) -> None:
-        """Queue the reserved backup's transfer (all layers) and its one ack; a rank that
-        owns nothing in it acks without transferring."""
+    def submit_write(self, pending: PendingHostWrite, per_layer: bool = False) -> None:
+        """Queue the reserved backup's transfer and its one ack.
+
+        All layers now (default); a rank that owns nothing in it acks without transferring.
+        ``per_layer``: held for the next model forward, whose layer hook submits it layer
+        by layer (:meth:`backup_layer`) and acks it after the last layer. Must be called
+        before that forward starts; the forward must run every layer.
+        """
+        if per_layer:
+            if self._layer_batch is not None:
+                raise PerLayerBackupIncomplete(
+                    f"node {pending.node_id} on CP rank {self.cp_rank}: per-layer backup "
+                    f"submitted while a forward is at layer {self._layer_batch.next_layer}; "
+                    "its earlier layers would never be backed up"
+                )
+            self._held_writes.append(pending)
+            return
         if pending.operation is None:
             self._ack_without_transfer(pending.node_id)
             return
         self.write_queue.append(pending.operation)
         self.start_writing()
 
+    @property
+    def held_write_node_ids(self) -> List[int]:
+        """Node ids of per-layer backups whose ack has not been appended yet."""
+        started = self._layer_batch.node_ids if self._layer_batch is not None else []
+        return started + [pending.node_id for pending in self._held_writes]
+
+    def backup_layer(self, layer_id: int) -> None:
+        """Layer ``layer_id``'s KV stores of the running forward are issued: submit that
+        layer of every held backup as one transfer on the write stream.
+
+        Called once per layer by the attention hook (a repeat for a layer already
+        submitted is ignored); a no-op when nothing is held.
+        """
+        batch = self._layer_batch
+        if batch is None:
+            if not self._held_writes:
+                return
+            if layer_id != 0:
+                self._fail_incomplete(f"the forward reported layer {layer_id} before layer 0")
+            batch = self._layer_batch = self._start_layer_batch()
+        if layer_id < batch.next_layer:
+            return
+        if layer_id > batch.next_layer:
+            self._fail_incomplete(
+                f"the forward reported layer {layer_id} after layer {batch.next_layer - 1}"
+            )
+        layer_stored = _upstream.device_module.Event()
+        layer_stored.record()  # on the forward's stream, after this layer's stores
+        last_layer = layer_id == self.layer_num - 1
+        finish_event = _upstream.device_module.Event() if last_layer else None
+        with _upstream.device_module.stream(self.write_stream):
+            layer_stored.wait(self.write_stream)
+            if batch.host_indices is not None:
+                self._layer_backup.backup_from_device_per_layer(
+                    self.mem_pool_device,
+                    batch.host_indices,
+                    batch.device_indices,
+                    layer_id,
+                    self.io_backend,
+                    pool_transfers=batch.pool_transfers,
+                )
+            if last_layer:
+                finish_event.record()
+                if batch.host_indices is not None:
+                    self._record_transfer_indices_on_stream(
+                        self.write_stream,
+                        batch.host_indices,
+                        batch.device_indices,
+                        batch.pool_transfers,
+                    )
+        if layer_id == 0:
+            batch.start_event = layer_stored
+        batch.next_layer += 1
+        if last_layer:
+            self.ack_write_queue.append(HiCacheAck(batch.start_event, finish_event, batch.node_ids))
+            self._layer_batch = None
+
+    def end_forward(self, error: Optional[BaseException] = None) -> None:
+        """The model forward returned or raised: no per-layer backup may be left behind."""
+        if self._held_writes or self._layer_batch is not None:
+            reason = "the model forward raised" if error is not None else "the model forward ended"
+            self._fail_incomplete(reason, error)
+
+    def _start_layer_batch(self) -> LayerBackupBatch:
+        held, self._held_writes = self._held_writes, []
+        node_ids = [pending.node_id for pending in held]
+        operations = [pending.operation for pending in held if pending.operation is not None]
+        if not operations:  # this rank owns none of the pages: ack only, no transfer
+            return LayerBackupBatch(node_ids, None, None, None, start_event=None)
+        merged = CacheOperation.merge_ops(operations)
+        host_indices, device_indices, pool_transfers = self.move_hybrid_indices(merged)
+        return LayerBackupBatch(node_ids, host_indices, device_indices, pool_transfers, start_event=None)
+
+    def _fail_incomplete(self, reason: str, error: Optional[BaseException] = None) -> None:
+        """Drop the per-layer state and raise naming its nodes (fail fast: the acks of
+        these nodes can no longer come on this rank, so the ranks would diverge)."""
+        node_ids = self.held_write_node_ids
+        layers_done = self._layer_batch.next_layer if self._layer_batch is not None else 0
+        self._held_writes = []
+        self._layer_batch = None
+        raise PerLayerBackupIncomplete(
+            f"CP rank {self.cp_rank}: per-layer backups of nodes {node_ids} incomplete "
+            f"({layers_done}/{self.layer_num} layers submitted): {reason}"
+        ) from error
+
     def rollback_write(self, pending: PendingHostWrite) -> None:
         """Free a reservation that was never submitted, or whose ack has completed:
-        its logical host pages and this rank's physical slots, nothing else."""
+        its logical host pages and this rank's physical slots, nothing else. A per-layer
+        backup still waiting for its layers cannot be rolled back (its transfer would write
+        into freed pages): roll it back after its ack."""
+        if pending.node_id in self.held_write_node_ids:
+            raise CpHiCacheMetadataError(
+                f"node {pending.node_id} on CP rank {self.cp_rank}: rollback of a per-layer "
+                "backup before its last layer was submitted"
+            )
         self.release_host(pending.logical_host_locs, pending.node_id)
 
     def _ack_without_transfer(self, node_id: int) -> None:
@@ -221,13 +374,26 @@ class CpHybridCacheController(HybridCacheController):
         """
         if plan is None:
             plan = self.host_table.plan_load(host_int64(host_indices), node_id)
+        logical_locs = self.load_planned(plan, priority, node_id, extra_pools)
+        return None if logical_locs is None else self.allocator.to_device(logical_locs)
+
+    def load_planned(
+        self,
+        plan: HostLoadPlan,
+        priority: Optional[int] = None,
+        node_id: int = -1,
+        extra_pools=None,
+    ) -> Optional[np.ndarray]:
+        """:meth:`load` of a planned load, returning the new logical device locs on the
+        host (int64): the cache keeps them as the loaded nodes' runs, so nothing is read
+        back from the device."""
         device_pages = self.allocator.alloc_logical_pages(plan.page_owners, plan.lane_pages)
         if device_pages is None:
             return None
 
         if plan.lane_pages[self.cp_rank]:
             owned = plan.page_owners == self.cp_rank
-            physical_host_locs = torch.from_numpy(self.host_table.owned_host_locs(plan))
+            physical_host_locs = torch.from_numpy(self.host_table.owned_host_locs(plan, owned))
             # The owner lanes only hold pages of their owner: no ownership re-check needed.
             physical_device_pages = self.layout.logical_pages_to_physical(
                 device_pages[owned], validate=False
@@ -255,7 +421,7 @@ class CpHybridCacheController(HybridCacheController):
                 pool_transfers=pool_transfers or None,
             )
         )
-        return self.allocator.to_device(plan.host_run.relocate(device_pages))
+        return plan.host_run.relocate(device_pages)
 
     def start_loading(self) -> int:
         if self.load_queue and all(op.host_indices.numel() == 0 for op in self.load_queue):
@@ -290,11 +456,10 @@ class CpHybridCacheController(HybridCacheController):
     def release_host(self, host_indices: torch.Tensor, node_id: int = -1) -> None:
         """Free a node's host pages: in the table and this rank's host pool now, or, inside
         :meth:`batched_host_frees`, when the batch closes."""
-        logical_host_locs = host_int64(host_indices)
         if self._deferred_host_frees is None:
-            self._release_now(logical_host_locs, node_id)
-        else:
-            self._deferred_host_frees.append(logical_host_locs)
+            self._release_now(host_int64(host_indices), node_id)
+        else:  # converted once, when the batch closes
+            self._deferred_host_frees.append(host_indices)
 
     def _release_now(self, logical_host_locs: np.ndarray, node_id: int = -1) -> None:
         owned_physical_pages, _ = self.host_table.release(logical_host_locs, node_id)
@@ -314,7 +479,7 @@ class CpHybridCacheController(HybridCacheController):
         finally:
             deferred, self._deferred_host_frees = self._deferred_host_frees, None
             if deferred:
-                self._release_now(np.concatenate(deferred))
+                self._release_now(host_int64(torch.cat(deferred)))
 
     # ----------------------------------------------------------------- metrics
     def host_usage(self) -> dict:

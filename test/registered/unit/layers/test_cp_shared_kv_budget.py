@@ -27,9 +27,12 @@ def test_budget_covers_layers_in_flight_and_all_gather_staging():
     dense = (131072 // 64 + 1) * 64 * 788
     assert b.dense_buffer_bytes == dense
     assert b.reserved_bytes == 2 * dense + 9 * (-(-dense // 8))
-    b.check_batch(131072 // 64 + 1)  # a full context: its pages may straddle one more
+    assert b.max_batch_pages == 131072 // 64  # a full-context request: the dense buffer less padding
+    b.check_batch(131072 // 64)
     with pytest.raises(SharedKVBudgetExceeded, match="refusing the batch"):
-        b.check_batch(131072 // 64 + 2)
+        b.check_batch(131072 // 64 + 1)
+    odd = DenseBufferBudget(max_prefix_tokens=100, bytes_per_token=1, page_size=64, cp_size=2)
+    assert odd.max_batch_pages == 2 and odd.dense_buffer_bytes == 3 * 64
 
 
 def test_bytes_per_token_follow_the_kv_dtype():
@@ -41,6 +44,8 @@ def test_profile_hook_reserves_and_logs(monkeypatch, caplog):
     import sglang.srt.layers.dp_attention as dp
 
     monkeypatch.setattr(dp, "get_attention_cp_size", lambda: 8)
+    # The hook sets the process-wide budget; restore it so no later test inherits it.
+    monkeypatch.setattr(budget_mod, "_active_budget", budget_mod.active_budget())
     runner = _runner()
     available = 100 * 2**30
     with caplog.at_level("INFO"):
@@ -73,6 +78,6 @@ def test_an_oversized_batch_is_refused_before_the_forward_allocates(monkeypatch)
         extend_prefix_lens_cpu=[4 * page], out_cache_loc=req_to_token[0, 4 * page : 5 * page].long(),
         token_to_kv_pool=SimpleNamespace(size=20 * page, page_size=page),
     )
-    with pytest.raises(SharedKVBudgetExceeded, match="5 pages|320 KV tokens"):
+    with pytest.raises(SharedKVBudgetExceeded, match="reads 5 KV pages"):
         hooks.init_forward_metadata_around(lambda self, fb: None, backend, batch)
     assert getattr(batch, hooks.STATE_ATTR) is None

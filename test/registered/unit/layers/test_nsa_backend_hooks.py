@@ -127,7 +127,9 @@ def test_hooks_pass_through_when_shared_kv_is_off():
     calls = []
     hooks.init_forward_metadata_around(lambda self, fb: calls.append("init"), backend, batch)
     assert calls == ["init"] and not hasattr(batch, hooks.STATE_ATTR)
-    out = hooks.forward_extend_around(lambda *a, **kw: kw, None, 1, 2, 3, None, batch, save_kv_cache=False, k_rope=4)
+    batch.token_to_kv_pool = SimpleNamespace(start_layer=0)  # no layer-backup listener
+    layer = SimpleNamespace(layer_id=0)
+    out = hooks.forward_extend_around(lambda *a, **kw: kw, None, 1, 2, 3, layer, batch, save_kv_cache=False, k_rope=4)
     assert out == {"save_kv_cache": False, "k_rope": 4}
 
 
@@ -143,3 +145,29 @@ def test_fused_rope_cache_path_is_refused():
     batch = SimpleNamespace(**{hooks.STATE_ATTR: state})
     with pytest.raises(hooks.SharedKVUnsupportedPath, match="fused rope"):
         hooks.forward_extend_around(None, None, 1, None, None, SimpleNamespace(layer_id=0), batch)
+
+
+class _Activated(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    "model_cls",
+    [
+        "sglang.srt.models.deepseek_v2:DeepseekV2ForCausalLM",  # DeepSeek-V3.2, GLM-5 targets
+        "sglang.srt.models.deepseek_nextn:DeepseekV3ForCausalLMNextN",  # their MTP drafts
+    ],
+)
+def test_target_and_draft_model_forwards_activate_the_shared_kv_state(plugins_loaded, model_cls):
+    # The draft class overrides forward, so it needs its own hook: without it the draft's
+    # attention finds no active pipeline and is refused.
+    cls = resolve(model_cls)
+
+    class State:
+        def activate(self, forward_batch):
+            raise _Activated
+
+    batch = SimpleNamespace(token_to_kv_pool=None, **{hooks.STATE_ATTR: State()})
+    with pytest.raises(_Activated):
+        cls.forward(SimpleNamespace(), torch.zeros(1), torch.zeros(1), batch)
+    assert getattr(batch, hooks.STATE_ATTR) is None  # consumed by this forward

@@ -15,7 +15,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 
 from sglang_cp_hicache.managers.schedule_policy import add_one_req_around
 from sglang_cp_hicache.mem_cache.hiradix_cache import CpHiRadixCache
-from sglang_cp_hicache.testing import device_module, nsa_stack
+from sglang_cp_hicache.testing import device_module, nsa_stack, scheduler_batch
 
 PS = 64
 
@@ -28,7 +28,7 @@ def _stack(gloo_world1, shared_kv=True, **cfg):
 
 
 @pytest.fixture
-def stack(gloo_world1):
+def stack(gloo_world1, plugins_loaded):
     stack = _stack(gloo_world1)
     yield stack
     stack.close()
@@ -257,19 +257,18 @@ class Scheduled:
     release (cache_finished_req), as the scheduler drives the cache."""
 
     def __init__(self, stack, rid, tokens):
-        cache, pool = stack.cache, stack.req_to_token_pool
+        cache = stack.cache
         self.stack, self.req = stack, _req(rid, tokens)
         req = self.req
         req.init_next_round_input(cache)  # match: prefix_indices, last_node, fill_ids
         cache.inc_lock_ref(req.last_node)
-        pool.alloc([req])
-        prefix = len(req.prefix_indices)
-        new = stack.allocator.alloc(len(req.fill_ids) - prefix)
-        row = torch.cat([req.prefix_indices.to(torch.int64), new])
-        pool.req_to_token[req.req_pool_idx, : len(row)] = row.to(pool.req_to_token.dtype)
-        ids, pos = torch.tensor(req.fill_ids), torch.arange(len(row))
+        prefix, seq_len = len(req.prefix_indices), len(req.fill_ids)
+        # SGLang's alloc_for_extend: slots, req_to_token row and (hooked) its host mirror.
+        with scheduler_batch.cpu_scheduler_server_args(PS):
+            new = scheduler_batch.alloc_for_extend(stack, [req], [seq_len])
+        ids, pos = torch.tensor(req.fill_ids), torch.arange(seq_len)
         nsa_stack.write_prefill_kv(stack, new, ids[prefix:], pos[prefix:])
-        req.kv_committed_len = len(row)
+        req.kv_committed_len = seq_len
 
     def release(self, is_insert=True):
         self.stack.cache.cache_finished_req(self.req, is_insert=is_insert)

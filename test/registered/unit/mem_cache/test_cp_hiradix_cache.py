@@ -11,6 +11,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchPrefixParams,
 )
 
+from sglang_cp_hicache.mem_cache.cp_hicache_metadata import CpHiCacheMetadataError
 from sglang_cp_hicache.server_args import CpSharedKVConfigError, validate_cp_shared_kv_args
 from sglang_cp_hicache.testing import device_module, nsa_stack
 
@@ -101,6 +102,31 @@ def test_split_node_splits_host_metadata_at_page_boundary(stack):
         assert torch.equal(actual.owned_positions, expected.owned_positions)
         assert torch.equal(actual.host_indices, expected.host_indices)
         assert torch.equal(actual.page_owners, expected.page_owners)
+
+
+def test_load_back_of_a_split_host_node_reads_its_half(stack):
+    # A load reads the plan the split made for each half, not the node's backup-time plan.
+    tokens = list(range(1, 1 + 4 * PS))
+    _, ids, pos = _prefill(stack, tokens)
+    node = _node_of(stack, tokens)
+    stack.cache.evict(EvictParams(num_tokens=4 * PS))
+    _prefill(stack, tokens[: 2 * PS] + list(range(9000, 9000 + PS)))  # splits, revives the head
+    assert node.evicted and len(node.host_value) == 2 * PS
+    nsa_stack.wipe_device_kv(stack)
+    match, loaded = _load_back(stack, tokens)
+    assert match.host_hit_length == 2 * PS and len(loaded) == 2 * PS
+    assert nsa_stack.count_kv_mismatches(stack, loaded, ids[2 * PS :], pos[2 * PS :]) == 0
+
+
+def test_load_back_fails_fast_on_a_host_value_set_without_its_plan(stack):
+    tokens = list(range(500, 500 + 2 * PS))
+    _prefill(stack, tokens)
+    node = _node_of(stack, tokens)
+    stack.cache.evict(EvictParams(num_tokens=2 * PS))
+    node.host_value = node.host_value[:PS].clone()  # as a path that skips _set_host_plan
+    node.key = node.key[:PS]
+    with pytest.raises(CpHiCacheMetadataError, match=f"node {node.id} on CP rank 0"):
+        _load_back(stack, tokens[:PS])
 
 
 def test_load_back_uses_logical_host_lengths(stack):
@@ -207,6 +233,13 @@ def test_storage_backend_is_refused(stack):
     )
     with pytest.raises(CpSharedKVConfigError, match="--hicache-storage-backend"):
         validate_cp_shared_kv_args(launch)
+
+
+def test_kernel_page_first_is_refused_when_the_cache_is_built(gloo_world1):
+    """No per-layer D2H op exists for it: refused with the remedy, never emulated."""
+    cfg = nsa_stack.StackConfig(cp_size=2, physical_tokens=PS * 16, io_backend="kernel", mem_layout="page_first")
+    with pytest.raises(CpSharedKVConfigError, match="per-layer.*'kernel'.*'page_first'.*layer_first"):
+        nsa_stack.build_rank_stack(cfg, 0, None, gloo_world1)
 
 
 def test_flush_returns_every_device_and_host_slot(stack):

@@ -19,6 +19,7 @@ from sglang_cp_hicache.mem_cache.cp_shared_allocator import (
     CPSharedPagedTokenToKVPoolAllocator,
     balanced_lane_counts,
     balanced_page_owners,
+    extend_token_locs_host,
 )
 from sglang_cp_hicache.testing.allocators import (
     NaiveExtendLaunch,
@@ -203,6 +204,33 @@ def test_alloc_extend_matches_upstream_layout_and_balances_new_pages(cp_size, pa
     # The new pages are the balanced placement from the lanes' free counts before the call.
     expected_owners = balanced_page_owners(lane_free, len(new_pages))
     assert ours.layout.owner_for_logical_pages(new_pages).tolist() == expected_owners.tolist()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from(CP_SIZES),
+    st.sampled_from(PAGE_SIZES),
+    st.lists(st.tuples(st.integers(0, 200), st.integers(0, 300)), min_size=1, max_size=4),
+)
+def test_recorded_pages_give_the_extend_locs_on_the_host(cp_size, page_size, requests):
+    """The host mirror's source: the pages recorded during ``alloc_extend`` expand to
+    exactly the locs it returned."""
+    allocator = make_allocator(cp_size, page_size, pages_per_lane=2000 // page_size + 8)
+    prefix_lens = [p for p, _ in requests]
+    seq_lens = [p + e for p, e in requests]
+    last_locs = [
+        int(allocator.alloc_extend(*extend_args([0], [p], [-1]))[-1]) if p else -1
+        for p in prefix_lens
+    ]
+    with allocator.recording_new_pages() as taken:
+        locs = allocator.alloc_extend(*extend_args(prefix_lens, seq_lens, last_locs))
+    new_pages = np.concatenate(taken)
+    host = extend_token_locs_host(prefix_lens, seq_lens, np.array(last_locs), new_pages, page_size)
+    np.testing.assert_array_equal(host, locs.numpy())
+    with pytest.raises(ValueError, match="new pages"):
+        extend_token_locs_host(
+            prefix_lens, seq_lens, np.array(last_locs), np.append(new_pages, 0), page_size
+        )
 
 
 def test_cpu_path_never_launches_triton(monkeypatch):

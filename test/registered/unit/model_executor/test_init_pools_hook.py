@@ -1,4 +1,5 @@
-"""The _init_pools hook: physical NSA pool, logical owner-lane allocator, logical capacity."""
+"""The _init_pools hook: physical NSA pool, logical owner-lane allocator, logical capacity;
+the draft (NSA MTP) worker's pool mirrors the target's physical pool over one allocator."""
 
 from types import SimpleNamespace
 
@@ -61,16 +62,68 @@ def test_target_gets_logical_allocator_over_physical_pool(plugins_loaded):
     assert allocator.available_size() == 4 * PHYSICAL
 
 
-def test_draft_worker_and_flag_off_are_untouched(plugins_loaded):
+def test_flag_off_is_untouched(plugins_loaded):
     cfg = nsa_stack.StackConfig(physical_tokens=PHYSICAL)
     off = _runner(flag=False)
     mixin.init_pools_around(_upstream_init_pools(lambda: nsa_stack.build_kv_pool(cfg)), off)
     assert type(off.token_to_kv_pool_allocator) is PagedTokenToKVPoolAllocator
     assert off.max_total_num_tokens == PHYSICAL
-    shared = object()
-    draft = _runner(draft=True, allocator=shared)
-    mixin.init_pools_around(_upstream_init_pools(lambda: nsa_stack.build_kv_pool(cfg)), draft)
-    assert draft.token_to_kv_pool_allocator is shared and draft.max_total_num_tokens == PHYSICAL
+    draft_off = _runner(flag=False, draft=True, allocator=off.token_to_kv_pool_allocator)
+    mixin.init_pools_around(_upstream_init_pools(lambda: nsa_stack.build_kv_pool(cfg)), draft_off)
+    assert draft_off.token_to_kv_pool_allocator is off.token_to_kv_pool_allocator
+
+
+def _target_and_draft(draft_pool_factory, layer_num=2):
+    """The target's pools, then a draft runner handed the target's allocator (as SGLang's
+    EAGLE worker does through ``target_worker.get_memory_pool()``)."""
+    cfg = nsa_stack.StackConfig(physical_tokens=PHYSICAL, layer_num=layer_num)
+    target = _runner()
+    mixin.init_pools_around(_upstream_init_pools(lambda: nsa_stack.build_kv_pool(cfg)), target)
+    draft = _runner(draft=True, allocator=target.token_to_kv_pool_allocator)
+    mixin.init_pools_around(_upstream_init_pools(draft_pool_factory), draft)
+    return target, draft
+
+
+def test_draft_pool_is_physical_and_shares_the_targets_allocator(plugins_loaded):
+    draft_cfg = nsa_stack.StackConfig(physical_tokens=PHYSICAL, layer_num=1)  # NextN: 1 layer
+    target, draft = _target_and_draft(lambda: nsa_stack.build_kv_pool(draft_cfg))
+    allocator = target.token_to_kv_pool_allocator
+    assert draft.token_to_kv_pool_allocator is allocator  # one logical allocator
+    assert allocator.get_kvcache() is target.token_to_kv_pool  # capacity stays the target's
+    # Physical, like the target's pool: a logical loc names the same slot in both (the
+    # CPU twin checks the bytes a hooked draft forward writes there).
+    assert draft.max_total_num_tokens == draft.token_to_kv_pool.size == target.token_to_kv_pool.size
+    assert allocator.size == 4 * PHYSICAL
+
+
+@pytest.mark.parametrize(
+    "tokens, needle",
+    [(PHYSICAL // 2, "mirror the target's physical pool"), (PHYSICAL, None)],
+)
+def test_draft_pool_of_another_size_fails_fast(plugins_loaded, tokens, needle):
+    draft_cfg = nsa_stack.StackConfig(physical_tokens=tokens, layer_num=1)
+    if needle is None:
+        _target_and_draft(lambda: nsa_stack.build_kv_pool(draft_cfg))
+        return
+    with pytest.raises(CpSharedKVConfigError, match=needle):
+        _target_and_draft(lambda: nsa_stack.build_kv_pool(draft_cfg))
+
+
+def test_non_nsa_draft_fails_fast_naming_the_supported_drafts(plugins_loaded):
+    def mla_pool():
+        return MLATokenToKVPool(PHYSICAL, 64, torch.bfloat16, 512, 64, 1, "cpu", enable_memory_saver=False)
+
+    with pytest.raises(CpSharedKVConfigError, match="NEXTN / EAGLE") as excinfo:
+        _target_and_draft(mla_pool)
+    assert "MLATokenToKVPool" in str(excinfo.value)
+
+
+def test_draft_with_its_own_allocator_fails_fast(plugins_loaded):
+    cfg = nsa_stack.StackConfig(physical_tokens=PHYSICAL, layer_num=1)
+    own = PagedTokenToKVPoolAllocator(PHYSICAL, 64, torch.bfloat16, "cpu", nsa_stack.build_kv_pool(cfg), need_sort=True)
+    draft = _runner(draft=True, allocator=own)
+    with pytest.raises(CpSharedKVConfigError, match="target's logical owner-lane allocator"):
+        mixin.init_pools_around(_upstream_init_pools(lambda: nsa_stack.build_kv_pool(cfg)), draft)
 
 
 def test_non_nsa_pool_fails_fast(plugins_loaded):

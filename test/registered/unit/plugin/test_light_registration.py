@@ -33,6 +33,9 @@ OURS_ALLOWED = {
     "sglang_cp_hicache.layers",
     "sglang_cp_hicache.layers.attention",
     "sglang_cp_hicache.layers.attention.cp_shared_kv_support",
+    # The per-layer backup table that server_args refuses kernel + page_first from.
+    "sglang_cp_hicache.mem_cache",
+    "sglang_cp_hicache.mem_cache.cp_layer_backup",
 }
 
 SCRIPT = r"""

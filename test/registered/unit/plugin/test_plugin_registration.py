@@ -109,6 +109,10 @@ def test_engine_style_kwargs_and_pickling(plugins_loaded):
         ({}, "--enable-nsa-prefill-context-parallel"),
         ({"hicache_storage_backend": "file"}, "--hicache-storage-backend"),
         ({"enable_hisparse": True}, "--enable-hisparse"),
+        (
+            {"enable_hierarchical_cache": True, "hicache_io_backend": "kernel", "hicache_mem_layout": "page_first"},
+            "no per-layer device->host op into a page_first host buffer",
+        ),
         ({"disaggregation_mode": "decode"}, "--disaggregation-mode decode"),
         ({"use_ray": True}, "--use-ray"),
         ({"enable_return_routed_experts": True}, "--enable-return-routed-experts"),
@@ -142,10 +146,10 @@ def test_unified_radix_tree_env_is_refused(plugins_loaded, monkeypatch):
         )
 
 
-def test_speculative_decoding_with_cp_hicache_is_refused(plugins_loaded):
+def test_speculative_decoding_with_cp_hicache_is_refused_until_draft_lockstep(plugins_loaded):
     from sglang.srt.server_args import ServerArgs
 
-    with pytest.raises(CpSharedKVConfigError, match="--speculative-algorithm"):
+    with pytest.raises(CpSharedKVConfigError, match="draft KV on host is not yet kept in lockstep"):
         ServerArgs(
             model_path="dummy",
             enable_nsa_prefill_context_parallel=True,
@@ -153,6 +157,56 @@ def test_speculative_decoding_with_cp_hicache_is_refused(plugins_loaded):
             speculative_algorithm="EAGLE",
             **{FLAG: True},
         )
+
+
+def test_cli_speculative_decoding_with_cp_hicache_fails_at_parse(plugins_loaded):
+    from sglang.srt.server_args import prepare_server_args
+
+    with pytest.raises(CpSharedKVConfigError, match="draft KV on host is not yet kept in lockstep"):
+        prepare_server_args(CP_ARGS + ["--enable-hierarchical-cache", "--speculative-algorithm", "NEXTN"])
+
+
+@pytest.mark.parametrize("algorithm", ["NEXTN", "EAGLE"])
+def test_nsa_mtp_speculative_decoding_is_accepted_at_parse_and_launch(plugins_loaded, monkeypatch, algorithm):
+    from sglang.srt.server_args import prepare_server_args
+
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
+    args = prepare_server_args(
+        CP_ARGS + ["--disaggregation-mode", "prefill", "--speculative-algorithm", algorithm]
+    )
+    assert args.speculative_algorithm in ("NEXTN", "EAGLE") and getattr(args, FLAG)
+    check_server_args_after(None, args)
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "STANDALONE", "NGRAM"])
+def test_other_speculative_algorithms_are_refused_naming_the_supported_ones(plugins_loaded, algorithm):
+    from sglang.srt.server_args import prepare_server_args
+
+    extra = ["--speculative-draft-model-path", "dummy"] if algorithm != "NGRAM" else []
+    with pytest.raises(CpSharedKVConfigError) as excinfo:
+        prepare_server_args(CP_ARGS + ["--speculative-algorithm", algorithm] + extra)
+    message = str(excinfo.value)
+    assert f"got {algorithm}" in message and "NEXTN or EAGLE" in message and CLI_FLAG in message
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"enable_multi_layer_eagle": True}, "--enable-multi-layer-eagle"),
+        ({"speculative_draft_attention_backend": "flashinfer"}, "--speculative-draft-attention-backend flashinfer"),
+    ],
+)
+def test_draft_variants_outside_the_shared_kv_runtime_are_refused(plugins_loaded, changes, needle):
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_cp_hicache.server_args import unsupported_combinations
+
+    args = ServerArgs(model_path="dummy", enable_nsa_prefill_context_parallel=True, **{FLAG: True})
+    args.speculative_algorithm = "EAGLE"
+    assert unsupported_combinations(args) == []
+    for name, value in changes.items():
+        setattr(args, name, value)
+    assert any(needle in p for p in unsupported_combinations(args))
 
 
 def test_cli_storage_backend_fails_at_parse(plugins_loaded):

@@ -166,3 +166,77 @@ def test_send_workload_probes_cold_then_device_then_host_per_round(monkeypatch):
     kinds = [c[0] for c in calls]
     assert kinds == ["probe", "probe", "request", "request", "request", "probe", "request", "request", "request"]
     assert len({c[1] for c in calls if c[0] == "probe"}) == 1
+
+
+def test_no_launch_names_endpoints_only_and_skips_launch_checks():
+    """--no-launch launches nothing, so the two-node launch checks do not apply; a component
+    subcommand with --no-launch checks its running endpoint instead of starting a server."""
+    run = _dry_run("run_repeated_prefix.sh", "--no-launch", "--nodes", "2")
+    assert "launch_server" not in run and "sglang_router.launch_router" not in run
+    assert "no launch: GET http://127.0.0.1:30000/health; GET http://127.0.0.1:30001/health" in run
+    decode = _dry_run("launch_decode.sh", "--no-launch", "--decode-host", "10.0.0.2")
+    assert "launch_server" not in decode and "note: missing" not in decode
+    assert decode.strip() == "no launch: GET http://10.0.0.2:30001/health"
+    prefill = _dry_run("launch_prefill.sh", "--no-launch")
+    assert "GET http://127.0.0.1:30000/metrics -> hit rates" in prefill
+
+
+class _Health:
+    """A local HTTP server answering ``/health`` 200 (a running endpoint)."""
+
+    def __enter__(self):
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200 if self.path == "/health" else 404)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self.server.server_address[1]
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _closed_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_no_launch_workload_fails_cleanly_on_a_down_endpoint(monkeypatch, capsys, tmp_path):
+    glm5 = _glm5()
+    monkeypatch.setattr(glm5, "NO_LAUNCH_HEALTH_TIMEOUT_S", 0.0)
+    started = []
+    monkeypatch.setattr(glm5.Launched, "start", lambda self, name, cmd: started.append(name))
+    with _Health() as up:
+        d = glm5.Deployment(prefill_port=up, decode_port=_closed_port(), router_port=up, log_dir=str(tmp_path))
+        assert glm5.running_endpoint_problems(d, ["prefill", "router"], 0.0) == []
+        workload = glm5.Workload(num_prefixes=1, prefix_tokens=8, rounds=1)
+        assert glm5.run_workload(d, workload, 1.5, launch=False, startup_timeout_s=0) == 1
+    out = capsys.readouterr().out
+    assert started == []
+    assert f"error: decode at http://127.0.0.1:{d.decode_port} is not healthy" in out
+    assert "FAIL 1 endpoints not healthy" in out
+
+
+def test_component_no_launch_checks_its_endpoint(monkeypatch, capsys, tmp_path):
+    glm5 = _glm5()
+    monkeypatch.setattr(glm5, "NO_LAUNCH_HEALTH_TIMEOUT_S", 0.0)
+    monkeypatch.setattr(glm5, "run_component", lambda *a, **k: pytest.fail("--no-launch started a server"))
+    with _Health() as up:
+        d = glm5.Deployment(decode_port=up)
+        assert glm5.check_running_component(d, "decode", dry_run=False) == 0
+    assert "PASS decode" in capsys.readouterr().out
+    d = glm5.Deployment(decode_port=_closed_port())
+    assert glm5.check_running_component(d, "decode", dry_run=False) == 1
+    assert "is not healthy" in capsys.readouterr().out

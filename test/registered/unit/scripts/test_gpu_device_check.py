@@ -44,6 +44,11 @@ def test_cpu_mode_end_to_end_prints_pass_and_writes_json(tmp_path):
     assert report["ok"] is True
     assert report["bandwidth"]["d2h_gbps"] > 0 and report["bandwidth"]["peak_h2d_gbps"] > 0
     assert report["hicache_jit"]["ran"] is False
+    assert report["per_layer_backup"]["ok"] is True
+    assert {k for k in report["per_layer_backup"] if "/" in k} == {
+        "kernel/layer_first", "direct/layer_first", "direct/page_first_direct"
+    }
+    assert any(line.startswith("per-layer backup") and "byte-exact=True" in line for line in lines)
     for rank in report["ranks"]:
         assert [(e["kv"], e["strategy"], e["ok"]) for e in rank["selftest"]] == [
             ("bf16", "all_reduce", True), ("bf16", "all_gather", True),
@@ -66,8 +71,19 @@ def test_a_selftest_failure_or_twin_mismatch_is_one_fail_line():
     bad = dict(good, identical=False, max_abs_diff=0.5)
     ok, lines = driver.summarize([{"pool": "p", "results": [good]}, {"pool": "p", "results": [bad]}], options, 1.0)
     assert not ok and lines[0].startswith("FAIL") and "rank 1" in lines[0]
+    bad_draft = dict(good, draft_identical=False, draft_max_abs_diff=0.5)
+    ok, lines = driver.summarize([{"pool": "p", "results": [bad_draft]}], options, 1.0)
+    assert not ok and "rank 0" in lines[0] and "draft max" in lines[0]
+    draft_pool = dict(good, draft_identical=True, draft_max_abs_diff=0.0, draft_pool_problems=("layer 0: x",))
+    ok, lines = driver.summarize([{"pool": "p", "results": [draft_pool]}], options, 1.0)
+    assert not ok and "draft layer 0: x" in lines[0]
     ok, lines = driver.summarize(
         [{"pool": "p", "results": [good], "selftest": [passing]}], options, 1.0,
         {"hicache_jit": {"ran": True, "ok": False}},
     )
     assert not ok and "hicache JIT" in lines[0]
+    ok, lines = driver.summarize(
+        [{"pool": "p", "results": [good], "selftest": [passing]}], options, 1.0,
+        {"per_layer_backup": {"ran": True, "ok": False, "direct/layer_first": {"exact": False, "layer_shard_gbps": 1.0}}},
+    )
+    assert not ok and "per-layer HiCache backup differs" in lines[0]
