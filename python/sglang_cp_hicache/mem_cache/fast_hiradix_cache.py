@@ -393,10 +393,12 @@ class FastHiRadixCache(UPSTREAM["HiRadixCache"]):
         for ack in acks[:count]:
             ack.finish_event.synchronize()
             for node_id in ack.node_ids:
-                self.dec_lock_ref(self._publish_backup(node_id))
+                node = self._publish_backup(node_id)
+                if node is not None:  # None: an ack that completes no locked node yet
+                    self.dec_lock_ref(node)
         del acks[:count]
 
-    def _publish_backup(self, node_id: int) -> TreeNode:
+    def _publish_backup(self, node_id: int) -> Optional[TreeNode]:
         """The write of ``node_id`` landed: its node and every fragment split off it while
         it was pending are on host (stored-block events, storage backup)."""
         node = self.ongoing_write_through.pop(node_id)

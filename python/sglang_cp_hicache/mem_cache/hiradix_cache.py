@@ -23,7 +23,10 @@ it adds only the CP deltas, as policy; the controller is mechanism:
   ``writing_check``; a full lane gets room made and one retry, else a counted skip; a
   match never splits a pending node (the request waits a round, see
   ``managers/schedule_policy.py``), an insert's split hands the fragment its host slice
-  at the commit (docs/cp_hicache_design.md, "Backup state machine").
+  at the commit (docs/cp_hicache_design.md, "Backup state machine");
+* a new leaf's backup is reserved before its forward and, with :attr:`per_layer_backup`,
+  submitted then, so the forward's layer hooks move it layer by layer; its ack carries a
+  ticket until the insert names the leaf (:class:`ForwardReservation`).
 
 Per node, the replicated lane state the planners read is kept on the node (never recomputed
 per eviction call): ``cp_device_locs`` (the node's logical device locs on the host),
@@ -66,7 +69,7 @@ from sglang_cp_hicache.mem_cache.cp_hicache_metadata import (
 from sglang_cp_hicache.mem_cache.cp_lane_eviction import plan_lane_victims
 from sglang_cp_hicache.mem_cache.cp_shared_allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import host_int64
-from sglang_cp_hicache.mem_cache.fast_hiradix_cache import FastHiRadixCache, host_evictable
+from sglang_cp_hicache.mem_cache.fast_hiradix_cache import CPU, FastHiRadixCache, host_evictable
 from sglang_cp_hicache.mem_cache.hybrid_cache.cp_hybrid_cache_controller import (
     CpHybridCacheController,
     PendingHostWrite,
@@ -101,6 +104,28 @@ class PendingBackup:
 
     node: TreeNode
     write: PendingHostWrite
+    reservation: Optional[ForwardReservation] = None  # made before the forward, claimed
+
+
+@dataclass
+class ForwardReservation:
+    """Host pages reserved before a prefill forward for the leaf a request's insert will
+    create (``reserve_for_extend``).
+
+    Per-layer (``ticket`` set): submitted at once, so the forward's layer hooks move it
+    layer by layer; its one ack carries ``ticket`` (a negative id: the leaf does not exist
+    yet). The insert claims it (``node``); the ack then commits that node. An ack that lands
+    before the claim marks it ``landed`` (the claim commits at once); one left unclaimed
+    (``settled``: insert miss, abort, retraction) is rolled back at its ack, never before
+    (its transfer may still be writing the pages).
+    """
+
+    rid: str
+    write: PendingHostWrite
+    ticket: Optional[int] = None
+    node: Optional[TreeNode] = None
+    landed: bool = False
+    settled: bool = False
 
 
 @dataclass
@@ -126,8 +151,14 @@ class CpHiRadixCache(FastHiRadixCache):
         self.pending_backups: Dict[int, PendingBackup] = {}
         # Reserved before the forward, not yet claimed by an insert: by rid, and the rid
         # by the leaf's first logical device page (how the insert finds it).
-        self._forward_reservations: Dict[str, PendingHostWrite] = {}
+        self._forward_reservations: Dict[str, ForwardReservation] = {}
         self._forward_reservation_rids: Dict[int, str] = {}
+        # Per-layer reservations whose ack has not been popped, by ticket (the ack's id).
+        self._reservations_in_flight: Dict[int, ForwardReservation] = {}
+        self._next_ticket = -2  # -1 is "no node" (a reservation not yet named)
+        # Backups of new leaves move during their forward, layer by layer. Off: submitted
+        # all layers at once at the insert (tests and the simulator's comparison runs).
+        self.per_layer_backup = True
         self.pending_stats = PendingBackupStats()
         # Host form of the value being placed on nodes (a request's mirrored row inside
         # cache_*_req, the new locs inside load_back); None outside those calls.
@@ -317,7 +348,18 @@ class CpHiRadixCache(FastHiRadixCache):
         record = self._reserve_backup(node)
         if record is None:
             return 0
-        self._submit_backup(record)
+        reservation = record.reservation
+        if reservation is None or reservation.ticket is None:
+            self._submit_backup(record)
+        elif reservation.landed:  # its per-layer transfer landed on every rank already
+            del self.pending_backups[node.id]
+            self._commit_backup(record)
+            self._record_store_event(node, medium=CPU)
+            return len(record.write.logical_host_locs)
+        else:  # submitted before the forward: its ack (by ticket) commits this node
+            reservation.node = node
+            del self.ongoing_write_through[reservation.ticket]
+            self.ongoing_write_through[node.id] = node
         if not write_back:
             self.inc_lock_ref(node)
         return len(record.write.logical_host_locs)
@@ -327,12 +369,14 @@ class CpHiRadixCache(FastHiRadixCache):
         before the forward for this leaf if there is one, else a new one; None after a
         counted skip."""
         run = self._device_run(node)
-        write = self._claim_forward_reservation(node.id, run)
-        if write is None:
+        reservation = self._claim_forward_reservation(node.id, run)
+        if reservation is not None:
+            write = reservation.write
+        else:
             write = self._reserve(self.host_table.plan_write(run), node.id)
         if write is None:
             return None
-        record = PendingBackup(node, write)
+        record = PendingBackup(node, write, reservation)
         self.pending_backups[node.id] = record
         return record
 
@@ -373,7 +417,15 @@ class CpHiRadixCache(FastHiRadixCache):
         if write is None:
             return False
         self._settle_forward_reservation(req)  # a chunk's earlier reservation, if any
-        self._forward_reservations[req.rid] = write
+        reservation = ForwardReservation(req.rid, write)
+        if self.per_layer_backup:
+            reservation.ticket = self._next_ticket
+            self._next_ticket -= 1
+            write.assign_node(reservation.ticket)
+            self.cache_controller.submit_write(write, per_layer=True)
+            self._reservations_in_flight[reservation.ticket] = reservation
+            self.ongoing_write_through[reservation.ticket] = None  # no node yet
+        self._forward_reservations[req.rid] = reservation
         self._forward_reservation_rids[int(run.pages[0])] = req.rid
         return True
 
@@ -403,28 +455,47 @@ class CpHiRadixCache(FastHiRadixCache):
         parent is backed up or pending (its ack pops first, acks pop in order)."""
         return parent is self.root_node or parent.backuped or self._pending_write_id(parent) is not None
 
-    def _claim_forward_reservation(self, node_id: int, run: PageRun) -> Optional[PendingHostWrite]:
+    def _claim_forward_reservation(self, node_id: int, run: PageRun) -> Optional[ForwardReservation]:
         """The reservation made before the forward for exactly this leaf's pages, if any."""
         if not self._forward_reservation_rids or not len(run.pages):
             return None
         rid = self._forward_reservation_rids.get(int(run.pages[0]))
         if rid is None:
             return None
-        write = self._forward_reservations[rid]
-        if not np.array_equal(write.plan.device_run.pages, run.pages):
+        reservation = self._forward_reservations[rid]
+        if not np.array_equal(reservation.write.plan.device_run.pages, run.pages):
             return None  # the leaf starts on the reserved pages but is not that leaf
         del self._forward_reservations[rid], self._forward_reservation_rids[int(run.pages[0])]
-        write.assign_node(node_id)
-        return write
+        if reservation.ticket is None:  # not submitted: its ack will name the node
+            reservation.write.assign_node(node_id)
+        return reservation
 
     def _settle_forward_reservation(self, req: Any) -> None:
-        """After the insert (or instead of it): roll back what the insert did not claim."""
-        write = self._forward_reservations.pop(req.rid, None)
-        if write is None:
+        """After the insert (or instead of it): roll back what the insert did not claim,
+        now, or at its ack when its per-layer transfer may still be writing."""
+        reservation = self._forward_reservations.pop(req.rid, None)
+        if reservation is None:
             return
-        del self._forward_reservation_rids[int(write.plan.device_run.pages[0])]
-        self.cache_controller.rollback_write(write)
+        del self._forward_reservation_rids[int(reservation.write.plan.device_run.pages[0])]
+        if reservation.ticket is not None and not reservation.landed:
+            reservation.settled = True
+            return
+        self.cache_controller.rollback_write(reservation.write)
         self.pending_stats.rolled_back += 1
+
+    def _land_reservation(self, ticket: int) -> Optional[TreeNode]:
+        """The ack of a per-layer reservation popped: commit the node that claimed it (its
+        node, to unlock), roll back one left unclaimed, or mark it landed for its claim."""
+        reservation = self._reservations_in_flight.pop(ticket)
+        if reservation.node is not None:
+            return self._publish_backup(reservation.node.id)
+        del self.ongoing_write_through[ticket]
+        if reservation.settled:
+            self.cache_controller.rollback_write(reservation.write)
+            self.pending_stats.rolled_back += 1
+        else:
+            reservation.landed = True
+        return None
 
     # ----------------------------------------------------- request inserts
     def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
@@ -454,7 +525,9 @@ class CpHiRadixCache(FastHiRadixCache):
         self.cache_controller.submit_write(record.write)
         self.ongoing_write_through[record.node.id] = record.node
 
-    def _publish_backup(self, node_id: int) -> TreeNode:
+    def _publish_backup(self, node_id: int) -> Optional[TreeNode]:
+        if node_id in self._reservations_in_flight:
+            return self._land_reservation(node_id)
         record = self.pending_backups.pop(node_id, None)
         if record is not None:
             self._commit_backup(record)
@@ -629,11 +702,25 @@ class CpHiRadixCache(FastHiRadixCache):
     # ---------------------------------------------------------------- lifecycle
     def reset(self) -> None:
         # The controller's reset frees every host page, reserved or committed, at once.
-        self.pending_stats.rolled_back += len(self.pending_backups) + len(self._forward_reservations)
+        self.pending_stats.rolled_back += len(self.pending_backups) + len(self._unclaimed_reservations())
         self.pending_backups.clear()
         self._forward_reservations.clear()
         self._forward_reservation_rids.clear()
+        self._reservations_in_flight.clear()
         super().reset()
+
+    def _unclaimed_reservations(self) -> List[ForwardReservation]:
+        """Reservations made before a forward that no node holds: not yet claimed, or
+        left unclaimed with their per-layer transfer still in flight."""
+        unclaimed = {id(r): r for r in self._forward_reservations.values()}
+        unclaimed.update({id(r): r for r in self._reservations_in_flight.values() if r.node is None})
+        return list(unclaimed.values())
+
+    def reserved_host_tokens(self) -> int:
+        """Logical host tokens reserved by backups not committed yet (not in the tree)."""
+        records = [record.write for record in self.pending_backups.values()]
+        records += [reservation.write for reservation in self._unclaimed_reservations()]
+        return sum(len(write.logical_host_locs) for write in records)
 
     # ----------------------------------------------------------------- storage
     def attach_storage_backend(self, *args, **kwargs):

@@ -46,6 +46,7 @@ class SchedulerFeatures:
     abort_prob: float = 0.0
     retract_prob: float = 0.0
     inflight_steps: int = 0
+    per_layer_backup: bool = True
 
     def draw(self, kind: str, request_index: int, attempt: int) -> float:
         """A uniform draw that depends only on its arguments: every rank, and the
@@ -78,9 +79,9 @@ class SimConfig:
     abort_prob: float = 0.0  # a scheduled request is aborted before its forward
     retract_prob: float = 0.0  # after a forward (chunk): KV freed uninserted, request re-queued
     inflight_steps: int = 0  # write acks land this many steps after submission (0: at once)
-    # Per-layer D2H submission of pending backups. The cache reserves before submitting
-    # either way; until the controller's per-layer submission exists, both values submit
-    # all layers at once (the switch is CpHiRadixCache._submit_backup).
+    # New leaves' backups reserved before the forward move during it, layer by layer (the
+    # forward reports each layer's end as the NSA hook does); False: all layers at once at
+    # the insert. Hit-count and write-back backups are all-layer either way.
     per_layer_backup: bool = True
     # ---- one rank's stack (nsa_stack.StackConfig)
     layer_num: int = 2
@@ -150,6 +151,7 @@ class SimConfig:
             abort_prob=self.abort_prob,
             retract_prob=self.retract_prob,
             inflight_steps=self.inflight_steps,
+            per_layer_backup=self.per_layer_backup,
         )
 
     def stack_config(self, max_context_len: int, shared_kv: bool = True):

@@ -52,6 +52,7 @@ from sglang_cp_hicache.sim.results import (
     SeriesPoint,
 )
 from sglang_cp_hicache.sim.workload import Request
+from sglang_cp_hicache.mem_cache import cp_layer_backup
 from sglang_cp_hicache.testing import device_module, scheduler_batch
 from sglang_cp_hicache.testing.nsa_stack import RankStack, device_run_mismatches, write_prefill_kv
 
@@ -150,6 +151,8 @@ class RankDriver:
         self.hooks = hooks
         self.tree_digest_every = tree_digest_every
         self.features = features or SchedulerFeatures()
+        if shared_kv:
+            self.cache.per_layer_backup = self.features.per_layer_backup
         self._waiting: List[SimReq] = []  # deferred or re-queued, ahead of new requests
         self._chunked: List[SimReq] = []  # mid-prefill: their next chunk runs next step
         self._in_flight: List[tuple] = []  # (step, event hold) of the writes in flight
@@ -313,9 +316,10 @@ class RankDriver:
                 self._next_chunk(req)
             out_cache_loc, alloc_record = self._alloc(reqs)
             self._reserve_before_forward(reqs)
-            self._forward(reqs, out_cache_loc)
+            # Opened before the forward: per-layer backups are submitted during it.
             hold = device_module().hold_events() if self.features.inflight_steps else None
             try:
+                self._forward(reqs, out_cache_loc)
                 records += [self._finish(req) for req in reqs]
             finally:
                 if hold is not None:
@@ -480,6 +484,15 @@ class RankDriver:
             c.host_hit_tokens += req.loaded
             c.load_backs += int(req.loaded > 0)
             c.load_back_failures += int(req.host_hit_length > 0 and req.loaded == 0)
+        self._report_layers()
+
+    def _report_layers(self) -> None:
+        """The NSA hooks' notifications of one forward: each layer's end (its KV and index K
+        stored; here all were written above), then the forward's end."""
+        pool = self.stack.kv_pool
+        for layer in range(pool.start_layer, pool.start_layer + pool.layer_num):
+            cp_layer_backup.notify_layer_stored(pool, layer)
+        cp_layer_backup.notify_forward_end(pool)
 
     def _finish(self, req: SimReq) -> tuple:
         """After the forward: retraction (KV freed uninserted, re-queued), the chunked

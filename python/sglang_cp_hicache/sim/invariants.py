@@ -104,7 +104,8 @@ class PoolLedger:
         flight (one on each write-through node) and the running requests (one on each
         request's last node)."""
         cache = self.cache
-        holders = Counter(list(cache.ongoing_write_through))
+        # A per-layer reservation not yet claimed by its insert is in flight unlocked (None).
+        holders = Counter(i for i, node in cache.ongoing_write_through.items() if node is not None)
         holders.update(req.last_node.id for req in running)
         if not holders:
             if cache.protected_size_ != 0:
@@ -128,8 +129,7 @@ class PoolLedger:
 
     def reserved_host_tokens(self) -> int:
         """Logical host tokens reserved by backups not yet committed (not in the tree)."""
-        pending = getattr(self.cache, "pending_backups", {})
-        return sum(len(record.write.logical_host_locs) for record in pending.values())
+        return self.cache.reserved_host_tokens() if self.shared_kv else 0
 
     def check_tree(self, summary: TreeSummary) -> None:
         """The tree's device and host tokens match the pools' accounting."""

@@ -255,6 +255,93 @@ def _pending_backups_defer_and_commit(ctx):
     }
 
 
+def _per_layer_forward_reservations(ctx):
+    """One prefill batch through SGLang's alloc_for_extend and the plugin's
+    prepare_for_extend hook: A (4 pages), B (1 page: owned by one rank only) and A2 (A's
+    tokens: its insert misses). Their backups move during the forward, layer by layer, as
+    one transfer per layer; one ack after the last layer carries every reservation. Then
+    the inserts claim A and B, A2's reservation is rolled back at the ack, and both come
+    back from host with their bytes."""
+    import sglang.srt.plugins as sglang_plugins
+
+    from sglang_cp_hicache.testing import scheduler_batch
+
+    if not sglang_plugins._plugins_loaded:
+        sglang_plugins.load_plugins()  # the alloc_for_extend hook keeps the host mirror
+    with scheduler_batch.cpu_scheduler_server_args(PS):  # what a scheduler process has
+        return _per_layer_batch(ctx)
+
+
+def _per_layer_batch(ctx):
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sglang_cp_hicache.managers.schedule_batch import prepare_for_extend_after
+    from sglang_cp_hicache.mem_cache import cp_layer_backup
+    from sglang_cp_hicache.testing import device_module, scheduler_batch
+
+    stack = _stack(ctx)
+    drv, cache, pool = Driver(stack), stack.cache, stack.kv_pool
+    host_start = cache.token_to_kv_pool_host.available_size()
+    prompts = {
+        "a": list(range(1000, 1000 + 4 * PS)) + [1],
+        "b": list(range(7000, 7000 + PS)) + [1],
+        "a2": list(range(1000, 1000 + 4 * PS)) + [1],
+    }
+    reqs = [
+        Req(rid=rid, origin_input_text="", origin_input_ids=ids, sampling_params=SamplingParams())
+        for rid, ids in prompts.items()
+    ]
+    for req in reqs:
+        req.init_next_round_input(cache)
+        cache.inc_lock_ref(req.last_node)
+    batch = scheduler_batch.extend_batch(stack, reqs, [len(r.fill_ids) for r in reqs])
+    for req in reqs:
+        req.kv_committed_len = len(req.fill_ids)  # what the forward commits
+    prepare_for_extend_after(None, batch)
+    tickets = sorted(cache._reservations_in_flight)
+    controller = cache.cache_controller
+    held = list(controller.held_write_node_ids)
+    offset = 0
+    with device_module().hold_events() as hold:
+        for req in reqs:
+            n = len(req.fill_ids)
+            ids, pos = torch.tensor(req.fill_ids), torch.arange(n)
+            drv.ns.write_prefill_kv(stack, batch.out_cache_loc[offset : offset + n], ids, pos)
+            offset += n
+        for layer in range(pool.start_layer, pool.start_layer + pool.layer_num):
+            cp_layer_backup.notify_layer_stored(pool, layer)
+        cp_layer_backup.notify_forward_end(pool)
+        acks = [list(ack.node_ids) for ack in controller.ack_write_queue]
+        for req in reqs:
+            cache.cache_finished_req(req)
+        cache.check_hicache_events()  # the one all-reduce: nothing landed on any rank
+        in_flight = (len(cache.pending_backups), cache.pending_stats.rolled_back)
+        hold.release()
+    cache.check_hicache_events()
+    stats = (cache.pending_stats.committed, cache.pending_stats.rolled_back)
+    result = {
+        "tickets": tickets,
+        "held": held,
+        "acks": acks,
+        "in_flight": in_flight,
+        "stats": stats,
+        "protected": cache.protected_size_,
+        "a": None,
+        "b": None,
+    }
+    drv.evict_all_device()
+    result["a"] = drv.load_back(prompts["a"][: 4 * PS])
+    result["b"] = drv.load_back(prompts["b"][:PS])
+    result["digest"] = _tree_digest(cache)
+    cache.evict(EvictParams(num_tokens=10**9))
+    cache.evict_host(10**9)
+    result["host_free_restored"] = cache.token_to_kv_pool_host.available_size() == host_start
+    result["layer_num"] = pool.layer_num
+    return result
+
+
 # --------------------------------------------------------------------- tests
 @pytest.mark.parametrize("cp_size", [2, 3, 4])
 def test_write_evict_load_back_bytes_on_every_rank(cp_size):
@@ -317,3 +404,20 @@ def test_pending_backups_defer_splits_commit_on_the_ack_and_load_back_their_byte
         for prompt in ("a", "c"):
             assert r[prompt]["host_hit"] == r[prompt]["loaded"] == 4 * PS
             assert r[prompt]["mismatches"] == 0
+
+
+@pytest.mark.parametrize("cp_size", [2, 3])
+def test_per_layer_backups_of_a_batch_move_during_its_forward_on_every_rank(cp_size):
+    results = run_ranks(cp_size, _per_layer_forward_reservations)
+    keys = ("tickets", "held", "acks", "in_flight", "stats", "digest")
+    assert len({repr({k: r[k] for k in keys}) for r in results}) == 1
+    for r in results:
+        assert len(r["tickets"]) == 3 and r["held"] == sorted(r["tickets"], reverse=True)
+        # One ack for the batch after its last layer, naming every reservation, on every
+        # rank (B's rank-less ranks and A2's duplicate too).
+        assert r["acks"] == [r["held"]]
+        assert r["in_flight"] == (2, 0)  # A and B claimed, pending; A2 waits for its ack
+        assert r["stats"] == (2, 1) and r["protected"] == 0
+        assert r["a"]["host_hit"] == r["a"]["loaded"] == 4 * PS and r["a"]["mismatches"] == 0
+        assert r["b"]["host_hit"] == r["b"]["loaded"] == PS and r["b"]["mismatches"] == 0
+        assert r["host_free_restored"]

@@ -14,6 +14,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 from sglang_cp_hicache.managers.schedule_policy import add_one_req_around
+from sglang_cp_hicache.mem_cache import cp_layer_backup
 from sglang_cp_hicache.mem_cache.hiradix_cache import CpHiRadixCache
 from sglang_cp_hicache.testing import device_module, nsa_stack, scheduler_batch
 
@@ -253,8 +254,9 @@ def test_chunked_prompt_comes_back_from_host_after_device_eviction(gloo_world1, 
 
 # -------------------------------------------------- reservation before the forward
 class Scheduled:
-    """One request between its scheduling (match, lock, slots, KV written) and its
-    release (cache_finished_req), as the scheduler drives the cache."""
+    """One request between its scheduling (match, lock, slots) and its release
+    (cache_finished_req), as the scheduler drives the cache; :meth:`forward` is the model
+    forward (KV stored, then each layer's end reported as the NSA hook reports it)."""
 
     def __init__(self, stack, rid, tokens):
         cache = stack.cache
@@ -262,47 +264,116 @@ class Scheduled:
         req = self.req
         req.init_next_round_input(cache)  # match: prefix_indices, last_node, fill_ids
         cache.inc_lock_ref(req.last_node)
-        prefix, seq_len = len(req.prefix_indices), len(req.fill_ids)
+        self.prefix, seq_len = len(req.prefix_indices), len(req.fill_ids)
         # SGLang's alloc_for_extend: slots, req_to_token row and (hooked) its host mirror.
         with scheduler_batch.cpu_scheduler_server_args(PS):
-            new = scheduler_batch.alloc_for_extend(stack, [req], [seq_len])
-        ids, pos = torch.tensor(req.fill_ids), torch.arange(seq_len)
-        nsa_stack.write_prefill_kv(stack, new, ids[prefix:], pos[prefix:])
+            self.new_locs = scheduler_batch.alloc_for_extend(stack, [req], [seq_len])
         req.kv_committed_len = seq_len
+        self.forwarded = False
+
+    def forward(self, layers=None):
+        """The batch's forward: KV stored, layer ends reported (all layers unless
+        ``layers``); the forward end only after the last layer."""
+        ids, pos = torch.tensor(self.req.fill_ids), torch.arange(len(self.req.fill_ids))
+        nsa_stack.write_prefill_kv(self.stack, self.new_locs, ids[self.prefix :], pos[self.prefix :])
+        pool = self.stack.kv_pool
+        for layer in layers if layers is not None else range(pool.layer_num):
+            cp_layer_backup.notify_layer_stored(pool, pool.start_layer + layer)
+        if layers is None:
+            cp_layer_backup.notify_forward_end(pool)
+        self.forwarded = True
 
     def release(self, is_insert=True):
+        if not self.forwarded:
+            self.forward()
         self.stack.cache.cache_finished_req(self.req, is_insert=is_insert)
         self.stack.req_to_token_pool.free(self.req)
 
 
-def test_reservation_before_the_forward_is_claimed_by_the_insert(stack, scheduler_args):
+@pytest.fixture(params=[True, False], ids=["per_layer", "all_layer"])
+def per_layer(request, stack):
+    stack.cache.per_layer_backup = request.param
+    return request.param
+
+
+def _acked(cache):
+    return [i for ack in cache.cache_controller.ack_write_queue for i in ack.node_ids]
+
+
+def _loads_back_exact(stack, tokens):
+    """Evict the device copy of ``tokens``, wipe device KV, load back: bytes match."""
     cache = stack.cache
+    cache.evict(EvictParams(num_tokens=10**6))
+    nsa_stack.wipe_device_kv(stack)
+    match = _match(cache, tokens)
+    assert len(match.device_indices) == 0 and match.host_hit_length == len(tokens)
+    loaded, _ = cache.init_load_back(
+        InitLoadBackParams(best_match_node=match.best_match_node, host_hit_length=match.host_hit_length)
+    )
+    cache.ready_to_load_host_cache()
+    cache.check_hicache_events()
+    ids, pos = torch.tensor(tokens), torch.arange(len(tokens))
+    assert len(loaded) == len(tokens)
+    assert nsa_stack.count_kv_mismatches(stack, loaded, ids, pos) == 0
+
+
+def test_reservation_before_the_forward_is_claimed_by_the_insert(stack, scheduler_args, per_layer):
+    cache, controller = stack.cache, stack.cache.cache_controller
     start = _host_free(stack)
     a = Scheduled(stack, "a", _tokens(1, 3) + [7])
     assert cache.reserve_for_extend(a.req)
-    reserved = cache._forward_reservations["a"]
-    assert _host_free(stack) != start and not cache.cache_controller.ack_write_queue  # no transfer
+    reserved = cache._forward_reservations["a"].write
+    assert _host_free(stack) != start and not controller.ack_write_queue  # no transfer yet
+    assert controller.held_write_node_ids == ([reserved.node_id] if per_layer else [])
     with device_module().hold_events() as hold:
+        a.forward(layers=range(stack.kv_pool.layer_num - 1))
+        assert not controller.ack_write_queue  # not before the last layer
+        a.forward(layers=[stack.kv_pool.layer_num - 1])
+        cp_layer_backup.notify_forward_end(stack.kv_pool)
+        assert _acked(cache) == ([reserved.node_id] if per_layer else [])
         a.release()
         leaf = cache.root_node.children[nsa_stack.radix_key(_tokens(1, 3)).child_key(PS)]
         assert cache.pending_backups[leaf.id].write is reserved and not leaf.backuped
-        acked = [i for ack in cache.cache_controller.ack_write_queue for i in ack.node_ids]
-        assert acked == [leaf.id]
+        assert _acked(cache) == ([reserved.node_id] if per_layer else [leaf.id])
         hold.release()
     cache.check_hicache_events()
     assert leaf.backuped and torch.equal(leaf.host_value, reserved.logical_host_locs)
     assert not cache._forward_reservations and cache.pending_stats.rolled_back == 0
+    assert _locks_clear(cache) and not cache.ongoing_write_through
+    _loads_back_exact(stack, _tokens(1, 3))
 
 
-def test_insert_miss_and_retraction_roll_the_reservation_back(stack, scheduler_args):
+def test_per_layer_ack_before_the_insert_commits_at_the_claim(stack, scheduler_args):
+    """Overlap scheduling: the next round's writing_check pops the ack of a batch whose
+    results (inserts) are processed later. The claim then commits at once, unlocked."""
+    cache = stack.cache
+    a = Scheduled(stack, "a", _tokens(1, 3) + [7])
+    assert cache.reserve_for_extend(a.req)
+    reserved = cache._forward_reservations["a"].write
+    a.forward()
+    cache.check_hicache_events()  # the ack pops: nothing claimed it yet
+    assert not cache.cache_controller.ack_write_queue and cache.pending_stats.committed == 0
+    a.release()
+    leaf = cache.root_node.children[nsa_stack.radix_key(_tokens(1, 3)).child_key(PS)]
+    assert leaf.backuped and torch.equal(leaf.host_value, reserved.logical_host_locs)
+    assert cache.pending_stats.committed == 1 and leaf.id not in cache.pending_backups
+    assert _locks_clear(cache) and not cache.ongoing_write_through
+    _loads_back_exact(stack, _tokens(1, 3))
+
+
+def test_insert_miss_and_retraction_roll_the_reservation_back(stack, scheduler_args, per_layer):
     cache = stack.cache
     start = _host_free(stack)
     tokens = _tokens(1, 2) + [7]
     # bs 2: both requests matched before either inserted the same new pages.
     a, b = Scheduled(stack, "a", tokens), Scheduled(stack, "b", tokens)
     assert cache.reserve_for_extend(a.req) and cache.reserve_for_extend(b.req)
-    a.release()
-    b.release()  # finds a's leaf: its reservation is rolled back
+    with device_module().hold_events() as hold:
+        a.release()  # one forward for the batch
+        b.release()  # finds a's leaf: its reservation is not claimed
+        # A per-layer transfer may still be writing the pages: rolled back at its ack.
+        assert cache.pending_stats.rolled_back == (0 if per_layer else 1)
+        hold.release()
     cache.check_hicache_events()
     leaf = cache.root_node.children[nsa_stack.radix_key(tokens).child_key(PS)]
     assert leaf.backuped and cache.pending_stats.rolled_back == 1
@@ -312,8 +383,23 @@ def test_insert_miss_and_retraction_roll_the_reservation_back(stack, scheduler_a
     c = Scheduled(stack, "c", _tokens(5000, 2) + [7])
     assert cache.reserve_for_extend(c.req)
     c.release(is_insert=False)  # retracted (or aborted) after its forward
+    cache.check_hicache_events()
     assert _host_free(stack) == start and cache.pending_stats.rolled_back == 2
     assert not cache._forward_reservations and _locks_clear(cache)
+    assert not cache.ongoing_write_through and not cache._reservations_in_flight
+
+
+def test_flush_with_per_layer_reservations_in_flight_frees_everything(stack, scheduler_args):
+    cache = stack.cache
+    start = _host_free(stack)
+    a = Scheduled(stack, "a", _tokens(1, 2) + [7])
+    assert cache.reserve_for_extend(a.req)
+    assert len(cache.ongoing_write_through) == 1  # the scheduler is not idle: no flush yet
+    a.release()
+    cache.check_hicache_events()
+    cache.evict(EvictParams(num_tokens=10**6))
+    cache.reset()
+    assert _host_free(stack) == start and not cache._reservations_in_flight
 
 
 def test_reservation_probes_the_final_insertion_prefix(stack, scheduler_args):
@@ -326,7 +412,7 @@ def test_reservation_probes_the_final_insertion_prefix(stack, scheduler_args):
     assert b.req.cache_protected_len == 0
     assert cache.reserve_for_extend(b.req)
     reserved = cache._forward_reservations["b"]
-    assert len(reserved.logical_host_locs) == 2 * PS  # only the pages b's insert adds
+    assert len(reserved.write.logical_host_locs) == 2 * PS  # only the pages b's insert adds
     b.release()
     cache.check_hicache_events()
     assert cache.pending_stats.rolled_back == 0 and cache.pending_stats.committed == 2
