@@ -221,8 +221,13 @@ class Bench:
         return elapsed
 
     def _write_backup(self, rng: random.Random) -> float:
-        params = self._new_leaf(rng, chunked=True)  # chunked: no write-through on insert
-        self.cache.insert(params)
+        params = self._new_leaf(rng, chunked=False)
+        controller = self.cache.cache_controller
+        policy, controller.write_policy = controller.write_policy, "write_back"
+        try:  # under write_back an insert backs nothing up (chunked leaves are, now)
+            self.cache.insert(params)
+        finally:
+            controller.write_policy = policy
         leaf = self.cache.match_prefix(MatchPrefixParams(key=params.key)).last_device_node
         assert not leaf.backuped
 

@@ -358,7 +358,11 @@ class RankDriver:
     def _fits(self, planned: List[SimReq], req: SimReq) -> bool:
         """PrefillAdder's token budget: the batch's new pages fit in free plus evictable
         device memory (locked pages, e.g. of writes in flight, do not count), with one page
-        per owner lane of slack. Without it a request waits, as upstream's NO_TOKEN."""
+        per owner lane of slack. Without it a request waits, as upstream's NO_TOKEN; so
+        does one without a free request slot (upstream's running-request limit)."""
+        new_slots = sum(1 for other in (*planned, req) if other.req_pool_idx is None)
+        if new_slots > self.req_pool.available_size():
+            return False
         budget = self.allocator.available_size() + self.cache.evictable_size()
         budget -= self.page_size * len(self.ledger.start_lanes or [1])
         budget -= self._lock_cost(req.last_node)  # admission locks its device prefix

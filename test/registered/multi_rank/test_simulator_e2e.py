@@ -335,3 +335,17 @@ def test_pending_backups_hold_every_promise_with_chunking_aborts_and_transfers_i
     assert report.host_hit_tokens > 0 and report.host_evictions > 0
     # A request met a pending backup it would split and waited (no lock leak: passed).
     assert report.deferred_splits > 0 and report.deferred_requests > 0
+
+
+def test_admission_waits_for_a_free_request_slot() -> None:
+    """Deferred, re-queued and new requests together can outnumber the free request
+    slots; upstream admits no more than it has slots for (they wait), never a batch whose
+    alloc_req_slots fails."""
+    report = run_simulation(
+        SimConfig(
+            cp_size=3, seed=0, num_requests=160, batch_size=4, chunked_prefill_size=256,
+            abort_prob=0.05, retract_prob=0.05, inflight_steps=4, hicache_ratio=1.2, baseline=False,
+        )  # fmt: skip
+    )
+    assert report.invariant_violations == [] and report.passed
+    assert report.deferred_splits > 0 and report.backups_skipped_host_full > 0
