@@ -349,17 +349,18 @@ class CpHiRadixCache(FastHiRadixCache):
         if record is None:
             return 0
         reservation = record.reservation
-        if reservation is None or reservation.ticket is None:
-            self._submit_backup(record)
-        elif reservation.landed:  # its per-layer transfer landed on every rank already
-            del self.pending_backups[node.id]
+        if reservation is not None and reservation.landed:
+            # Its per-layer transfer landed on every rank before this claim: commit now.
             self._commit_backup(record)
             self._record_store_event(node, medium=CPU)
             return len(record.write.logical_host_locs)
-        else:  # submitted before the forward: its ack (by ticket) commits this node
+        self.pending_backups[node.id] = record
+        if reservation is None or reservation.ticket is None:
+            self.cache_controller.submit_write(record.write)  # all layers, one ack
+        else:  # submitted before the forward: its ack (by ticket) now commits this node
             reservation.node = node
             del self.ongoing_write_through[reservation.ticket]
-            self.ongoing_write_through[node.id] = node
+        self.ongoing_write_through[node.id] = node
         if not write_back:
             self.inc_lock_ref(node)
         return len(record.write.logical_host_locs)
@@ -376,9 +377,7 @@ class CpHiRadixCache(FastHiRadixCache):
             write = self._reserve(self.host_table.plan_write(run), node.id)
         if write is None:
             return None
-        record = PendingBackup(node, write, reservation)
-        self.pending_backups[node.id] = record
-        return record
+        return PendingBackup(node, write, reservation)
 
     def _reserve(self, plan: HostWritePlan, node_id: int) -> Optional[PendingHostWrite]:
         """Reserve ``plan``; on a short lane make room there (host-only victims) and retry
@@ -518,12 +517,6 @@ class CpHiRadixCache(FastHiRadixCache):
             super().cache_unfinished_req(req, chunked)
         self.req_loc_mirror.write(req.req_pool_idx, 0, self.device_prefix_locs(req.last_node))
         self._settle_forward_reservation(req)
-
-    def _submit_backup(self, record: PendingBackup) -> None:
-        """Queue the reserved transfer and its one ack (all layers at once; per-layer
-        submission changes only this call)."""
-        self.cache_controller.submit_write(record.write)
-        self.ongoing_write_through[record.node.id] = record.node
 
     def _publish_backup(self, node_id: int) -> Optional[TreeNode]:
         if node_id in self._reservations_in_flight:
