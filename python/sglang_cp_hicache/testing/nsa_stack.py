@@ -140,6 +140,19 @@ def build_rank_stack(
     return RankStack(cache, allocator, kv_pool, req_to_token_pool, layout)
 
 
+def unit_stack(attn_tp_group: Any, shared_kv: bool = True, cp_rank: int = 0, **overrides: Any) -> RankStack:
+    """The unit tests' one-process rank: 16 pages per rank at cp 2 unless ``overrides``
+    say otherwise, the plugin's ``CpHiRadixCache`` with CP on and off (flag off: the class
+    the plugin puts in place of upstream's)."""
+    from sglang_cp_hicache.mem_cache.hiradix_cache import CpHiRadixCache
+
+    page_size = overrides.get("page_size", StackConfig.page_size)
+    cfg = StackConfig(**{"physical_tokens": 16 * page_size, **overrides})
+    return build_rank_stack(
+        cfg, cp_rank, None, attn_tp_group, shared_kv=shared_kv, cache_cls=CpHiRadixCache
+    )
+
+
 # --------------------------------------------------------------------- KV pattern
 def expected_kv_rows(token_ids: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
     """MLA latent rows [n, 1, 576] (bf16-exact small integers) for the given tokens."""

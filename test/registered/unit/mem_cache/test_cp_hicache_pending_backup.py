@@ -15,17 +15,13 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 
 from sglang_cp_hicache.managers.schedule_policy import add_one_req_around
 from sglang_cp_hicache.mem_cache import cp_layer_backup
-from sglang_cp_hicache.mem_cache.hiradix_cache import CpHiRadixCache
 from sglang_cp_hicache.testing import device_module, nsa_stack, scheduler_batch
 
 PS = 64
 
 
 def _stack(gloo_world1, shared_kv=True, **cfg):
-    cfg = nsa_stack.StackConfig(cp_size=2, **{"physical_tokens": PS * 16, **cfg})
-    return nsa_stack.build_rank_stack(
-        cfg, 0, None, gloo_world1, shared_kv=shared_kv, cache_cls=CpHiRadixCache
-    )
+    return nsa_stack.unit_stack(gloo_world1, shared_kv, **cfg)
 
 
 @pytest.fixture

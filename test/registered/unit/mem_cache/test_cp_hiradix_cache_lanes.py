@@ -16,17 +16,13 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.hiradix_cache import StorageMedium
 
-from sglang_cp_hicache.mem_cache.hiradix_cache import CpHiRadixCache
 from sglang_cp_hicache.testing import device_module, nsa_stack
 
 PS = 64
 
 
 def _stack(gloo_world1, shared_kv=True, **cfg):
-    cfg = nsa_stack.StackConfig(cp_size=2, **{"physical_tokens": PS * 16, **cfg})
-    return nsa_stack.build_rank_stack(
-        cfg, 0, None, gloo_world1, shared_kv=shared_kv, cache_cls=CpHiRadixCache
-    )
+    return nsa_stack.unit_stack(gloo_world1, shared_kv, **cfg)
 
 
 class Prompts:

@@ -10,17 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_cp_hicache.mem_cache.hiradix_cache import CpHiRadixCache
 from sglang_cp_hicache.testing import nsa_stack
 
 PS = 64
 
 
 def _stack(gloo_world1, shared_kv: bool):
-    cfg = nsa_stack.StackConfig(cp_size=2, physical_tokens=PS * 16, layer_num=1)
-    return nsa_stack.build_rank_stack(
-        cfg, 0, None, gloo_world1, shared_kv=shared_kv, cache_cls=CpHiRadixCache
-    )
+    return nsa_stack.unit_stack(gloo_world1, shared_kv, layer_num=1)
 
 
 class SlowPeer:

@@ -17,7 +17,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_cp_hicache.mem_cache.hiradix_cache import CpHiRadixCache
 from sglang_cp_hicache.mem_cache.write_ack_watcher import WriteAckWatcher
 from sglang_cp_hicache.testing import device_module, nsa_stack
 
@@ -102,10 +101,7 @@ def test_idle_thread_exits_and_restarts_on_demand():
 
 # ------------------------------------------------------------------ cache
 def _stack(gloo_world1, shared_kv: bool):
-    cfg = nsa_stack.StackConfig(cp_size=2, physical_tokens=PS * 16, layer_num=1)
-    return nsa_stack.build_rank_stack(
-        cfg, 0, None, gloo_world1, shared_kv=shared_kv, cache_cls=CpHiRadixCache
-    )
+    return nsa_stack.unit_stack(gloo_world1, shared_kv, layer_num=1)
 
 
 @pytest.mark.parametrize("shared_kv", [False, True], ids=["cp_off", "cp_on"])
