@@ -118,6 +118,18 @@ HOOKS: Tuple[HookSpec, ...] = (
         "sglang_cp_hicache.mem_cache.hiradix_cache:CpHiRadixCache",
         "REPLACE",
     ),
+    # The MTP draft's KV on host: the cache gets the draft pool when it is built (one host
+    # object, one budget); upstream's MLA-only draft host pool registration is replaced.
+    HookSpec(
+        "sglang.srt.managers.scheduler:Scheduler.init_cache_with_memory_pool",
+        "sglang_cp_hicache.managers.scheduler:init_cache_with_memory_pool_around",
+        "AROUND",
+    ),
+    HookSpec(
+        "sglang.srt.managers.scheduler:Scheduler._maybe_register_hicache_draft",
+        "sglang_cp_hicache.managers.scheduler:maybe_register_hicache_draft_around",
+        "AROUND",
+    ),
     # Prefill admission: a request that would split a pending host backup waits a round; a
     # batch never reads more KV pages than the dense buffers hold.
     HookSpec(

@@ -144,16 +144,11 @@ def unsupported_cache_combinations(server_args: Any) -> List[str]:
                 "--hicache-mem-layout layer_first (any io backend) or "
                 "--hicache-io-backend direct with page_first_direct"
             )
-    algorithm = getattr(server_args, "speculative_algorithm", None)
-    if algorithm and getattr(server_args, "enable_hierarchical_cache", False):
-        # Upstream's draft host pool (Scheduler._maybe_register_hicache_draft) is MLA-only,
-        # sized apart from the target's and ignored by the hybrid controller: a host hit
-        # would restore target KV without draft KV and silently poison MTP acceptance.
-        problems.append(
-            f"{CLI_FLAG} with --enable-hierarchical-cache does not support "
-            f"--speculative-algorithm {algorithm} yet: draft KV on host is not yet kept in "
-            "lockstep with the target's (drop --enable-hierarchical-cache to serve with MTP)"
-        )
+    # Speculative decoding with HiCache: the NSA MTP draft's KV is kept on host with the
+    # target's as one object (CpHiRadixCache, with the draft pool the scheduler hook hands
+    # over; upstream's MLA-only Scheduler._maybe_register_hicache_draft is replaced). What
+    # it cannot keep (another algorithm, multi-layer EAGLE, a non-NSA draft backend) is
+    # refused by unsupported_speculative_combinations, a non-NSA draft pool where it is built.
     return problems
 
 
@@ -165,7 +160,7 @@ def unsupported_speculative_combinations(server_args: Any) -> List[str]:
     """Why speculative decoding in ``server_args`` cannot run with CP shared KV (empty when
     it can): only the NSA MTP draft (NextN / EAGLE, one draft layer) shares the target's
     logical locs and layout; whether the draft *is* NSA is checked where its pool is built.
-    Speculative decoding with HiCache is refused by :func:`unsupported_cache_combinations`."""
+    With HiCache, the draft's host KV is kept with the target's (``CpHiRadixCache``)."""
     algorithm = getattr(server_args, "speculative_algorithm", None)
     if not algorithm:
         return []

@@ -11,6 +11,13 @@ Because host pools are per rank and equal-sized, every rank can compute every la
 usage from the replicated owner table, so admission (does each lane have room?) and
 eviction progress (has each short lane regained enough pages?) are decided identically on
 all ranks without a collective.
+
+With an MTP draft, one logical host page holds the target's *and* the draft's KV of its
+tokens (the same physical slot in both host pools). The table records, per page, which
+payloads the write that filled it carried (:data:`PAYLOAD_TARGET`, :data:`PAYLOAD_DRAFT`);
+every read of a page (load plan, load, split metadata, free) fails fast, naming the node
+and rank, unless it carries every payload the cache keeps, so a target-only page can never
+become a hit.
 """
 
 from __future__ import annotations
@@ -32,6 +39,17 @@ from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import (
 
 class CpHiCacheMetadataError(RuntimeError):
     """CP HiCache bookkeeping is inconsistent; the message names the node and rank."""
+
+
+# What a logical host page holds (bit mask): the target's KV, and the MTP draft's.
+PAYLOAD_TARGET = 1
+PAYLOAD_DRAFT = 2
+_PAYLOAD_NAMES = {PAYLOAD_TARGET: "target", PAYLOAD_DRAFT: "draft"}
+
+
+def payload_name(payload: int) -> str:
+    names = [name for bit, name in _PAYLOAD_NAMES.items() if payload & bit]
+    return " + ".join(names) if names else "nothing"
 
 
 # The run and plan records below are plain (not frozen) dataclasses: one or two are built
@@ -204,16 +222,20 @@ class CpHostPageTable:
     and physical page of each.
 
     Replicated state (identical on every rank): the free list of logical host pages, the
-    owner of each used page, and per-lane usage. Per-rank state: the physical host page of
-    the pages this rank owns. Invariant: ``lane_used_pages[cp_rank]`` equals the pages this
-    rank's physical host pool has handed out for CP HiCache.
+    owner of each used page, the payloads each used page holds, and per-lane usage.
+    Per-rank state: the physical host page of the pages this rank owns. Invariants:
+    ``lane_used_pages[cp_rank]`` equals the pages this rank's physical host pool has handed
+    out for CP HiCache; every used page holds ``payload`` (all the cache keeps on host).
     """
 
-    def __init__(self, layout: CpSharedKVLayout, physical_host_pages: int) -> None:
+    def __init__(
+        self, layout: CpSharedKVLayout, physical_host_pages: int, payload: int = PAYLOAD_TARGET
+    ) -> None:
         self.layout = layout
         self.page_size = layout.page_size
         self.physical_host_pages = physical_host_pages
         self.num_logical_pages = physical_host_pages * layout.cp_size
+        self.payload = payload
         self.clear()
 
     # ------------------------------------------------------------------ state
@@ -221,6 +243,7 @@ class CpHostPageTable:
         self._free_logical_pages: Deque[int] = deque(range(self.num_logical_pages))
         self._page_owner = np.full(self.num_logical_pages, -1, dtype=np.int64)
         self._physical_page = np.full(self.num_logical_pages, -1, dtype=np.int64)
+        self._page_payload = np.zeros(self.num_logical_pages, dtype=np.uint8)
         self._lane_used_pages = [0] * self.layout.cp_size
 
     def lane_used_pages(self) -> List[int]:
@@ -251,14 +274,21 @@ class CpHostPageTable:
         lane_pages = np.bincount(owners, minlength=self.layout.cp_size).tolist()
         return HostWritePlan(run, owners, lane_pages)
 
-    def commit_write(self, plan: HostWritePlan, owned_physical_host_pages: np.ndarray) -> np.ndarray:
-        """Record a write admitted by :meth:`lane_deficit`; return its logical host locs
-        (valid tokens only, the in-page offsets of the device locs)."""
+    def commit_write(
+        self,
+        plan: HostWritePlan,
+        owned_physical_host_pages: np.ndarray,
+        payload: Optional[int] = None,
+    ) -> np.ndarray:
+        """Record a write admitted by :meth:`lane_deficit` that carries ``payload`` (by
+        default all the cache keeps); return its logical host locs (valid tokens only, the
+        in-page offsets of the device locs)."""
         num_pages = len(plan.page_owners)
         logical_pages = np.fromiter(
             (self._free_logical_pages.popleft() for _ in range(num_pages)), np.int64, num_pages
         )
         self._page_owner[logical_pages] = plan.page_owners
+        self._page_payload[logical_pages] = self.payload if payload is None else payload
         owned = plan.page_owners == self.layout.cp_rank
         self._physical_page[logical_pages[owned]] = owned_physical_host_pages
         for lane, pages in enumerate(plan.lane_pages):
@@ -316,6 +346,7 @@ class CpHostPageTable:
         owned_physical = self._physical_page[pages[owners == self.layout.cp_rank]]
         self._page_owner[pages] = -1
         self._physical_page[pages] = -1
+        self._page_payload[pages] = 0
         for lane, freed in enumerate(lane_freed):
             self._lane_used_pages[lane] -= freed
         self._free_logical_pages.extend(pages.tolist())
@@ -323,7 +354,7 @@ class CpHostPageTable:
 
     def _owners(self, pages: np.ndarray, node_id: int, problem: str) -> Tuple[np.ndarray, List[int]]:
         """Owner lane of each logical host page and the pages per lane; raises if a page
-        is not allocated (owner -1)."""
+        is not allocated (owner -1) or lacks a payload (:meth:`check_payload`)."""
         owners = self._page_owner[pages]
         try:
             # bincount refuses negative entries: the free-page check costs nothing extra.
@@ -333,7 +364,22 @@ class CpHostPageTable:
                 f"node {node_id} on CP rank {self.layout.cp_rank}: logical host page "
                 f"{int(pages[owners < 0][0])} {problem}"
             ) from None
+        self.check_payload(pages, node_id)
         return owners, lane_pages
+
+    def check_payload(self, pages: np.ndarray, node_id: int = -1) -> None:
+        """Fail fast unless every logical host page in ``pages`` holds all the payloads
+        the cache keeps (with a draft: target *and* draft KV). Replicated state, so every
+        rank raises alike."""
+        payloads = self._page_payload[pages]
+        if len(payloads) and not (payloads == self.payload).all():
+            index = int(np.flatnonzero(payloads != self.payload)[0])
+            raise CpHiCacheMetadataError(
+                f"node {node_id} on CP rank {self.layout.cp_rank}: logical host page "
+                f"{int(pages[index])} holds {payload_name(int(payloads[index]))} KV, the cache "
+                f"keeps {payload_name(self.payload)} KV on host (a page is host-valid only "
+                "with every payload)"
+            )
 
 
 __all__ = [
@@ -342,5 +388,8 @@ __all__ = [
     "CpHostPageTable",
     "HostLoadPlan",
     "HostWritePlan",
+    "PAYLOAD_DRAFT",
+    "PAYLOAD_TARGET",
     "PageRun",
+    "payload_name",
 ]

@@ -47,6 +47,8 @@ benchmarks) leaves them to be read from ``node.value`` on first use: counted in
 
 from __future__ import annotations
 
+import contextvars
+import copy
 import logging
 import time
 from contextlib import closing, contextmanager
@@ -75,6 +77,13 @@ from sglang_cp_hicache.mem_cache.hybrid_cache.cp_hybrid_cache_controller import 
     PendingHostWrite,
 )
 from sglang_cp_hicache.mem_cache.memory_pool import ReqToTokenHostMirror
+from sglang_cp_hicache.mem_cache.memory_pool_host import (
+    CpHostPoolGroup,
+    HostBudgetSplit,
+    build_nsa_host_group,
+    hicache_ratio_for_pages,
+    split_host_budget,
+)
 from sglang_cp_hicache.server_args import (
     CLI_FLAG,
     CpSharedKVConfigError,
@@ -82,6 +91,21 @@ from sglang_cp_hicache.server_args import (
 )
 
 logger = logging.getLogger(__name__)
+
+# The MTP draft's device KV pool the next CP HiRadixCache is built with (set by the
+# scheduler hook around init_cache_with_memory_pool; SGLang's CacheInitParams has no field).
+_draft_kv_pool: contextvars.ContextVar[Any] = contextvars.ContextVar("cp_hicache_draft_kv_pool", default=None)
+
+
+@contextmanager
+def draft_kv_pool_scope(draft_kv_pool: Any) -> Iterator[None]:
+    """A CP HiRadixCache built inside keeps ``draft_kv_pool``'s KV on host with the
+    target's: one host object, one budget, one page table, one ack."""
+    token = _draft_kv_pool.set(draft_kv_pool)
+    try:
+        yield
+    finally:
+        _draft_kv_pool.reset(token)
 
 
 @dataclass
@@ -143,10 +167,13 @@ class CpHiRadixCache(FastHiRadixCache):
     def __init__(self, params, server_args) -> None:
         allocator = params.token_to_kv_pool_allocator
         self.uses_cp_hicache = isinstance(allocator, CPSharedPagedTokenToKVPoolAllocator)
+        self.draft_kv_pool: Any = None
+        self.host_budget: Optional[HostBudgetSplit] = None
         if self.uses_cp_hicache:
             problems = unsupported_cache_combinations(server_args)
             if problems:
                 raise CpSharedKVConfigError("; ".join(problems))
+            server_args = self._size_host_pools_for_draft(allocator.get_kvcache(), params.page_size, server_args)
         # Before super(): its __init__ calls reset(). Keyed by the reserving node's id.
         self.pending_backups: Dict[int, PendingBackup] = {}
         # Reserved before the forward, not yet claimed by an insert: by rid, and the rid
@@ -173,14 +200,95 @@ class CpHiRadixCache(FastHiRadixCache):
             return
         self.req_loc_mirror = ReqToTokenHostMirror(*params.req_to_token_pool.req_to_token.shape)
         self.layout = allocator.layout
+        if self.draft_kv_pool is not None:
+            # Same pages as the target's (one page table, the same physical slots).
+            draft_host = build_nsa_host_group(
+                self.draft_kv_pool, self.host_budget.pages, self.page_size, self.token_to_kv_pool_host.layout
+            )
+            self.token_to_kv_pool_host = CpHostPoolGroup(self.token_to_kv_pool_host, draft_host)
         self.cache_controller = self._build_cp_controller(self.cache_controller)
         self.host_table = self.cache_controller.host_table
         logger.info(
-            "CP HiCache on rank %d/%d: %d physical host slots per rank, %d logical host tokens",
+            "CP HiCache on rank %d/%d: %d physical host slots per rank, %d logical host tokens%s",
             self.layout.cp_rank,
             self.layout.cp_size,
             self.token_to_kv_pool_host.size,
             self.host_table.num_logical_pages * self.page_size,
+            "" if self.host_budget is None else (
+                f"; with the MTP draft's KV in the same slots, target {self.host_budget.target_bytes} "
+                f"+ draft {self.host_budget.draft_bytes} bytes of the {self.host_budget.budget_bytes}-byte "
+                f"budget ({self.host_budget.target_pages_alone} pages without a draft)"
+            ),
+        )
+
+    def _size_host_pools_for_draft(self, kv_cache: Any, page_size: int, server_args: Any) -> Any:
+        """With an MTP draft (handed over by :func:`draft_kv_pool_scope`): the server args
+        that make SGLang's assembler build the target's host pools at the pages the target
+        and draft get from the target's budget (:func:`split_host_budget`); without one,
+        ``server_args`` as given. Never lets a speculative server run without its draft
+        pool on host."""
+        draft_pool = _draft_kv_pool.get()
+        algorithm = getattr(server_args, "speculative_algorithm", None)
+        if draft_pool is None:
+            if algorithm:
+                raise CpSharedKVConfigError(
+                    f"{CLI_FLAG} with --enable-hierarchical-cache and --speculative-algorithm "
+                    f"{algorithm}: the CP HiRadixCache was built without the draft's KV pool, so "
+                    "draft KV would not be kept on host with the target's (the scheduler hands "
+                    "it over around Scheduler.init_cache_with_memory_pool; build the cache "
+                    "inside hiradix_cache.draft_kv_pool_scope)"
+                )
+            return server_args
+        for name, pool in (("target", kv_cache), ("draft", draft_pool)):
+            if not isinstance(pool, NSATokenToKVPool):
+                raise CpSharedKVConfigError(
+                    f"{CLI_FLAG} keeps the MTP draft's KV on host only for NSA pools; the "
+                    f"{name} pool is {type(pool).__name__}"
+                )
+        if draft_pool.size != kv_cache.size or draft_pool.page_size != page_size:
+            raise CpSharedKVConfigError(
+                f"{CLI_FLAG}: the draft KV pool ({draft_pool.size} slots, page "
+                f"{draft_pool.page_size}) must mirror the target's ({kv_cache.size} slots, page "
+                f"{page_size}) to share its host slots"
+            )
+        split = split_host_budget(
+            kv_cache, draft_pool, page_size, server_args.hicache_ratio, server_args.hicache_size
+        )
+        if split.tokens <= kv_cache.size:
+            raise CpSharedKVConfigError(
+                f"{CLI_FLAG} with the MTP draft on host: the per-rank host budget of "
+                f"{split.budget_bytes} bytes (--hicache-ratio {server_args.hicache_ratio}, "
+                f"--hicache-size {server_args.hicache_size}) holds {split.pages} pages of target "
+                f"+ draft KV, not more than the device pool's {kv_cache.size // page_size} pages "
+                "(SGLang needs a larger host pool); raise --hicache-ratio or --hicache-size"
+            )
+        self.draft_kv_pool, self.host_budget = draft_pool, split
+        sized = copy.copy(server_args)
+        sized.hicache_size = 0
+        sized.hicache_ratio = hicache_ratio_for_pages(kv_cache, split.pages, page_size)
+        return sized
+
+    def check_draft_kv_pool(self, draft_kv_pool: Any) -> None:
+        """Fail fast unless this cache keeps exactly ``draft_kv_pool``'s KV on host (the
+        scheduler's draft pool; None: no draft). Replaces upstream's MLA-only draft host
+        pool registration under the flag."""
+        if draft_kv_pool is self.draft_kv_pool:
+            return
+        rank = self.layout.cp_rank if self.uses_cp_hicache else 0
+        if draft_kv_pool is None:
+            raise CpSharedKVConfigError(
+                f"{CLI_FLAG} on CP rank {rank}: the CP HiRadixCache keeps a draft KV pool on "
+                "host but the scheduler has no draft worker"
+            )
+        if self.draft_kv_pool is None:
+            raise CpSharedKVConfigError(
+                f"{CLI_FLAG} on CP rank {rank}: the scheduler has a draft KV pool "
+                f"({type(draft_kv_pool).__name__}) but the CP HiRadixCache was built without it: "
+                "draft KV would not be kept on host with the target's"
+            )
+        raise CpSharedKVConfigError(
+            f"{CLI_FLAG} on CP rank {rank}: the CP HiRadixCache keeps another draft KV pool on "
+            f"host than the scheduler's ({type(draft_kv_pool).__name__})"
         )
 
     def _build_cp_controller(self, upstream: Any) -> CpHybridCacheController:
@@ -188,10 +296,11 @@ class CpHiRadixCache(FastHiRadixCache):
             raise CpSharedKVConfigError(
                 f"{CLI_FLAG} with HiCache needs the NSA KV pool, got {type(self.kv_cache).__name__}"
             )
-        # Same arguments as the upstream assembler used; the host pool group is reused.
+        # Same arguments as the upstream assembler used; the host pool group is reused
+        # (with a draft: inside the one target + draft host object).
         return CpHybridCacheController(
             upstream.mem_pool_device_allocator,
-            upstream.mem_pool_host,
+            self.token_to_kv_pool_host,
             self.page_size,
             upstream.tp_group,
             load_cache_event=self.load_cache_event,

@@ -5,7 +5,10 @@ Real SGLang classes throughout: ``NSATokenToKVPool`` (physical, per rank), the a
 non-CP baseline), ``ReqToTokenPool``, host pools and the HiRadixCache with its controller.
 Also provides a deterministic KV pattern: "prefill" writes values that are a function of
 (token id, position, layer) into this rank's owned physical slots, so any rank can check
-what a cache hit returns.
+what a cache hit returns. With ``StackConfig.draft`` the stack also has the MTP draft's
+one-layer NSA pool (the target's physical size, as under shared KV), handed to the CP cache
+as SGLang's scheduler hook does; its pattern uses a layer id no target layer has, so a
+target byte in a draft slot (or the reverse) is a mismatch.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ KV_LORA_RANK = 512
 QK_ROPE_HEAD_DIM = 64
 INDEX_HEAD_DIM = 128
 INDEX_BYTES_PER_TOKEN = INDEX_HEAD_DIM + 4  # fp8 K + fp32 scale, per NSATokenToKVPool
+DRAFT_LAYERS = 1  # the NSA MTP draft (NextN)
+DRAFT_PATTERN_LAYER = 96  # the draft layer's pattern id: no target layer's (mod 97 / 256)
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,7 @@ class StackConfig:
     req_pool_size: int = 64
     max_context_len: int = 8192
     write_policy: str = "write_through"
+    draft: bool = False  # the MTP draft's 1-layer pool beside the target (CP stacks)
 
 
 @dataclass
@@ -46,6 +52,7 @@ class RankStack:
     kv_pool: Any
     req_to_token_pool: Any
     layout: Any  # CpSharedKVLayout, or None for the upstream baseline
+    draft_pool: Any = None  # the MTP draft's NSA pool (StackConfig.draft)
 
     def close(self) -> None:
         atexit.unregister(self.cache.shutdown)
@@ -69,7 +76,7 @@ def _server_args(cfg: StackConfig):
     return server_args
 
 
-def build_kv_pool(cfg: StackConfig):
+def build_kv_pool(cfg: StackConfig, layer_num: Optional[int] = None):
     from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 
     return NSATokenToKVPool(
@@ -78,7 +85,7 @@ def build_kv_pool(cfg: StackConfig):
         kv_lora_rank=KV_LORA_RANK,
         dtype=torch.bfloat16,
         qk_rope_head_dim=QK_ROPE_HEAD_DIM,
-        layer_num=cfg.layer_num,
+        layer_num=cfg.layer_num if layer_num is None else layer_num,
         device="cpu",
         index_head_dim=INDEX_HEAD_DIM,
         enable_memory_saver=False,
@@ -97,7 +104,9 @@ def build_rank_stack(
     """One scheduler rank's stack; ``shared_kv=False`` builds upstream non-CP HiCache.
 
     ``cache_cls`` overrides the HiRadixCache class (e.g. whatever SGLang's module exports
-    after plugins load, as the scheduler would construct it).
+    after plugins load, as the scheduler would construct it). ``cfg.draft`` (shared KV only)
+    adds the MTP draft's pool, handed to the cache as the scheduler hook does, and marks
+    the server speculative (NEXTN).
     """
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -107,9 +116,12 @@ def build_rank_stack(
         CPSharedPagedTokenToKVPoolAllocator,
     )
     from sglang_cp_hicache.mem_cache.fast_hiradix_cache import UPSTREAM
-    from sglang_cp_hicache.mem_cache.hiradix_cache import CpHiRadixCache
+    from sglang_cp_hicache.mem_cache.hiradix_cache import CpHiRadixCache, draft_kv_pool_scope
 
+    if cfg.draft and not shared_kv:
+        raise ValueError("StackConfig.draft needs the shared-KV (CP) stack")
     kv_pool = build_kv_pool(cfg)
+    draft_pool = build_kv_pool(cfg, layer_num=DRAFT_LAYERS) if cfg.draft else None
     common = dict(page_size=cfg.page_size, dtype=torch.bfloat16, device="cpu", kvcache=kv_pool)
     if shared_kv:
         allocator = CPSharedPagedTokenToKVPoolAllocator(
@@ -136,8 +148,12 @@ def build_rank_stack(
         attn_tp_cache_group=attn_tp_group,
         eviction_policy="lru",
     )
-    cache = (cache_cls or default_cls)(params=params, server_args=_server_args(cfg))
-    return RankStack(cache, allocator, kv_pool, req_to_token_pool, layout)
+    server_args = _server_args(cfg)
+    if cfg.draft:
+        server_args.speculative_algorithm = "NEXTN"
+    with draft_kv_pool_scope(draft_pool):
+        cache = (cache_cls or default_cls)(params=params, server_args=server_args)
+    return RankStack(cache, allocator, kv_pool, req_to_token_pool, layout, draft_pool)
 
 
 def unit_stack(attn_tp_group: Any, shared_kv: bool = True, cp_rank: int = 0, **overrides: Any) -> RankStack:
@@ -185,62 +201,100 @@ def owned_physical(stack: RankStack, logical_locs: torch.Tensor):
     return positions, stack.layout.logical_locs_to_physical(logical_locs[positions].to(torch.int64))
 
 
+def _pattern_layers(stack: RankStack, draft: bool) -> list:
+    """(pool layer, pattern layer id) of the target pool, or of the draft pool."""
+    if draft:
+        return [(layer, DRAFT_PATTERN_LAYER + layer) for layer in range(stack.draft_pool.layer_num)]
+    return [(layer, layer) for layer in range(stack.kv_pool.layer_num)]
+
+
 def write_prefill_kv(
     stack: RankStack, logical_locs: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor
 ) -> None:
-    """What a forward pass stores: owned tokens only, MLA KV and indexer K/scale."""
+    """What a forward pass stores: owned tokens only, MLA KV and indexer K/scale; with a
+    draft, also what the draft's prefill extend stores (its own pattern)."""
+    write_pool_kv(stack, logical_locs, token_ids, positions)
+    if stack.draft_pool is not None:
+        write_pool_kv(stack, logical_locs, token_ids, positions, draft=True)
+
+
+def write_pool_kv(
+    stack: RankStack,
+    logical_locs: torch.Tensor,
+    token_ids: torch.Tensor,
+    positions: torch.Tensor,
+    draft: bool = False,
+) -> None:
+    """The target forward's stores (or, ``draft``, the draft forward's) of owned tokens."""
     owned, physical_locs = owned_physical(stack, logical_locs)
     if len(owned) == 0:
         return
-    pages, cols = _index_byte_offsets(physical_locs, stack.kv_pool.page_size)
-    for layer in range(stack.kv_pool.layer_num):
-        stack.kv_pool.kv_buffer[layer][physical_locs] = expected_kv_rows(
-            token_ids[owned], positions[owned], layer
-        )
-        index_buf = stack.kv_pool.index_k_with_scale_buffer[layer]
+    pool = stack.draft_pool if draft else stack.kv_pool
+    pages, cols = _index_byte_offsets(physical_locs, pool.page_size)
+    for layer, pattern in _pattern_layers(stack, draft):
+        pool.kv_buffer[layer][physical_locs] = expected_kv_rows(token_ids[owned], positions[owned], pattern)
+        index_buf = pool.index_k_with_scale_buffer[layer]
         index_buf[pages.unsqueeze(1), cols] = expected_index_bytes(
-            token_ids[owned], positions[owned], layer
+            token_ids[owned], positions[owned], pattern
         )
 
 
 def count_kv_mismatches(
     stack: RankStack, logical_locs: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor
 ) -> int:
-    """Owned tokens whose KV or indexer bytes differ from the pattern (this rank)."""
+    """Owned tokens whose target KV or indexer bytes differ from the pattern (this rank)."""
     bad = _mismatch_masks(stack, logical_locs, token_ids, positions)
+    return int(torch.stack(bad).any(dim=0).sum()) if bad else 0
+
+
+def count_draft_kv_mismatches(
+    stack: RankStack, logical_locs: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor
+) -> int:
+    """Owned tokens whose draft KV or indexer bytes differ from the draft's pattern."""
+    bad = _mismatch_masks(stack, logical_locs, token_ids, positions, draft=True)
     return int(torch.stack(bad).any(dim=0).sum()) if bad else 0
 
 
 def kv_mismatches_per_layer(
     stack: RankStack, logical_locs: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor
 ) -> list:
-    """Per layer, the owned tokens whose KV or indexer bytes differ from the pattern."""
+    """Per target layer (then, with a draft, per draft layer), the owned tokens whose KV
+    or indexer bytes differ from the pattern."""
+    layers = stack.kv_pool.layer_num + (stack.draft_pool.layer_num if stack.draft_pool is not None else 0)
     bad = _mismatch_masks(stack, logical_locs, token_ids, positions)
-    return [int(mask.sum()) for mask in bad] or [0] * stack.kv_pool.layer_num
+    if stack.draft_pool is not None:
+        bad += _mismatch_masks(stack, logical_locs, token_ids, positions, draft=True)
+    return [int(mask.sum()) for mask in bad] or [0] * layers
 
 
-def _mismatch_masks(stack, logical_locs, token_ids, positions) -> list:
-    """Per layer, a mask over this rank's owned tokens of those with wrong bytes."""
+def _mismatch_masks(stack, logical_locs, token_ids, positions, draft: bool = False) -> list:
+    """Per layer of the target (or draft) pool, a mask over this rank's owned tokens of
+    those with wrong bytes."""
     owned, physical_locs = owned_physical(stack, logical_locs)
     if len(owned) == 0:
         return []
-    pages, cols = _index_byte_offsets(physical_locs, stack.kv_pool.page_size)
+    pool = stack.draft_pool if draft else stack.kv_pool
+    pages, cols = _index_byte_offsets(physical_locs, pool.page_size)
     masks = []
-    for layer in range(stack.kv_pool.layer_num):
-        kv = stack.kv_pool.kv_buffer[layer][physical_locs]
-        expected = expected_kv_rows(token_ids[owned], positions[owned], layer)
+    for layer, pattern in _pattern_layers(stack, draft):
+        kv = pool.kv_buffer[layer][physical_locs]
+        expected = expected_kv_rows(token_ids[owned], positions[owned], pattern)
         bad = (kv != expected).reshape(len(owned), -1).any(dim=1)
-        index_bytes = stack.kv_pool.index_k_with_scale_buffer[layer][pages.unsqueeze(1), cols]
-        bad |= (index_bytes != expected_index_bytes(token_ids[owned], positions[owned], layer)).any(dim=1)
+        index_bytes = pool.index_k_with_scale_buffer[layer][pages.unsqueeze(1), cols]
+        bad |= (index_bytes != expected_index_bytes(token_ids[owned], positions[owned], pattern)).any(dim=1)
         masks.append(bad)
     return masks
 
 
 def wipe_device_kv(stack: RankStack) -> None:
-    """Zero the whole device pool, so only a real load-back can restore bytes."""
-    for layer in range(stack.kv_pool.layer_num):
-        stack.kv_pool.kv_buffer[layer].zero_()
-        stack.kv_pool.index_k_with_scale_buffer[layer].zero_()
+    """Zero the whole device pool (and the draft's), so only a real load-back can restore
+    bytes."""
+    for pool in (stack.kv_pool, stack.draft_pool):
+        if pool is None:
+            continue
+        for layer in range(pool.layer_num):
+            pool.kv_buffer[layer].zero_()
+            pool.index_k_with_scale_buffer[layer].zero_()
 
 
 def radix_key(token_ids: list, extra_key: Optional[str] = None):

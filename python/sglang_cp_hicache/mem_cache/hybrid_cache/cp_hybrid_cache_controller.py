@@ -22,6 +22,12 @@ Backups go to the host either all layers at once (:meth:`submit_write`, the defa
 count backups of computed nodes, write-back eviction) or layer by layer during the forward
 that computes them (``submit_write(pending, per_layer=True)``, then :meth:`backup_layer`
 from the attention hook, see :class:`LayerBackupBatch` for the ack rule).
+
+With an MTP draft, the host pool is a :class:`CpHostPoolGroup` holding the target's and the
+draft's pools over the same physical slots: one reservation, one page table, one transfer
+op and one ack per logical backup or load carry both. A per-layer batch acks after the
+draft forward's layer (:meth:`backup_draft_layer`, from the draft pool's layer hook), not
+after the target's last layer: the draft stores its KV only after the target forward.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
 
 from sglang_cp_hicache.mem_cache import cp_layer_backup
 from sglang_cp_hicache.mem_cache.cp_hicache_metadata import (
+    PAYLOAD_DRAFT,
+    PAYLOAD_TARGET,
     CpHiCacheMetadataError,
     CpHostPageTable,
     HostLoadPlan,
@@ -51,7 +59,12 @@ from sglang_cp_hicache.mem_cache.cp_hicache_metadata import (
 )
 from sglang_cp_hicache.mem_cache.cp_shared_allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import host_int64, page_token_locs
-from sglang_cp_hicache.mem_cache.memory_pool_host import layer_backup_for
+from sglang_cp_hicache.mem_cache.memory_pool_host import (
+    DraftHostSlotsError,
+    HostPoolGroupLayerBackup,
+    host_group_bytes,
+    layer_backup_for,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +105,9 @@ class LayerBackupBatch:
     (None when it owns none); ``next_layer`` layers have been submitted, each once.
 
     Ack rule: the batch's one ``HiCacheAck`` (all ``node_ids``) is appended when its last
-    layer is submitted, never per layer. An all-layer submission appends its ack when it
-    is submitted. Both points are reached by every rank in the same program order (the
+    layer is submitted, never per layer: the target's last layer, or with an MTP draft the
+    draft forward's layer, which runs after the target forward. An all-layer submission
+    appends its ack when it is submitted. Both points are reached by every rank in the same program order (the
     scheduler is replicated and every rank runs every layer), so ``ack_write_queue`` has
     the same order on every rank, which ``writing_check``'s count-based pop (MIN
     all-reduce) needs: an all-layer backup submitted while a batch is held or in flight
@@ -108,8 +122,26 @@ class LayerBackupBatch:
     next_layer: int = 0
 
 
+class DraftLayerListener:
+    """The draft pool's layer hook: its forward's layer ends go to the controller's draft
+    stage (:meth:`CpHybridCacheController.backup_draft_layer`)."""
+
+    def __init__(self, controller: "CpHybridCacheController") -> None:
+        self.controller = controller
+
+    def backup_layer(self, layer_id: int) -> None:
+        self.controller.backup_draft_layer(layer_id)
+
+    def end_forward(self, error: Optional[BaseException] = None) -> None:
+        self.controller.end_draft_forward(error)
+
+
 class CpHybridCacheController(HybridCacheController):
-    """``HybridCacheController`` over one rank's owned shards of logical HiCache nodes."""
+    """``HybridCacheController`` over one rank's owned shards of logical HiCache nodes.
+
+    ``mem_pool_host`` is the target's host group, or a :class:`CpHostPoolGroup` whose
+    ``draft`` holds the MTP draft's host pools (target and draft then move together).
+    """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -123,26 +155,41 @@ class CpHybridCacheController(HybridCacheController):
             raise ValueError("host and device page sizes differ")
         self.allocator: CPSharedPagedTokenToKVPoolAllocator = allocator
         self.layout = allocator.layout
-        self.host_table = CpHostPageTable(self.layout, self.mem_pool_host.size // self.page_size)
+        self.draft_host = getattr(self.mem_pool_host, "draft", None)
+        payload = PAYLOAD_TARGET | (PAYLOAD_DRAFT if self.draft_host is not None else 0)
+        self.host_table = CpHostPageTable(
+            self.layout, self.mem_pool_host.size // self.page_size, payload=payload
+        )
         self._no_locs = torch.empty(0, dtype=torch.int64)
         self._no_device_locs = torch.empty(0, dtype=torch.int64, device=self.device)
         # Host frees (logical host locs) held back while batched_host_frees() is open.
         self._deferred_host_frees: Optional[List[torch.Tensor]] = None
-        # Per-layer backups: submitted for the next forward, then that forward's batch.
+        # Per-layer backups: submitted for the next forward, then that forward's batch,
+        # then (with a draft) the batch waiting for the draft forward's layer.
         self._held_writes: List[PendingHostWrite] = []
         self._layer_batch: Optional[LayerBackupBatch] = None
+        self._draft_batch: Optional[LayerBackupBatch] = None
         self._layer_backup = layer_backup_for(self.mem_pool_host)
         cp_layer_backup.register(self.mem_pool_device, self)
+        if self.draft_host is not None:
+            self._draft_device_pool = self.mem_pool_host.draft_device_pool
+            self._draft_layer_backup = HostPoolGroupLayerBackup(self.draft_host)
+            cp_layer_backup.register(self._draft_device_pool, DraftLayerListener(self))
 
     @property
     def cp_rank(self) -> int:
         return self.layout.cp_rank
+
+    @property
+    def has_draft_host(self) -> bool:
+        return self.draft_host is not None
 
     def reset(self) -> None:
         super().reset()
         self.host_table.clear()
         self._held_writes.clear()
         self._layer_batch = None
+        self._draft_batch = None
 
     # --------------------------------------------------------------- write (D2H)
     def write(
@@ -196,7 +243,12 @@ class CpHybridCacheController(HybridCacheController):
             physical_device_locs = self.allocator.to_device(
                 page_token_locs(physical_device_pages, self.page_size)
             )
-            physical_host_locs = self.mem_pool_host.alloc(len(physical_device_locs))
+            try:  # with a draft: the same slots in the draft's pools, or nothing
+                physical_host_locs = self.mem_pool_host.alloc(len(physical_device_locs))
+            except DraftHostSlotsError as error:
+                raise CpHiCacheMetadataError(
+                    f"node {node_id} on CP rank {self.cp_rank}: {error}; nothing stays reserved"
+                ) from None
             if physical_host_locs is None:
                 raise CpHiCacheMetadataError(
                     f"node {node_id} on CP rank {self.cp_rank}: host pool refused "
@@ -243,6 +295,11 @@ class CpHybridCacheController(HybridCacheController):
                     f"submitted while a forward is at layer {self._layer_batch.next_layer}; "
                     "its earlier layers would never be backed up"
                 )
+            if self._draft_batch is not None:
+                self._fail_incomplete(
+                    f"node {pending.node_id}'s per-layer backup was submitted for the next "
+                    "forward before the draft forward stored its layer"
+                )
             self._held_writes.append(pending)
             return
         if pending.operation is None:
@@ -254,8 +311,9 @@ class CpHybridCacheController(HybridCacheController):
     @property
     def held_write_node_ids(self) -> List[int]:
         """Node ids of per-layer backups whose ack has not been appended yet."""
+        waiting = self._draft_batch.node_ids if self._draft_batch is not None else []
         started = self._layer_batch.node_ids if self._layer_batch is not None else []
-        return started + [pending.node_id for pending in self._held_writes]
+        return waiting + started + [pending.node_id for pending in self._held_writes]
 
     def backup_layer(self, layer_id: int) -> None:
         """Layer ``layer_id``'s KV stores of the running forward are issued: submit that
@@ -270,6 +328,10 @@ class CpHybridCacheController(HybridCacheController):
                 return
             if layer_id != 0:
                 self._fail_incomplete(f"the forward reported layer {layer_id} before layer 0")
+            if self._draft_batch is not None:
+                self._fail_incomplete(
+                    "a target forward started before the draft forward stored its layer"
+                )
             batch = self._layer_batch = self._start_layer_batch()
         if layer_id < batch.next_layer:
             return
@@ -280,7 +342,9 @@ class CpHybridCacheController(HybridCacheController):
         layer_stored = _upstream.device_module.Event()
         layer_stored.record()  # on the forward's stream, after this layer's stores
         last_layer = layer_id == self.layer_num - 1
-        finish_event = _upstream.device_module.Event() if last_layer else None
+        # With a draft the batch acks after the draft's layer, not here.
+        acks_here = last_layer and self.draft_host is None
+        finish_event = _upstream.device_module.Event() if acks_here else None
         with _upstream.device_module.stream(self.write_stream):
             layer_stored.wait(self.write_stream)
             if batch.host_indices is not None:
@@ -292,7 +356,7 @@ class CpHybridCacheController(HybridCacheController):
                     self.io_backend,
                     pool_transfers=batch.pool_transfers,
                 )
-            if last_layer:
+            if acks_here:
                 finish_event.record()
                 if batch.host_indices is not None:
                     self._record_transfer_indices_on_stream(
@@ -304,15 +368,69 @@ class CpHybridCacheController(HybridCacheController):
         if layer_id == 0:
             batch.start_event = layer_stored
         batch.next_layer += 1
-        if last_layer:
+        if acks_here:
             self.ack_write_queue.append(HiCacheAck(batch.start_event, finish_event, batch.node_ids))
             self._layer_batch = None
+        elif last_layer:  # every target layer is on its way: wait for the draft's
+            self._draft_batch, self._layer_batch = batch, None
 
     def end_forward(self, error: Optional[BaseException] = None) -> None:
-        """The model forward returned or raised: no per-layer backup may be left behind."""
-        if self._held_writes or self._layer_batch is not None:
+        """The model forward returned or raised: no per-layer backup may be left behind
+        (a batch waiting for the draft forward's layer is not: that forward comes next)."""
+        if self._held_writes or self._layer_batch is not None or (
+            error is not None and self._draft_batch is not None
+        ):
             reason = "the model forward raised" if error is not None else "the model forward ended"
             self._fail_incomplete(reason, error)
+
+    def backup_draft_layer(self, layer_id: int) -> None:
+        """The draft forward's layer ``layer_id`` stored its KV and index K: submit that
+        layer of the batch whose target layers all went to the host, then the batch's one
+        ack (also on a rank that owns none of its pages). A no-op when no batch waits (a
+        draft forward of a batch without per-layer backups)."""
+        batch = self._draft_batch
+        if batch is None:
+            return
+        draft_layers = self._draft_device_pool.layer_num
+        if layer_id != batch.next_layer - self.layer_num:
+            self._fail_incomplete(
+                f"the draft forward reported layer {layer_id}, expected layer "
+                f"{batch.next_layer - self.layer_num} of {draft_layers}"
+            )
+        layer_stored = _upstream.device_module.Event()
+        layer_stored.record()  # on the draft forward's stream, after its stores
+        last_layer = layer_id == draft_layers - 1
+        finish_event = _upstream.device_module.Event() if last_layer else None
+        with _upstream.device_module.stream(self.write_stream):
+            layer_stored.wait(self.write_stream)
+            if batch.host_indices is not None:
+                self._draft_layer_backup.backup_from_device_per_layer(
+                    self._draft_device_pool,
+                    batch.host_indices,
+                    batch.device_indices,
+                    layer_id,
+                    self.io_backend,
+                    pool_transfers=self.mem_pool_host.draft_transfers(
+                        batch.host_indices, batch.device_indices
+                    ),
+                )
+            if last_layer:
+                finish_event.record()
+                if batch.host_indices is not None:
+                    self._record_transfer_indices_on_stream(
+                        self.write_stream, batch.host_indices, batch.device_indices, batch.pool_transfers
+                    )
+        batch.next_layer += 1
+        if last_layer:
+            self.ack_write_queue.append(HiCacheAck(batch.start_event, finish_event, batch.node_ids))
+            self._draft_batch = None
+
+    def end_draft_forward(self, error: Optional[BaseException] = None) -> None:
+        """The draft forward returned or raised: the batch waiting for its layer cannot
+        be left behind (its ack would never come)."""
+        if self._draft_batch is not None:
+            reason = "the draft forward raised" if error is not None else "the draft forward ended"
+            self._fail_incomplete(f"{reason} before storing its layer", error)
 
     def _start_layer_batch(self) -> LayerBackupBatch:
         held, self._held_writes = self._held_writes, []
@@ -328,12 +446,17 @@ class CpHybridCacheController(HybridCacheController):
         """Drop the per-layer state and raise naming its nodes (fail fast: the acks of
         these nodes can no longer come on this rank, so the ranks would diverge)."""
         node_ids = self.held_write_node_ids
-        layers_done = self._layer_batch.next_layer if self._layer_batch is not None else 0
+        if self._draft_batch is not None:
+            layers = f"{self.layer_num}/{self.layer_num} layers submitted, not the draft's"
+        else:
+            layers_done = self._layer_batch.next_layer if self._layer_batch is not None else 0
+            layers = f"{layers_done}/{self.layer_num} layers submitted"
         self._held_writes = []
         self._layer_batch = None
+        self._draft_batch = None
         raise PerLayerBackupIncomplete(
             f"CP rank {self.cp_rank}: per-layer backups of nodes {node_ids} incomplete "
-            f"({layers_done}/{self.layer_num} layers submitted): {reason}"
+            f"({layers}): {reason}"
         ) from error
 
     def rollback_write(self, pending: PendingHostWrite) -> None:
@@ -387,6 +510,8 @@ class CpHybridCacheController(HybridCacheController):
         """:meth:`load` of a planned load, returning the new logical device locs on the
         host (int64): the cache keeps them as the loaded nodes' runs, so nothing is read
         back from the device."""
+        # Every page must hold all the payloads (target and draft): never a target-only hit.
+        self.host_table.check_payload(plan.host_run.pages, node_id)
         device_pages = self.allocator.alloc_logical_pages(plan.page_owners, plan.lane_pages)
         if device_pages is None:
             return None
@@ -483,10 +608,14 @@ class CpHybridCacheController(HybridCacheController):
 
     # ----------------------------------------------------------------- metrics
     def host_usage(self) -> dict:
-        """Logical tokens cached on host (all ranks) and this rank's physical slots."""
+        """Logical tokens cached on host (all ranks), this rank's physical slots, and the
+        bytes of this rank's host pools (target and, with a draft, draft)."""
         lane_used = self.host_table.lane_used_pages()
+        target_group = self.mem_pool_host
         return {
             "logical_tokens": self.host_table.used_logical_tokens(),
             "physical_slots": lane_used[self.cp_rank] * self.page_size,
             "lane_used_pages": lane_used,
+            "target_host_bytes": host_group_bytes(target_group),
+            "draft_host_bytes": host_group_bytes(self.draft_host) if self.draft_host is not None else 0,
         }

@@ -70,6 +70,39 @@ def test_each_layer_is_reported_once_in_order_after_its_stores(twin):
         assert torch.equal(listener.index_at_notice[layer], pool.index_k_with_scale_buffer[layer][pages])
 
 
+@dataclass
+class EventLog:
+    """A listener that appends (pool name, event) to a log shared by several pools."""
+
+    name: str
+    log: list
+
+    def backup_layer(self, layer_id: int) -> None:
+        self.log.append((self.name, layer_id))
+
+    def end_forward(self, error: Optional[BaseException] = None) -> None:
+        self.log.append((self.name, "end"))
+
+
+def test_the_draft_pool_hears_its_layer_after_the_target_forward_ended(gloo_world1):
+    """CP HiCache backs up the MTP draft's layer from the draft pool's own hook: it must
+    come after every target layer and the target forward's end (the draft forward stores
+    its KV after the target's), once, then the draft forward's end."""
+    twin = TwinRank(CONFIG, TwinBatchSpec(draft_layers=1), gloo_world1, 0, 1)
+    log, names = [], iter(["target", "draft"])
+
+    def pool_with_listener(config, size, device):
+        pool = ReferenceNSAPool(config, size, device)
+        cp_layer_backup.register(pool, EventLog(next(names), log))
+        return pool
+
+    twin.pool_factory = pool_with_listener
+    outputs = twin.run_shared("all_gather", prefetch=False)
+    assert outputs.draft_pool is not None
+    target_events = [("target", layer) for layer in range(CONFIG.num_layers)] + [("target", "end")]
+    assert log == target_events + [("draft", 0), ("draft", "end")]
+
+
 def test_a_raising_forward_is_reported_with_its_error():
     pool = ReferenceNSAPool(CONFIG, 16 * CONFIG.page_size, "cpu")
     listener = RecordingListener(pool)

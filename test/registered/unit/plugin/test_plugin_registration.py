@@ -146,24 +146,60 @@ def test_unified_radix_tree_env_is_refused(plugins_loaded, monkeypatch):
         )
 
 
-def test_speculative_decoding_with_cp_hicache_is_refused_until_draft_lockstep(plugins_loaded):
+def test_speculative_decoding_with_cp_hicache_is_accepted(plugins_loaded):
+    """The draft's KV is kept on host with the target's (CpHiRadixCache + the scheduler
+    hooks), so HiCache with the NSA MTP draft is no longer refused."""
     from sglang.srt.server_args import ServerArgs
 
-    with pytest.raises(CpSharedKVConfigError, match="draft KV on host is not yet kept in lockstep"):
-        ServerArgs(
-            model_path="dummy",
-            enable_nsa_prefill_context_parallel=True,
-            enable_hierarchical_cache=True,
-            speculative_algorithm="EAGLE",
-            **{FLAG: True},
+    args = ServerArgs(
+        model_path="dummy",
+        enable_nsa_prefill_context_parallel=True,
+        enable_hierarchical_cache=True,
+        speculative_algorithm="EAGLE",
+        **{FLAG: True},
+    )
+    assert getattr(args, FLAG) and args.enable_hierarchical_cache
+
+
+@pytest.mark.parametrize("algorithm", ["NEXTN", "EAGLE"])
+def test_cli_speculative_decoding_with_cp_hicache_is_accepted_at_parse_and_launch(
+    plugins_loaded, monkeypatch, algorithm
+):
+    from sglang.srt.server_args import prepare_server_args
+
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
+    args = prepare_server_args(
+        CP_ARGS
+        + ["--disaggregation-mode", "prefill", "--enable-hierarchical-cache"]
+        + ["--hicache-io-backend", "direct", "--speculative-algorithm", algorithm]
+    )
+    assert args.enable_hierarchical_cache and getattr(args, FLAG)
+    check_server_args_after(None, args)
+
+
+def test_cli_speculative_decoding_with_cp_hicache_still_refuses_what_cannot_work(plugins_loaded):
+    from sglang.srt.server_args import prepare_server_args
+
+    with pytest.raises(CpSharedKVConfigError, match="--enable-multi-layer-eagle"):
+        prepare_server_args(
+            CP_ARGS
+            + ["--enable-hierarchical-cache", "--speculative-algorithm", "NEXTN"]
+            + ["--enable-multi-layer-eagle"]
         )
 
 
-def test_cli_speculative_decoding_with_cp_hicache_fails_at_parse(plugins_loaded):
-    from sglang.srt.server_args import prepare_server_args
+def test_scheduler_draft_hooks_are_in_place(plugins_loaded):
+    """Upstream's MLA-only draft host pool registration is never what runs under the flag."""
+    from sglang.srt.managers.scheduler import Scheduler
 
-    with pytest.raises(CpSharedKVConfigError, match="draft KV on host is not yet kept in lockstep"):
-        prepare_server_args(CP_ARGS + ["--enable-hierarchical-cache", "--speculative-algorithm", "NEXTN"])
+    for name, hook in (
+        ("init_cache_with_memory_pool", "init_cache_with_memory_pool_around"),
+        ("_maybe_register_hicache_draft", "maybe_register_hicache_draft_around"),
+    ):
+        assert f"sglang.srt.managers.scheduler.Scheduler.{name}" not in [
+            line.split(" ")[0] for line in hooks.missing_hooks()
+        ]
+        assert getattr(Scheduler, name) is not inspect.unwrap(getattr(Scheduler, name)), name
 
 
 @pytest.mark.parametrize("algorithm", ["NEXTN", "EAGLE"])
