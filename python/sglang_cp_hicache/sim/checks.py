@@ -17,6 +17,7 @@ import torch
 from sglang_cp_hicache.testing.nsa_stack import (
     RankStack,
     _index_byte_offsets,
+    count_draft_kv_mismatches,
     count_kv_mismatches,
     owned_physical,
 )
@@ -70,25 +71,31 @@ def tree_summary(cache: Any) -> TreeSummary:
 
 
 def poison_owned(stack: RankStack, logical_locs: torch.Tensor) -> None:
-    """Overwrite this rank's owned slots of ``logical_locs`` so only a real load restores them."""
+    """Overwrite this rank's owned slots of ``logical_locs`` (target pool, and the draft's)
+    so only a real load restores them."""
     owned, physical_locs = owned_physical(stack, logical_locs)
     if len(owned) == 0:
         return
     # Same byte addressing as the pattern writer, so exactly the checked bytes are poisoned.
-    pages, cols = _index_byte_offsets(physical_locs, stack.kv_pool.page_size)
-    for layer in range(stack.kv_pool.layer_num):
-        stack.kv_pool.kv_buffer[layer][physical_locs] = _POISON_KV
-        index_buf = stack.kv_pool.index_k_with_scale_buffer[layer]
-        index_buf[pages.unsqueeze(1), cols] = _POISON_INDEX_BYTE
+    for pool in (stack.kv_pool, stack.draft_pool):
+        if pool is None:
+            continue
+        pages, cols = _index_byte_offsets(physical_locs, pool.page_size)
+        for layer in range(pool.layer_num):
+            pool.kv_buffer[layer][physical_locs] = _POISON_KV
+            index_buf = pool.index_k_with_scale_buffer[layer]
+            index_buf[pages.unsqueeze(1), cols] = _POISON_INDEX_BYTE
 
 
 def verify_hit(
-    stack: RankStack, logical_locs: torch.Tensor, token_ids: torch.Tensor
+    stack: RankStack, logical_locs: torch.Tensor, token_ids: torch.Tensor, draft: bool = False
 ) -> Tuple[int, int]:
-    """(mismatched owned tokens, owned tokens checked) of a prefix hit at positions 0..n-1."""
+    """(mismatched owned tokens, owned tokens checked) of a prefix hit at positions 0..n-1:
+    the target's KV, or (``draft``) the MTP draft's."""
     if len(logical_locs) == 0:
         return 0, 0
     positions = torch.arange(len(logical_locs))
     locs = logical_locs.to(torch.int64)
     owned, _ = owned_physical(stack, locs)
-    return count_kv_mismatches(stack, locs, token_ids, positions), len(owned)
+    count = count_draft_kv_mismatches if draft else count_kv_mismatches
+    return count(stack, locs, token_ids, positions), len(owned)

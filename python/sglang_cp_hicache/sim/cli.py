@@ -83,6 +83,12 @@ def _parser(d: SimConfig) -> argparse.ArgumentParser:
     stack.add_argument("--hicache-ratio", type=float, default=d.hicache_ratio)
     stack.add_argument("--io-backend", default=d.io_backend, choices=("direct", "kernel"))
     stack.add_argument("--mem-layout", default=d.mem_layout)
+    stack.add_argument(
+        "--draft",
+        action="store_true",
+        help="the MTP draft's 1-layer NSA pool beside the target's, kept on host with it "
+        "(one budget: needs --hicache-ratio large enough for both); every hit checks both",
+    )
     return p
 
 
@@ -113,6 +119,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         hicache_ratio=args.hicache_ratio,
         io_backend=args.io_backend,
         mem_layout=args.mem_layout,
+        draft=args.draft,
         baseline=not args.no_baseline,
         progress=not args.no_progress,
         timeout_s=args.timeout_s,

@@ -16,6 +16,8 @@ FAULTS = {
     "leak_tail": "the unaligned tail of finished requests is never freed",
     "shift_mirror": "the host mirror of req_to_token gets each batch's new locs one "
     "position late, so node runs (what backups and evictions plan from) are wrong",
+    "drop_last_rank_draft_loads": "the last rank's load-backs copy the target's KV but not "
+    "the MTP draft's (needs draft=True): a draft-only loss behind a target hit",
 }
 
 # Named workloads: overrides of the SimConfig defaults (``default`` is the defaults).
@@ -90,6 +92,9 @@ class SimConfig:
     hicache_ratio: float = 2.0  # host pool per rank = ratio x device pool per rank
     io_backend: str = "direct"
     mem_layout: str = "layer_first"
+    # The MTP draft: a 1-layer NSA pool beside the target's (CP ranks; not the baseline),
+    # kept on host with it from the same budget; every hit checks target and draft bytes.
+    draft: bool = False
     # ---- run
     baseline: bool = True  # replay through upstream non-CP HiRadixCache (cp 1)
     tree_digest_every: int = 8  # steps between full radix-tree digests in the decision log
@@ -125,6 +130,8 @@ class SimConfig:
             bad(f"hicache_ratio must be > 1 (SGLang's rule), got {self.hicache_ratio}")
         if self.fault is not None and self.fault not in FAULTS:
             bad(f"fault must be one of {sorted(FAULTS)}, got {self.fault!r}")
+        if self.fault == "drop_last_rank_draft_loads" and not self.draft:
+            bad("fault 'drop_last_rank_draft_loads' needs draft=True")
         if self.chunked_prefill_size < 0 or self.chunked_prefill_size % self.page_size:
             bad(
                 f"chunked_prefill_size ({self.chunked_prefill_size}) must be 0 or a "
@@ -155,7 +162,8 @@ class SimConfig:
         )
 
     def stack_config(self, max_context_len: int, shared_kv: bool = True):
-        """The nsa_stack.StackConfig of one rank (cp 1 and the same pool for the baseline)."""
+        """The nsa_stack.StackConfig of one rank (cp 1 and the same pool, without the
+        draft, for the baseline: upstream keeps no NSA draft KV on host)."""
         from sglang_cp_hicache.testing.nsa_stack import StackConfig
 
         return StackConfig(
@@ -168,4 +176,5 @@ class SimConfig:
             mem_layout=self.mem_layout,
             req_pool_size=max(8, 2 * self.batch_size),
             max_context_len=max_context_len,
+            draft=self.draft and shared_kv,
         )

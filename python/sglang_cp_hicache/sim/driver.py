@@ -10,7 +10,9 @@ Per step (``Scheduler._get_new_batch_prefill_raw`` -> ``PrefillAdder`` ->
 4. SGLang's own ``alloc_for_extend`` (with the plugin's hooks around it in CP ranks): a
    req slot, ``alloc_paged_token_slots_extend`` (``evict_from_tree_cache`` +
    ``alloc_extend``), the ``req_to_token`` rows (and, under CP, their host mirror);
-5. "forward": pattern KV for the new tokens into owned slots; the hit is verified;
+5. "forward": pattern KV for the new tokens into owned slots (with the MTP draft: its
+   pattern into the draft pool too, its layer reported after the target forward's end);
+   the hit is verified, target and draft bytes;
 6. ``release_kv_cache``: the cache's own ``cache_finished_req`` (insert the page-aligned
    key, free duplicates and the unaligned tail, unlock), then the req slot.
 
@@ -159,6 +161,11 @@ class RankDriver:
         self.page_size = self.cache.page_size
         self.host_pool = self.controller.mem_pool_host
         self.bytes_per_token = sum(e.host_pool.size_per_token for e in self.host_pool.entries)
+        draft_host = getattr(self.host_pool, "draft", None)  # the MTP draft's, same slots
+        self.draft_bytes_per_token = (
+            0 if draft_host is None else sum(e.host_pool.size_per_token for e in draft_host.entries)
+        )
+        self.draft_host_peak = 0
 
         self.counters = RankCounters()
         self.samples: Dict[str, List[float]] = {op: [] for op in OPS}
@@ -466,12 +473,24 @@ class RankDriver:
             new_locs = out_cache_loc[offset : offset + seq_len - prefix_len]
             offset += seq_len - prefix_len
             mismatches, checked = 0, 0
+            draft_mismatches, draft_checked = 0, 0
             if not req.started:
                 mismatches, checked = verify_hit(self.stack, req.prefix_indices, tokens[:prefix_len])
+                if self.stack.draft_pool is not None:
+                    # Every hit checks the draft's bytes too: a target hit with lost draft
+                    # KV is a mismatch, never a good hit.
+                    draft_mismatches, draft_checked = verify_hit(
+                        self.stack, req.prefix_indices, tokens[:prefix_len], draft=True
+                    )
             if mismatches:
                 self._violation(
                     f"request {req.request.index}: {mismatches} of {checked} owned hit tokens "
                     f"have wrong KV/indexer bytes"
+                )
+            if draft_mismatches:
+                self._violation(
+                    f"request {req.request.index}: {draft_mismatches} of {draft_checked} owned "
+                    f"hit tokens have wrong draft KV/indexer bytes"
                 )
             new_positions = torch.arange(prefix_len, seq_len)
             write_prefill_kv(self.stack, new_locs, tokens[prefix_len:], new_positions)
@@ -481,6 +500,8 @@ class RankDriver:
             c = self.counters
             c.kv_mismatches += mismatches
             c.kv_checked_tokens += checked
+            c.draft_kv_mismatches += draft_mismatches
+            c.draft_kv_checked_tokens += draft_checked
             c.requests += 1
             c.prompt_tokens += len(req.prompt)
             c.device_hit_tokens += req.device_hit
@@ -492,11 +513,14 @@ class RankDriver:
 
     def _report_layers(self) -> None:
         """The NSA hooks' notifications of one forward: each layer's end (its KV and index K
-        stored; here all were written above), then the forward's end."""
-        pool = self.stack.kv_pool
-        for layer in range(pool.start_layer, pool.start_layer + pool.layer_num):
-            cp_layer_backup.notify_layer_stored(pool, layer)
-        cp_layer_backup.notify_forward_end(pool)
+        stored; here all were written above), then the forward's end; with the MTP draft,
+        the same for the draft forward, which SGLang runs after the target's."""
+        for pool in (self.stack.kv_pool, self.stack.draft_pool):
+            if pool is None:
+                continue
+            for layer in range(pool.start_layer, pool.start_layer + pool.layer_num):
+                cp_layer_backup.notify_layer_stored(pool, layer)
+            cp_layer_backup.notify_forward_end(pool)
 
     def _finish(self, req: SimReq) -> tuple:
         """After the forward: retraction (KV freed uninserted, re-queued), the chunked
@@ -551,6 +575,8 @@ class RankDriver:
     def _sample_series(self) -> None:
         physical = self.ledger.host_used_physical_tokens() * self.bytes_per_token
         logical = self.ledger.host_used_logical_tokens() * self.bytes_per_token
+        draft = self.ledger.host_used_physical_tokens() * self.draft_bytes_per_token
+        self.draft_host_peak = max(self.draft_host_peak, draft)
         self.host_peak_physical = max(self.host_peak_physical, physical)
         self.host_peak_logical = max(self.host_peak_logical, logical)
         c = self.counters
@@ -615,4 +641,8 @@ class RankDriver:
             series=self.series,
             lane_usage=self.lane_usage,
             stopped_early=stopped,
+            draft_bytes_per_token=self.draft_bytes_per_token,
+            draft_d2h_bytes=self.observer.d2h_tokens * self.draft_bytes_per_token,
+            draft_h2d_bytes=self.observer.h2d_tokens * self.draft_bytes_per_token,
+            draft_host_peak_bytes=self.draft_host_peak,
         )

@@ -57,6 +57,9 @@ def apply_fault(
         _drop_partial_page_frees(stack)
     elif name == "shift_mirror":
         _shift_mirrored_extend_locs()
+    elif name == "drop_last_rank_draft_loads" and last_rank:
+        # Only the draft's copies vanish: the target's bytes load, the draft keeps its poison.
+        stack.cache.cache_controller.mem_pool_host.draft.load_to_device_per_layer = lambda *a, **k: None
     return hooks
 
 

@@ -32,6 +32,7 @@ class PoolLedger:
         self.req_pool = stack.req_to_token_pool
         self.controller = self.cache.cache_controller
         self.host_pool = self.controller.mem_pool_host
+        self.draft_host = getattr(self.host_pool, "draft", None)  # the MTP draft's pools
         self.page_size = self.cache.page_size
         self.rank = rank
         self.shared_kv = shared_kv
@@ -39,6 +40,7 @@ class PoolLedger:
         self.device_capacity = self.allocator.available_size()
         self.start_lanes = self.lanes()
         self.start_host_free = self.host_free()
+        self.start_draft_free = self.draft_free()
         self.start_req_slots = self.req_pool.available_size()
 
     # --------------------------------------------------------------- usage
@@ -56,6 +58,12 @@ class PoolLedger:
 
     def host_free(self) -> int:
         return sum(entry.host_pool.available_size() for entry in self.host_pool.entries)
+
+    def draft_free(self) -> int:
+        """Free slots of the draft's host pools (0 without a draft)."""
+        if self.draft_host is None:
+            return 0
+        return sum(entry.host_pool.available_size() for entry in self.draft_host.entries)
 
     def host_used_physical_tokens(self) -> int:
         return self.host_pool.size - self.host_pool.available_size()
@@ -97,6 +105,12 @@ class PoolLedger:
                 self.violation(
                     f"host lane accounting says {lane_used * self.page_size} owned slots, "
                     f"the physical host pool has {physical_used} in use"
+                )
+            draft_used = self.start_draft_free - self.draft_free()
+            if self.draft_host is not None and draft_used != physical_used:
+                self.violation(
+                    f"the draft's host pools have {draft_used} slots in use, the target's "
+                    f"{physical_used}: target and draft must hold the same slots"
                 )
 
     def _check_locks(self, running: Sequence[Any]) -> None:
@@ -164,6 +178,6 @@ class PoolLedger:
             self.violation(f"owner lanes {self.lanes()} after flush, {self.start_lanes} at start")
         return (
             self.device_capacity - self.allocator.available_size(),
-            self.start_host_free - self.host_free(),
+            self.start_host_free - self.host_free() + self.start_draft_free - self.draft_free(),
             self.start_req_slots - self.req_pool.available_size(),
         )

@@ -12,7 +12,7 @@ import numpy as np
 from sglang_cp_hicache.sim.config import SimConfig
 from sglang_cp_hicache.sim.results import OPS, LaneUsage, RankCounters, RankResult
 
-_PER_RANK_FIELDS = ("kv_checked_tokens", "kv_mismatches")
+_PER_RANK_FIELDS = ("kv_checked_tokens", "kv_mismatches", "draft_kv_checked_tokens", "draft_kv_mismatches")
 
 
 @dataclass
@@ -146,11 +146,21 @@ class SimReport:
     baseline: Optional[BaselineSummary]
     wall_s: float = 0.0
     series: Dict[str, Any] = field(default_factory=dict)
+    # ---- the MTP draft (SimConfig.draft): its KV shares the target's host slots and every
+    # hit checks it; a draft-only loss is a draft mismatch, never a good hit
+    draft: bool = False
+    draft_kv_mismatches: int = 0
+    draft_kv_checked_tokens: int = 0
+    draft_bytes_per_token: int = 0
+    draft_host_bytes_per_rank: List[int] = field(default_factory=list)  # peak, physical
+    draft_d2h_bytes_per_rank: List[int] = field(default_factory=list)
+    draft_h2d_bytes_per_rank: List[int] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
         return (
             self.kv_mismatches == 0
+            and self.draft_kv_mismatches == 0
             and not self.invariant_violations
             and self.hot_path_collectives == 0
             and self.leaked_device_slots == 0
@@ -210,10 +220,16 @@ def _cross_rank_checks(results: List[RankResult]) -> List[str]:
     if checked != hit_tokens:
         # Every hit token has exactly one owner, which checks it.
         problems.append(f"{checked} hit tokens checked across ranks, {hit_tokens} hit")
-    bpt = results[0].bytes_per_token
+    bpt, draft_bpt = results[0].bytes_per_token, results[0].draft_bytes_per_token
+    if draft_bpt:
+        draft_checked = sum(r.counters.draft_kv_checked_tokens for r in results)
+        if draft_checked != hit_tokens:
+            problems.append(f"{draft_checked} hit tokens' draft KV checked across ranks, {hit_tokens} hit")
     for name, per_rank, logical in (
         ("D2H", [r.d2h_bytes for r in results], c.logical_written_tokens * bpt),
         ("H2D", [r.h2d_bytes for r in results], c.logical_loaded_tokens * bpt),
+        ("draft D2H", [r.draft_d2h_bytes for r in results], c.logical_written_tokens * draft_bpt),
+        ("draft H2D", [r.draft_h2d_bytes for r in results], c.logical_loaded_tokens * draft_bpt),
     ):
         if sum(per_rank) != logical:
             # Each logical page moves exactly once, on its owner.
@@ -317,6 +333,13 @@ def build_report(
         baseline=baseline_summary,
         wall_s=wall_s,
         series=series,
+        draft=bool(results[0].draft_bytes_per_token),
+        draft_kv_mismatches=sum(r.counters.draft_kv_mismatches for r in results),
+        draft_kv_checked_tokens=sum(r.counters.draft_kv_checked_tokens for r in results),
+        draft_bytes_per_token=results[0].draft_bytes_per_token,
+        draft_host_bytes_per_rank=[r.draft_host_peak_bytes for r in results],
+        draft_d2h_bytes_per_rank=[r.draft_d2h_bytes for r in results],
+        draft_h2d_bytes_per_rank=[r.draft_h2d_bytes for r in results],
     )
 
 
@@ -328,11 +351,18 @@ def _mib(nbytes: float) -> str:
 def _headline(report: SimReport) -> List[str]:
     cfg = report.config
     digests = "equal" if len(set(report.radix_digests)) == 1 else "DIFFER"
+    draft = (
+        f"draft_kv_mismatches={report.draft_kv_mismatches} "
+        f"(checked {report.draft_kv_checked_tokens})  "
+        if report.draft
+        else ""
+    )
     return [
         f"CP HiCache simulator  cp_size={cfg['cp_size']}  seed={cfg['seed']}  "
         f"requests={report.requests}  batches={report.steps}  wall={report.wall_s:.1f}s",
         f"result: {'PASS' if report.passed else 'FAIL'}  "
         f"kv_mismatches={report.kv_mismatches} (checked {report.kv_checked_tokens} hit tokens)  "
+        f"{draft}"
         f"violations={len(report.invariant_violations)}  "
         f"hot_path_collectives={report.hot_path_collectives}  "
         f"leaked device/host slots={report.leaked_device_slots}/{report.leaked_host_slots}  "
@@ -395,6 +425,12 @@ def _rank_rows(report: SimReport) -> List[str]:
     if b is not None:
         lines.append(line(("base", _mib(b.host_peak_bytes), "", _mib(b.d2h_bytes), "",
                            _mib(b.h2d_bytes), "")))  # fmt: skip
+    if report.draft:
+        lines.append("MTP draft KV (same host slots, included in no column above): host peak / D2H / H2D")
+        draft = zip(report.draft_host_bytes_per_rank, report.draft_d2h_bytes_per_rank,
+                    report.draft_h2d_bytes_per_rank)  # fmt: skip
+        for rank, (host, d2h, h2d) in enumerate(draft):
+            lines.append(line((rank, _mib(host), "", _mib(d2h), "", _mib(h2d), "")))
     return lines
 
 

@@ -39,6 +39,8 @@ class RankCounters:
     # Per rank (not replicated): the owned shard of every hit was checked.
     kv_checked_tokens: int = 0  # owned tokens of hits compared with the pattern
     kv_mismatches: int = 0
+    draft_kv_checked_tokens: int = 0  # the same tokens' MTP draft KV (SimConfig.draft)
+    draft_kv_mismatches: int = 0
 
 
 @dataclass
@@ -98,3 +100,9 @@ class RankResult:
     series: List[SeriesPoint] = field(default_factory=list)
     lane_usage: Optional[LaneUsage] = None  # CP ranks only
     stopped_early: Optional[str] = None
+    # The MTP draft's share (SimConfig.draft; 0 without): its host pools' bytes per token
+    # and this rank's physical draft bytes moved / held at peak (in the same slots).
+    draft_bytes_per_token: int = 0
+    draft_d2h_bytes: int = 0
+    draft_h2d_bytes: int = 0
+    draft_host_peak_bytes: int = 0

@@ -139,6 +139,7 @@ def test_cli_workload_sets_defaults_and_flags_override() -> None:
     cfg = config_from_args(parse_args(argv)[1])
     assert cfg == SimConfig.preset("long", num_requests=7, cp_size=8)
     assert config_from_args(parse_args(["--no-progress"])[1]) == SimConfig()
+    assert config_from_args(parse_args(["--draft", "--no-progress"])[1]) == SimConfig(draft=True)
 
 
 # ------------------------------------------------------------------ planted bugs
@@ -186,10 +187,52 @@ def test_leak_is_caught() -> None:
     assert not report.passed
 
 
+def test_draft_only_loss_is_a_draft_mismatch_not_a_hit() -> None:
+    """The last rank's load-backs restore the target's KV but not the MTP draft's: every
+    target byte checks out, and the hits are still reported as draft mismatches (FAIL)."""
+    report = _faulty("drop_last_rank_draft_loads", draft=True)
+    assert report.draft and report.kv_mismatches == 0
+    assert report.draft_kv_mismatches > 0 and not report.passed
+    assert report.draft_kv_checked_tokens == report.kv_checked_tokens > 0
+    assert all(v.startswith("rank 1 ") and "wrong draft KV/indexer bytes" in v for v in report.invariant_violations)
+    with pytest.raises(ValueError, match="needs draft=True"):
+        SimConfig(fault="drop_last_rank_draft_loads")
+
+
 def test_every_fault_has_a_test() -> None:
     tested = {"roll_load_owners", "drop_last_rank_loads", "hot_path_barrier"}
-    tested |= {"diverge_last_rank", "leak_tail", "shift_mirror"}
+    tested |= {"diverge_last_rank", "leak_tail", "shift_mirror", "drop_last_rank_draft_loads"}
     assert set(FAULTS) == tested
+
+
+@pytest.mark.parametrize("cp_size", [2, 3])
+def test_draft_kv_travels_with_the_target_and_is_checked_on_every_hit(cp_size) -> None:
+    """The MTP draft's 1-layer pool beside the target's: per-layer backups ack after the
+    draft's layer, chunks, aborts, retractions and acks in flight; every hit token's target
+    and draft bytes are checked by its owner, draft bytes move only on the owner."""
+    report = run_simulation(
+        SimConfig(
+            cp_size=cp_size, seed=0, num_requests=60, batch_size=2, chunked_prefill_size=256,
+            abort_prob=0.1, retract_prob=0.1, inflight_steps=2, baseline=False, draft=True,
+        )  # fmt: skip
+    )
+    assert report.invariant_violations == [] and report.passed
+    assert report.draft and report.draft_kv_mismatches == 0 and report.kv_mismatches == 0
+    hits = report.device_hit_tokens + report.host_hit_tokens
+    assert report.draft_kv_checked_tokens == report.kv_checked_tokens == hits
+    assert report.host_hit_tokens > 0 and report.host_evictions > 0 and report.pending_committed > 0
+    assert report.leaked_host_slots == 0 and report.hot_path_collectives == 0
+    # The draft's bytes: one layer of (KV + indexer) per token, in the target's slots.
+    layers = report.config["layer_num"]
+    assert report.draft_bytes_per_token * layers == report.bytes_per_token
+    draft_bpt, bpt = report.draft_bytes_per_token, report.bytes_per_token
+    for draft, target in (
+        (report.draft_d2h_bytes_per_rank, report.d2h_bytes_per_rank),
+        (report.draft_h2d_bytes_per_rank, report.h2d_bytes_per_rank),
+        (report.draft_host_bytes_per_rank, report.host_bytes_per_rank),
+    ):
+        assert len(draft) == cp_size and all(d * bpt == t * draft_bpt for d, t in zip(draft, target)), (draft, target)
+    assert all(b > 0 for b in report.draft_host_bytes_per_rank)
 
 
 # ------------------------------------------------------------------------ traces
