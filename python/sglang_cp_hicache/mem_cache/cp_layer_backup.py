@@ -7,7 +7,9 @@ model-forward hook calls :func:`notify_forward_end` when the forward returns or 
 Consumer: a controller with per-layer backups registers itself on its *device KV pool*,
 the very object each forward batch carries as ``token_to_kv_pool``. So the registry needs
 no process global, two cache stacks in one process stay apart, and a pool nobody registered
-on (a draft model's, upstream HiCache's) costs one ``getattr`` per layer.
+on (upstream HiCache's, a draft model's without CP HiCache) costs one ``getattr`` per layer.
+With the MTP draft's KV on host, the draft pool has its own listener (the controller's draft
+stage), told of the draft forward's layer after the target forward.
 
 Also the table of host layouts that can back up one layer at a time
 (:func:`per_layer_backup_problem`), kept here because ``server_args`` checks it at startup

@@ -26,7 +26,11 @@ it adds only the CP deltas, as policy; the controller is mechanism:
   at the commit (docs/cp_hicache_design.md, "Backup state machine");
 * a new leaf's backup is reserved before its forward and, with :attr:`per_layer_backup`,
   submitted then, so the forward's layer hooks move it layer by layer; its ack carries a
-  ticket until the insert names the leaf (:class:`ForwardReservation`).
+  ticket until the insert names the leaf (:class:`ForwardReservation`);
+* with the MTP draft's pool handed over (:func:`draft_kv_pool_scope`, by the scheduler
+  hook), the draft's KV is kept on host with the target's as one object
+  (:class:`CpHostPoolGroup`): both sized from the target's budget, the same slots, one
+  page table and one ack (docs/cp_hicache_design.md, "Draft (MTP) KV").
 
 Per node, the replicated lane state the planners read is kept on the node (never recomputed
 per eviction call): ``cp_device_locs`` (the node's logical device locs on the host),

@@ -192,7 +192,8 @@ def test_an_all_layer_backup_moves_target_and_draft_with_one_ack(stack):
     for pool, host_pool in ((stack.kv_pool, group.anchor_entry.host_pool),
                             (stack.draft_pool, group.draft.anchor_entry.host_pool)):  # fmt: skip
         for layer in range(pool.layer_num):
-            assert torch.equal(host_pool.kv_buffer[layer][host_rows], pool.kv_buffer[layer][device_rows])
+            host_bytes = host_pool.kv_buffer[layer][host_rows].view(torch.uint8)
+            assert torch.equal(host_bytes, pool.kv_buffer[layer][device_rows].view(torch.uint8))
 
 
 # ------------------------------------------------------------------ load, evict, reset
@@ -259,8 +260,9 @@ def test_a_page_without_the_draft_payload_fails_fast_naming_node_and_rank(stack)
 
 # ------------------------------------------------------------------ per-layer backup
 def _draft_host_rows(stack, host_rows):
+    """The draft's host KV rows as bytes (unwritten host memory may hold NaN patterns)."""
     draft_kv = _host(stack).draft.anchor_entry.host_pool
-    return draft_kv.kv_buffer[0][host_rows]
+    return draft_kv.kv_buffer[0][host_rows].view(torch.uint8)
 
 
 def test_per_layer_backup_moves_the_draft_layer_after_the_draft_forward_then_acks_once(stack):
@@ -281,7 +283,9 @@ def test_per_layer_backup_moves_the_draft_layer_after_the_draft_forward_then_ack
     assert torch.equal(_draft_host_rows(stack, host_rows), before)  # nothing of the draft yet
     cp_layer_backup.notify_layer_stored(stack.draft_pool, 0)
     assert [list(ack.node_ids) for ack in controller.ack_write_queue] == [[7, 8]]
-    assert torch.equal(_draft_host_rows(stack, host_rows), stack.draft_pool.kv_buffer[0][device_rows])
+    assert torch.equal(
+        _draft_host_rows(stack, host_rows), stack.draft_pool.kv_buffer[0][device_rows].view(torch.uint8)
+    )
     draft_index = _host(stack).draft.get_pool(_indexer())
     pages = host_rows[::PS] // PS
     assert torch.equal(
@@ -336,3 +340,21 @@ def test_a_per_layer_backup_awaiting_the_draft_layer_cannot_be_rolled_back(stack
         controller.rollback_write(pending)
     controller.backup_draft_layer(0)
     controller.rollback_write(pending)  # after the ack: allowed
+
+
+@pytest.mark.parametrize("ratio, size_gb", [(2.0, 0), (3.7, 0), (2.0, 1)])
+def test_the_budget_starts_from_sglangs_own_host_page_count(monkeypatch, ratio, size_gb):
+    """split_host_budget repeats HostKVCache's page count (--hicache-ratio, or --hicache-size
+    sizing MLA KV only); pinned against SGLang's class, without allocating its buffers."""
+    from sglang.srt.mem_cache.memory_pool_host import MLATokenToKVPoolHost
+
+    from sglang_cp_hicache.mem_cache.memory_pool_host import sglang_host_pages
+
+    pool = nsa_stack.build_kv_pool(_cfg())
+    monkeypatch.setattr(
+        MLATokenToKVPoolHost,
+        "init_kv_buffer",
+        lambda self: torch.empty((self.layer_num, 0, 1, self.kv_cache_dim), dtype=self.dtype),
+    )
+    host = MLATokenToKVPoolHost(pool, ratio, size_gb, PS, "layer_first", override_kv_cache_dim=pool.kv_cache_dim)
+    assert sglang_host_pages(pool, PS, ratio, size_gb) == host.page_num
