@@ -324,14 +324,14 @@ class CpHybridCacheController(HybridCacheController):
         """
         batch = self._layer_batch
         if batch is None:
+            if self._draft_batch is not None:  # the draft forward did not run in between
+                self._fail_incomplete(
+                    "a target forward started before the draft forward stored its layer"
+                )
             if not self._held_writes:
                 return
             if layer_id != 0:
                 self._fail_incomplete(f"the forward reported layer {layer_id} before layer 0")
-            if self._draft_batch is not None:
-                self._fail_incomplete(
-                    "a target forward started before the draft forward stored its layer"
-                )
             batch = self._layer_batch = self._start_layer_batch()
         if layer_id < batch.next_layer:
             return

@@ -328,6 +328,12 @@ def test_the_next_forward_before_the_draft_layer_fails_fast(stack):
         controller.backup_layer(layer)
     with pytest.raises(PerLayerBackupIncomplete, match=r"nodes \[7\].*before the draft forward stored its layer"):
         controller.submit_write(_reserve(stack, [0], 8), per_layer=True)
+    # A target forward with nothing held is just as early: the draft forward never ran.
+    controller.submit_write(_reserve(stack, [0], 9), per_layer=True)
+    for layer in range(LAYERS):
+        controller.backup_layer(layer)
+    with pytest.raises(PerLayerBackupIncomplete, match=r"nodes \[9\].*a target forward started before the draft"):
+        controller.backup_layer(0)
 
 
 def test_a_per_layer_backup_awaiting_the_draft_layer_cannot_be_rolled_back(stack):
