@@ -312,7 +312,19 @@ class FastHiRadixCache(UPSTREAM["HiRadixCache"]):
         finally:
             frees, self._device_frees = self._device_frees, None
             if frees:
-                self.cache_controller.evict_device(torch.cat(frees))
+                self.cache_controller.evict_device(self._page_representatives(torch.cat(frees)))
+
+    def _page_representatives(self, device_locs: torch.Tensor) -> torch.Tensor:
+        """One loc per page of ``device_locs``, the device values of whole radix nodes.
+
+        Radix nodes hold whole pages (keys are page-aligned, splits fall on page
+        boundaries, and the paged allocator puts position ``p`` at page offset
+        ``p % page_size``), so each page's first loc stands for the page: the allocator's
+        free (``unique(locs // page_size)``) then sorts pages, not every token of them.
+        """
+        if self.page_size == 1 or len(device_locs) % self.page_size:
+            return device_locs
+        return device_locs[:: self.page_size]
 
     def _evict_backuped(self, node: TreeNode) -> int:
         if self._device_frees is None:

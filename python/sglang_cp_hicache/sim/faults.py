@@ -79,17 +79,27 @@ def _shift_mirrored_extend_locs() -> None:
 def _drop_partial_page_frees(stack: RankStack) -> None:
     """cache_finished_req's free of the unaligned tail (less than a page) is lost.
 
-    Every other free on this path (duplicates, evicted nodes) is whole pages.
+    Every other free on this path is whole pages (duplicates) or goes through the
+    controller's ``evict_device`` (evicted nodes, one loc per page), which passes.
     """
-    allocator = stack.allocator
-    free = allocator.free
+    allocator, controller = stack.allocator, stack.cache.cache_controller
+    free, evict_device = allocator.free, controller.evict_device
+    evicting = []
+
+    def evict_device_passes(indices):
+        evicting.append(True)
+        try:
+            return evict_device(indices)
+        finally:
+            evicting.pop()
 
     def free_whole_pages_only(indices):
-        if 0 < len(indices) < allocator.page_size:
+        if not evicting and 0 < len(indices) < allocator.page_size:
             return None
         return free(indices)
 
     allocator.free = free_whole_pages_only
+    controller.evict_device = evict_device_passes
 
 
 def _roll_load_owners() -> None:

@@ -164,3 +164,23 @@ def test_lock_ref_changes_update_evictable_leaves(stack):
     cache.evict(EvictParams(num_tokens=10**6))
     assert locked.evicted and locked.parent.evicted
     _assert_leaf_status(cache)
+
+
+def test_eviction_returns_every_page_of_split_multi_page_nodes(stack):
+    """Batched eviction frees each evicted node's whole pages (one loc per page reaches the
+    allocator) and no others: after evicting everything, every slot is free exactly once."""
+    allocator = stack.allocator
+    start = allocator.available_size()
+    shared = list(range(1, 1 + PS))
+    _insert(stack, RadixKey(shared + list(range(1000, 1000 + 2 * PS))))
+    second = RadixKey(shared + list(range(2000, 2000 + 3 * PS)))
+    locs = allocator.alloc(len(second.token_ids))
+    result = stack.cache.insert(InsertParams(key=second, value=locs))  # splits the first
+    stack.cache.check_hicache_events()
+    assert result.prefix_len == PS
+    allocator.free(locs[:PS])  # the caller frees what the tree already held
+    assert allocator.available_size() == start - 6 * PS
+    stack.cache.evict(EvictParams(num_tokens=10**6))
+    assert allocator.available_size() == start
+    locs = allocator.alloc(start)
+    assert locs is not None and len(torch.unique(locs)) == start
