@@ -117,15 +117,16 @@ class HostLoadPlan:
     lane_pages: List[int]
 
     @classmethod
-    def concat(cls, plans: Sequence["HostLoadPlan"], logical_host_locs: np.ndarray) -> "HostLoadPlan":
-        """The plan of consecutive nodes loaded together, from their own plans, whose runs
-        concatenate to ``logical_host_locs`` (a whole-page run when every part is one)."""
-        pages = np.concatenate([plan.host_run.pages for plan in plans])
-        if any(plan.host_run.page_of_loc is not None for plan in plans):
-            run = PageRun.of(logical_host_locs, plans[0].host_run.page_size)
+    def concat(cls, plans: Sequence["HostLoadPlan"]) -> "HostLoadPlan":
+        """The plan of consecutive nodes loaded together, from their own plans (a
+        whole-page run when every part is one)."""
+        runs = [plan.host_run for plan in plans]
+        locs = np.concatenate([run.locs for run in runs])
+        if any(run.page_of_loc is not None for run in runs):
+            run = PageRun.of(locs, runs[0].page_size)
         else:
-            run = PageRun(logical_host_locs, pages, None, plans[0].host_run.page_size)
-        lane_pages = [sum(counts) for counts in zip(*(plan.lane_pages for plan in plans))]
+            run = PageRun(locs, np.concatenate([run.pages for run in runs]), None, runs[0].page_size)
+        lane_pages = list(map(sum, zip(*(plan.lane_pages for plan in plans))))
         return cls(run, np.concatenate([plan.page_owners for plan in plans]), lane_pages)
 
 

@@ -488,28 +488,27 @@ class FastHiRadixCache(UPSTREAM["HiRadixCache"]):
     ) -> Optional[torch.Tensor]:
         """Upstream's admission (threshold, quota), then the H2D copy of ``nodes_to_load``
         (protected); the new device locs, or None when the load is skipped."""
-        if len(nodes_to_load) == 1:  # the usual case; load() only reads host_indices
-            host_indices = nodes_to_load[0].host_value
-        else:
-            host_indices = torch.cat([n.host_value for n in nodes_to_load])
+        num_tokens = sum(len(node.key) for node in nodes_to_load)  # == their host values
         if mem_quota is None:
             mem_quota = self._default_load_quota()
-        too_short = len(host_indices) < self.load_back_threshold
+        too_short = num_tokens < self.load_back_threshold
         # delta <= 0: the ancestors just locked are no longer evictable.
-        over_quota = mem_quota is not None and len(host_indices) > mem_quota + delta
+        over_quota = mem_quota is not None and num_tokens > mem_quota + delta
         if too_short or over_quota:
             return None
-        return self._load_host_indices(hit_node, nodes_to_load, host_indices)
+        return self._load_host_values(hit_node, nodes_to_load)
 
     def _default_load_quota(self) -> Optional[int]:
         """The quota when the scheduler passes none: upstream checks none."""
         return None
 
-    def _load_host_indices(
-        self, hit_node: TreeNode, nodes_to_load: List[TreeNode], host_indices: torch.Tensor
-    ) -> Optional[torch.Tensor]:
-        """Upstream's load of ``host_indices`` (the host values of ``nodes_to_load``, in
-        order): copy, and on a full device evict and copy once more."""
+    def _load_host_values(self, hit_node: TreeNode, nodes_to_load: List[TreeNode]) -> Optional[torch.Tensor]:
+        """Upstream's load of the host values of ``nodes_to_load`` (in order): copy, and on
+        a full device evict and copy once more."""
+        if len(nodes_to_load) == 1:  # the usual case; load() only reads host_indices
+            host_indices = nodes_to_load[0].host_value
+        else:
+            host_indices = torch.cat([n.host_value for n in nodes_to_load])
         extra_pools = self._get_extra_pools()
         device_indices = self.cache_controller.load(
             host_indices=host_indices, node_id=hit_node.id, **extra_pools

@@ -427,9 +427,9 @@ class CpHiRadixCache(FastHiRadixCache):
         node.cp_host_plan = plan
         node.cp_host_lanes = plan.lane_pages
 
-    def _host_load_plan(self, nodes: List[TreeNode], host_indices: torch.Tensor) -> HostLoadPlan:
-        """The load plan of consecutive host-only ``nodes`` (host values ``host_indices``)
-        from their own plans; fails fast on a node whose plan does not cover its value."""
+    def _host_load_plan(self, nodes: List[TreeNode]) -> HostLoadPlan:
+        """The load plan of consecutive host-only ``nodes`` from their own plans; fails
+        fast on a node whose plan does not cover its value."""
         plans = []
         for node in nodes:
             plan = getattr(node, "cp_host_plan", None)
@@ -441,7 +441,7 @@ class CpHiRadixCache(FastHiRadixCache):
             plans.append(plan)
         if len(plans) == 1:
             return plans[0]
-        return HostLoadPlan.concat(plans, host_int64(host_indices))
+        return HostLoadPlan.concat(plans)
 
     # -------------------------------------------------------------- backup (D2H)
     def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
@@ -713,18 +713,16 @@ class CpHiRadixCache(FastHiRadixCache):
     def load_back(self, node: TreeNode, mem_quota: Optional[int] = None) -> Optional[torch.Tensor]:
         if not self.uses_cp_hicache:
             return super().load_back(node, mem_quota)
-        with self._placing(None):  # _load_host_indices places the loaded locs
+        with self._placing(None):  # _load_host_values places the loaded locs
             return super().load_back(node, mem_quota)
 
-    def _load_host_indices(
-        self, hit_node: TreeNode, nodes_to_load: List[TreeNode], host_indices: torch.Tensor
-    ) -> Optional[torch.Tensor]:
+    def _load_host_values(self, hit_node: TreeNode, nodes_to_load: List[TreeNode]) -> Optional[torch.Tensor]:
         """Plan the load per owner lane (write-time owners), make device room on the short
         lanes only, then let the controller execute the plan. The new locs' host form is
         what the loaded nodes' runs are sliced from."""
         if not self.uses_cp_hicache:
-            return super()._load_host_indices(hit_node, nodes_to_load, host_indices)
-        plan = self._host_load_plan(nodes_to_load, host_indices)
+            return super()._load_host_values(hit_node, nodes_to_load)
+        plan = self._host_load_plan(nodes_to_load)
         if not self._make_device_room(plan.lane_pages):
             self._refuse(
                 "device_loads", hit_node.id, plan.lane_pages,
