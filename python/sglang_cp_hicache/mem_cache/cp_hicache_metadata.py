@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, List, Optional, Sequence, Tuple
+from typing import Deque, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -116,18 +116,45 @@ class HostLoadPlan:
     page_owners: np.ndarray
     lane_pages: List[int]
 
-    @classmethod
-    def concat(cls, plans: Sequence["HostLoadPlan"]) -> "HostLoadPlan":
-        """The plan of consecutive nodes loaded together, from their own plans (a
-        whole-page run when every part is one)."""
-        runs = [plan.host_run for plan in plans]
-        locs = np.concatenate([run.locs for run in runs])
-        if any(run.page_of_loc is not None for run in runs):
-            run = PageRun.of(locs, runs[0].page_size)
-        else:
-            run = PageRun(locs, np.concatenate([run.pages for run in runs]), None, runs[0].page_size)
-        lane_pages = list(map(sum, zip(*(plan.lane_pages for plan in plans))))
-        return cls(run, np.concatenate([plan.page_owners for plan in plans]), lane_pages)
+    @property
+    def host_pages(self) -> np.ndarray:
+        return self.host_run.pages
+
+    def device_locs(self, device_pages: np.ndarray) -> np.ndarray:
+        """The loaded tokens' new logical device locs, ``device_pages`` holding the pages."""
+        return self.host_run.relocate(device_pages)
+
+
+class JoinedHostLoadPlan:
+    """The plan of consecutive nodes loaded together, joined from their own plans.
+
+    Every load reads the owners and lane counts, so they are joined at once. The host
+    pages are joined only for a load that reads them (an owned part, a draft check), and
+    the host locs only for parts that are not whole pages: on a scheduler thread between
+    tree walks each NumPy call is a cold one, and most loads need neither.
+    """
+
+    def __init__(self, plans: Sequence[HostLoadPlan]) -> None:
+        self.parts = plans
+        self.page_owners = np.concatenate([plan.page_owners for plan in plans])
+        self.lane_pages = [sum(counts) for counts in zip(*(plan.lane_pages for plan in plans))]
+        self._host_pages: Optional[np.ndarray] = None
+
+    @property
+    def host_pages(self) -> np.ndarray:
+        if self._host_pages is None:
+            self._host_pages = np.concatenate([plan.host_run.pages for plan in self.parts])
+        return self._host_pages
+
+    def device_locs(self, device_pages: np.ndarray) -> np.ndarray:
+        runs = [plan.host_run for plan in self.parts]
+        if all(run.page_of_loc is None for run in runs):
+            return page_token_locs(device_pages, runs[0].page_size)
+        joined = PageRun.of(np.concatenate([run.locs for run in runs]), runs[0].page_size)
+        return joined.relocate(device_pages)
+
+
+LoadPlan = Union[HostLoadPlan, JoinedHostLoadPlan]
 
 
 @dataclass
@@ -302,11 +329,11 @@ class CpHostPageTable:
         owners, lane_pages = self._owners(run.pages, node_id, "is not allocated")
         return HostLoadPlan(run, owners, lane_pages)
 
-    def owned_host_locs(self, plan: HostLoadPlan, owned: np.ndarray) -> np.ndarray:
+    def owned_host_locs(self, plan: "LoadPlan", owned: np.ndarray) -> np.ndarray:
         """Physical host locs (this rank, whole pages) of the plan's owned pages (``owned``:
         ``plan.page_owners == cp_rank``), read at execution time: after any eviction the
         planner made room with."""
-        return page_token_locs(self._physical_page[plan.host_run.pages[owned]], self.page_size)
+        return page_token_locs(self._physical_page[plan.host_pages[owned]], self.page_size)
 
     # ------------------------------------------------------------------ lookup
     def lane_pages(self, logical_host_locs: np.ndarray, node_id: int = -1) -> List[int]:
@@ -368,6 +395,12 @@ class CpHostPageTable:
         self.check_payload(pages, node_id)
         return owners, lane_pages
 
+    def check_load_payload(self, plan: "LoadPlan", node_id: int = -1) -> None:
+        """:meth:`check_payload` of a load plan's pages, which are not gathered (nor, for a
+        joined plan, concatenated) when there is nothing to check."""
+        if self.payload != PAYLOAD_TARGET:
+            self.check_payload(plan.host_pages, node_id)
+
     def check_payload(self, pages: np.ndarray, node_id: int = -1) -> None:
         """Fail fast unless every logical host page in ``pages`` holds all the payloads
         the cache keeps (with a draft: target *and* draft KV). Replicated state, so every
@@ -391,6 +424,8 @@ __all__ = [
     "CpHiCacheNodeMetadata",
     "CpHostPageTable",
     "HostLoadPlan",
+    "JoinedHostLoadPlan",
+    "LoadPlan",
     "HostWritePlan",
     "PAYLOAD_DRAFT",
     "PAYLOAD_TARGET",

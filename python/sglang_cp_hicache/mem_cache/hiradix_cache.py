@@ -38,7 +38,8 @@ per eviction call): ``cp_device_locs`` (the node's logical device locs on the ho
 ``cp_device_locs`` on a planner's first use and kept until the value changes),
 ``cp_host_lanes`` (host pages per owner lane) and ``cp_host_plan`` (the
 :class:`HostLoadPlan` of the node's host value, made when it is backed up or split: the only
-two places a CP host value is set, so a load joins plans instead of deriving them).
+two places a CP host value is set, so a load joins plans instead of deriving them;
+``cp_host_plan_source`` is the host value it was made from, which a load checks by identity).
 
 ``cp_device_locs`` comes from host state, never from reading ``node.value`` back (a stream
 sync per node on a GPU): a node inserted by ``cache_finished_req`` / ``cache_unfinished_req``
@@ -68,7 +69,8 @@ from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 from sglang_cp_hicache.mem_cache.cp_hicache_metadata import (
     CpHiCacheMetadataError,
     CpHiCacheNodeMetadata,
-    HostLoadPlan,
+    JoinedHostLoadPlan,
+    LoadPlan,
     HostWritePlan,
     PageRun,
 )
@@ -194,6 +196,7 @@ class CpHiRadixCache(FastHiRadixCache):
         # Host form of the value being placed on nodes (a request's mirrored row inside
         # cache_*_req, the new locs inside load_back); None outside those calls.
         self._value_source: Optional[np.ndarray] = None
+        self._value_source_fresh = False
         self.device_value_reads = 0  # runs derived by reading node.value back
         self._warned_device_read = False
         super().__init__(params, server_args)
@@ -323,11 +326,11 @@ class CpHiRadixCache(FastHiRadixCache):
     def _placing(self, host_locs: Optional[np.ndarray]) -> Iterator[None]:
         """Nodes given a device value inside take their runs from ``host_locs`` (the host
         form of the value being placed, indexed by the offsets ``_on_device_value`` gets)."""
-        self._value_source = host_locs
+        self._value_source, self._value_source_fresh = host_locs, False
         try:
             yield
         finally:
-            self._value_source = None
+            self._value_source, self._value_source_fresh = None, False
 
     def _on_device_value(self, node: TreeNode, start: int) -> None:
         if not self.uses_cp_hicache:
@@ -337,8 +340,11 @@ class CpHiRadixCache(FastHiRadixCache):
         node.cp_device_run = None
         if self._value_source is None:
             node.cp_device_locs = None  # no host form: read back on first use (counted)
-        else:  # a copy: mirror rows are reused
-            node.cp_device_locs = self._value_source[start : start + len(node.value)].astype(np.int64)
+            return
+        locs = self._value_source[start : start + len(node.value)]
+        # A request's mirror row is reused, so its nodes copy; a load's locs were made for
+        # the loaded nodes alone, which keep views.
+        node.cp_device_locs = locs if self._value_source_fresh else locs.astype(np.int64)
 
     def _device_locs(self, node: TreeNode) -> np.ndarray:
         """The node's logical device locs on the host (replicated state)."""
@@ -426,14 +432,15 @@ class CpHiRadixCache(FastHiRadixCache):
         plan = self.host_table.plan_load(host_int64(node.host_value), node.id)
         node.cp_host_plan = plan
         node.cp_host_lanes = plan.lane_pages
+        node.cp_host_plan_source = node.host_value  # the value planned, by identity
 
-    def _host_load_plan(self, nodes: List[TreeNode]) -> HostLoadPlan:
+    def _host_load_plan(self, nodes: List[TreeNode]) -> LoadPlan:
         """The load plan of consecutive host-only ``nodes`` from their own plans; fails
         fast on a node whose plan does not cover its value."""
         plans = []
         for node in nodes:
             plan = getattr(node, "cp_host_plan", None)
-            if plan is None or plan.host_run.locs.size != node.host_value.numel():
+            if plan is None or node.cp_host_plan_source is not node.host_value:
                 raise CpHiCacheMetadataError(
                     f"node {node.id} on CP rank {self.layout.cp_rank}: its host load plan does "
                     "not match its host value (a host value set without _set_host_plan)"
@@ -441,7 +448,7 @@ class CpHiRadixCache(FastHiRadixCache):
             plans.append(plan)
         if len(plans) == 1:
             return plans[0]
-        return HostLoadPlan.concat(plans)
+        return JoinedHostLoadPlan(plans)
 
     # -------------------------------------------------------------- backup (D2H)
     def write_backup(self, node: TreeNode, write_back: bool = False) -> int:
@@ -737,7 +744,7 @@ class CpHiRadixCache(FastHiRadixCache):
                 f"node {hit_node.id} on CP rank {self.layout.cp_rank}: the planned load found "
                 "its lanes short of device pages"
             )
-        self._value_source = logical_locs  # inside load_back's _placing
+        self._value_source, self._value_source_fresh = logical_locs, True  # in load_back's _placing
         return self.token_to_kv_pool_allocator.to_device(logical_locs)
 
     def _make_device_room(self, lane_pages: List[int]) -> bool:

@@ -54,6 +54,7 @@ from sglang_cp_hicache.mem_cache.cp_hicache_metadata import (
     CpHiCacheMetadataError,
     CpHostPageTable,
     HostLoadPlan,
+    LoadPlan,
     HostWritePlan,
     PageRun,
 )
@@ -502,7 +503,7 @@ class CpHybridCacheController(HybridCacheController):
 
     def load_planned(
         self,
-        plan: HostLoadPlan,
+        plan: LoadPlan,
         priority: Optional[int] = None,
         node_id: int = -1,
         extra_pools=None,
@@ -511,7 +512,7 @@ class CpHybridCacheController(HybridCacheController):
         host (int64): the cache keeps them as the loaded nodes' runs, so nothing is read
         back from the device."""
         # Every page must hold all the payloads (target and draft): never a target-only hit.
-        self.host_table.check_payload(plan.host_run.pages, node_id)
+        self.host_table.check_load_payload(plan, node_id)
         device_pages = self.allocator.alloc_logical_pages(plan.page_owners, plan.lane_pages)
         if device_pages is None:
             return None
@@ -546,7 +547,7 @@ class CpHybridCacheController(HybridCacheController):
                 pool_transfers=pool_transfers or None,
             )
         )
-        return plan.host_run.relocate(device_pages)
+        return plan.device_locs(device_pages)
 
     def start_loading(self) -> int:
         if self.load_queue and all(op.host_indices.numel() == 0 for op in self.load_queue):

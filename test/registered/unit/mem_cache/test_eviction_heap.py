@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import time
+from contextlib import closing
 
 import pytest
 import torch
@@ -56,6 +57,39 @@ def test_lazy_heap_pops_in_fresh_sort_order_under_random_growth():
     expected = sorted(leaves, key=lambda n: (priority[n.id], n.id))
     assert leaves.ordered() == expected
     assert leaves.ordered() == expected  # inspecting consumed nothing
+
+
+def test_in_order_and_out_of_order_entries_merge_into_one_victim_order():
+    """LRU-like keys: most leaves enter stamped with the current time (in order), some
+    with an older key (a parent that becomes a leaf), members are touched while queued
+    and ties are common; victims interleave both kinds, evicting as they go."""
+    rng = random.Random(1)
+    priority = {}
+    leaves = EvictableLeafSet(lambda n: priority[n.id], keys_only_grow=True)
+    nodes = [_node(i) for i in range(300)]
+    now = 0
+    for round_ in range(40):
+        for _ in range(60):
+            now += rng.randint(0, 1)
+            node = rng.choice(nodes)
+            action = rng.random()
+            if action < 0.5 and node not in leaves:
+                priority[node.id] = now if rng.random() < 0.8 else rng.randint(0, now)
+                leaves.add(node)
+            elif action < 0.7 and node in leaves:
+                priority[node.id] = now  # touched while queued: its entry goes stale
+            elif action < 0.85:
+                leaves.discard(node)
+        expected = sorted(leaves, key=lambda n: (priority[n.id], n.id))
+        assert leaves.ordered() == expected
+        taken = []
+        with closing(leaves.victims()) as victims:
+            for node in victims:
+                taken.append(node)
+                leaves.remove(node)
+                if len(taken) == round_ % 5:
+                    break
+        assert taken == expected[: len(taken)]
 
 
 def test_rebuild_mode_handles_decreasing_keys():
