@@ -117,8 +117,8 @@ class HostLoadPlan:
     lane_pages: List[int]
 
     @property
-    def host_pages(self) -> np.ndarray:
-        return self.host_run.pages
+    def parts(self) -> Tuple["HostLoadPlan"]:
+        return (self,)
 
     def device_locs(self, device_pages: np.ndarray) -> np.ndarray:
         """The loaded tokens' new logical device locs, ``device_pages`` holding the pages."""
@@ -126,32 +126,18 @@ class HostLoadPlan:
 
 
 class JoinedHostLoadPlan:
-    """The plan of consecutive nodes loaded together, joined from their own plans.
+    """Consecutive nodes loaded together: their own plans (``parts``, in load order) and
+    the pages each lane needs for all of them.
 
-    Every load reads the owners and lane counts, so they are joined at once. The host
-    pages are joined only for a load that reads them (an owned part, a draft check), and
-    the host locs only for parts that are not whole pages: on a scheduler thread between
-    tree walks each NumPy call is a cold one, and most loads need neither.
+    Nothing is concatenated: the controller checks the lanes once for the total, then
+    allocates part by part (popping each lane part after part takes the pages one joined
+    allocation would), and each loaded node keeps its part's new locs. On a scheduler
+    thread between tree walks every NumPy call is a cold one.
     """
 
     def __init__(self, plans: Sequence[HostLoadPlan]) -> None:
-        self.parts = plans
-        self.page_owners = np.concatenate([plan.page_owners for plan in plans])
+        self.parts = tuple(plans)
         self.lane_pages = [sum(counts) for counts in zip(*(plan.lane_pages for plan in plans))]
-        self._host_pages: Optional[np.ndarray] = None
-
-    @property
-    def host_pages(self) -> np.ndarray:
-        if self._host_pages is None:
-            self._host_pages = np.concatenate([plan.host_run.pages for plan in self.parts])
-        return self._host_pages
-
-    def device_locs(self, device_pages: np.ndarray) -> np.ndarray:
-        runs = [plan.host_run for plan in self.parts]
-        if all(run.page_of_loc is None for run in runs):
-            return page_token_locs(device_pages, runs[0].page_size)
-        joined = PageRun.of(np.concatenate([run.locs for run in runs]), runs[0].page_size)
-        return joined.relocate(device_pages)
 
 
 LoadPlan = Union[HostLoadPlan, JoinedHostLoadPlan]
@@ -329,11 +315,10 @@ class CpHostPageTable:
         owners, lane_pages = self._owners(run.pages, node_id, "is not allocated")
         return HostLoadPlan(run, owners, lane_pages)
 
-    def owned_host_locs(self, plan: "LoadPlan", owned: np.ndarray) -> np.ndarray:
-        """Physical host locs (this rank, whole pages) of the plan's owned pages (``owned``:
-        ``plan.page_owners == cp_rank``), read at execution time: after any eviction the
-        planner made room with."""
-        return page_token_locs(self._physical_page[plan.host_pages[owned]], self.page_size)
+    def physical_host_locs(self, owned_logical_pages: np.ndarray) -> np.ndarray:
+        """Physical host locs (this rank, whole pages) of owned logical host pages, read at
+        execution time: after any eviction the planner made room with."""
+        return page_token_locs(self._physical_page[owned_logical_pages], self.page_size)
 
     # ------------------------------------------------------------------ lookup
     def lane_pages(self, logical_host_locs: np.ndarray, node_id: int = -1) -> List[int]:
@@ -396,10 +381,11 @@ class CpHostPageTable:
         return owners, lane_pages
 
     def check_load_payload(self, plan: "LoadPlan", node_id: int = -1) -> None:
-        """:meth:`check_payload` of a load plan's pages, which are not gathered (nor, for a
-        joined plan, concatenated) when there is nothing to check."""
+        """:meth:`check_payload` of a load plan's pages, not gathered when there is nothing
+        to check."""
         if self.payload != PAYLOAD_TARGET:
-            self.check_payload(plan.host_pages, node_id)
+            for part in plan.parts:
+                self.check_payload(part.host_run.pages, node_id)
 
     def check_payload(self, pages: np.ndarray, node_id: int = -1) -> None:
         """Fail fast unless every logical host page in ``pages`` holds all the payloads

@@ -384,6 +384,11 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             lane_pages = self.lanes.lane_demand(page_owners)
         if not self.lanes.fits(lane_pages):
             return None
+        return self.take_logical_pages(page_owners, lane_pages)
+
+    def take_logical_pages(self, page_owners: np.ndarray, lane_pages: List[int]) -> np.ndarray:
+        """:meth:`alloc_logical_pages` without its room check, for a caller that checked
+        the lanes once (:meth:`lane_fits`) for several takes."""
         return self.lanes.take(page_owners, lane_pages)
 
     def alloc_extend(

@@ -194,9 +194,10 @@ class CpHiRadixCache(FastHiRadixCache):
         self.per_layer_backup = True
         self.pending_stats = PendingBackupStats()
         # Host form of the value being placed on nodes (a request's mirrored row inside
-        # cache_*_req, the new locs inside load_back); None outside those calls.
+        # cache_*_req); None outside those calls.
         self._value_source: Optional[np.ndarray] = None
-        self._value_source_fresh = False
+        # Each loaded node's new locs on the host by its offset in the load (in load_back).
+        self._loaded_locs: Optional[Dict[int, np.ndarray]] = None
         self.device_value_reads = 0  # runs derived by reading node.value back
         self._warned_device_read = False
         super().__init__(params, server_args)
@@ -325,12 +326,13 @@ class CpHiRadixCache(FastHiRadixCache):
     @contextmanager
     def _placing(self, host_locs: Optional[np.ndarray]) -> Iterator[None]:
         """Nodes given a device value inside take their runs from ``host_locs`` (the host
-        form of the value being placed, indexed by the offsets ``_on_device_value`` gets)."""
-        self._value_source, self._value_source_fresh = host_locs, False
+        form of the value being placed, indexed by the offsets ``_on_device_value`` gets),
+        or inside a load from the loaded nodes' own new locs (``_loaded_locs``)."""
+        self._value_source, self._loaded_locs = host_locs, None
         try:
             yield
         finally:
-            self._value_source, self._value_source_fresh = None, False
+            self._value_source, self._loaded_locs = None, None
 
     def _on_device_value(self, node: TreeNode, start: int) -> None:
         if not self.uses_cp_hicache:
@@ -338,13 +340,12 @@ class CpHiRadixCache(FastHiRadixCache):
         # The run and lanes are derived when a planner first needs them: many nodes never
         # meet a planner before their value changes.
         node.cp_device_run = None
-        if self._value_source is None:
+        if self._loaded_locs is not None:  # made for this node alone
+            node.cp_device_locs = self._loaded_locs[start]
+        elif self._value_source is not None:  # a request's mirror row, which is reused
+            node.cp_device_locs = self._value_source[start : start + len(node.value)].astype(np.int64)
+        else:
             node.cp_device_locs = None  # no host form: read back on first use (counted)
-            return
-        locs = self._value_source[start : start + len(node.value)]
-        # A request's mirror row is reused, so its nodes copy; a load's locs were made for
-        # the loaded nodes alone, which keep views.
-        node.cp_device_locs = locs if self._value_source_fresh else locs.astype(np.int64)
 
     def _device_locs(self, node: TreeNode) -> np.ndarray:
         """The node's logical device locs on the host (replicated state)."""
@@ -725,8 +726,8 @@ class CpHiRadixCache(FastHiRadixCache):
 
     def _load_host_values(self, hit_node: TreeNode, nodes_to_load: List[TreeNode]) -> Optional[torch.Tensor]:
         """Plan the load per owner lane (write-time owners), make device room on the short
-        lanes only, then let the controller execute the plan. The new locs' host form is
-        what the loaded nodes' runs are sliced from."""
+        lanes only, then let the controller execute the plan, which returns each node's new
+        locs on the host: the loaded nodes' runs."""
         if not self.uses_cp_hicache:
             return super()._load_host_values(hit_node, nodes_to_load)
         plan = self._host_load_plan(nodes_to_load)
@@ -736,15 +737,20 @@ class CpHiRadixCache(FastHiRadixCache):
                 self.token_to_kv_pool_allocator.lane_free_pages(),
             )  # fmt: skip
             return None
-        logical_locs = self.cache_controller.load_planned(
+        part_locs = self.cache_controller.load_planned(
             plan, node_id=hit_node.id, **self._get_extra_pools()
         )
-        if logical_locs is None:
+        if part_locs is None:
             raise CpHiCacheMetadataError(
                 f"node {hit_node.id} on CP rank {self.layout.cp_rank}: the planned load found "
                 "its lanes short of device pages"
             )
-        self._value_source, self._value_source_fresh = logical_locs, True  # in load_back's _placing
+        # In load_back's _placing: each loaded node takes its part, by its offset in the load.
+        self._loaded_locs, offset = {}, 0
+        for locs in part_locs:
+            self._loaded_locs[offset] = locs
+            offset += len(locs)
+        logical_locs = part_locs[0] if len(part_locs) == 1 else np.concatenate(part_locs)
         return self.token_to_kv_pool_allocator.to_device(logical_locs)
 
     def _make_device_room(self, lane_pages: List[int]) -> bool:

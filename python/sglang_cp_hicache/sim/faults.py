@@ -112,11 +112,11 @@ def _roll_load_owners() -> None:
     from sglang_cp_hicache.mem_cache.cp_shared_allocator import CPSharedPagedTokenToKVPoolAllocator
     from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
 
-    original = CPSharedPagedTokenToKVPoolAllocator.alloc_logical_pages
+    original = CPSharedPagedTokenToKVPoolAllocator.take_logical_pages
 
-    def alloc_rolled(self, page_owners, lane_pages=None):
+    def take_rolled(self, page_owners, lane_pages):
         # Rolling keeps the per-lane counts, so lane_pages still matches.
         return original(self, np.roll(np.asarray(page_owners, dtype=np.int64), 1), lane_pages)
 
-    CPSharedPagedTokenToKVPoolAllocator.alloc_logical_pages = alloc_rolled
+    CPSharedPagedTokenToKVPoolAllocator.take_logical_pages = take_rolled
     CpSharedKVLayout._raise_if_not_owned = lambda self, owners, unit: None

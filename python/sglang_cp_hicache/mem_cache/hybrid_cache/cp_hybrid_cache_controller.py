@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -498,8 +498,10 @@ class CpHybridCacheController(HybridCacheController):
         """
         if plan is None:
             plan = self.host_table.plan_load(host_int64(host_indices), node_id)
-        logical_locs = self.load_planned(plan, priority, node_id, extra_pools)
-        return None if logical_locs is None else self.allocator.to_device(logical_locs)
+        part_locs = self.load_planned(plan, priority, node_id, extra_pools)
+        if part_locs is None:
+            return None
+        return self.allocator.to_device(np.concatenate(part_locs))
 
     def load_planned(
         self,
@@ -507,26 +509,20 @@ class CpHybridCacheController(HybridCacheController):
         priority: Optional[int] = None,
         node_id: int = -1,
         extra_pools=None,
-    ) -> Optional[np.ndarray]:
-        """:meth:`load` of a planned load, returning the new logical device locs on the
-        host (int64): the cache keeps them as the loaded nodes' runs, so nothing is read
-        back from the device."""
+    ) -> Optional[List[np.ndarray]]:
+        """:meth:`load` of a planned load, returning each part's new logical device locs on
+        the host (int64, in part order): the cache keeps them as the loaded nodes' runs, so
+        nothing is read back from the device. None if a lane is short of device pages."""
         # Every page must hold all the payloads (target and draft): never a target-only hit.
         self.host_table.check_load_payload(plan, node_id)
-        device_pages = self.allocator.alloc_logical_pages(plan.page_owners, plan.lane_pages)
-        if device_pages is None:
+        if not self.allocator.lane_fits(plan.lane_pages):
             return None
-
+        parts = plan.parts
+        device_pages = [
+            self.allocator.take_logical_pages(part.page_owners, part.lane_pages) for part in parts
+        ]
         if plan.lane_pages[self.cp_rank]:
-            owned = plan.page_owners == self.cp_rank
-            physical_host_locs = torch.from_numpy(self.host_table.owned_host_locs(plan, owned))
-            # The owner lanes only hold pages of their owner: no ownership re-check needed.
-            physical_device_pages = self.layout.logical_pages_to_physical(
-                device_pages[owned], validate=False
-            )
-            physical_device_locs = self.allocator.to_device(
-                page_token_locs(physical_device_pages, self.page_size)
-            )
+            physical_host_locs, physical_device_locs = self._owned_load_locs(parts, device_pages)
             pool_transfers = self._resolve_pool_transfers_allocation(
                 extra_pools,
                 alloc_host=False,
@@ -547,7 +543,31 @@ class CpHybridCacheController(HybridCacheController):
                 pool_transfers=pool_transfers or None,
             )
         )
-        return plan.device_locs(device_pages)
+        return [part.device_locs(pages) for part, pages in zip(parts, device_pages)]
+
+    def _owned_load_locs(
+        self, parts: Sequence[HostLoadPlan], device_pages: List[np.ndarray]
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Physical host and device locs of this rank's pages of a load (whole pages)."""
+        host_pages, new_pages = [], []
+        for part, pages in zip(parts, device_pages):
+            owned_count = part.lane_pages[self.cp_rank]
+            if owned_count == len(pages):  # a part this rank owns whole: no mask
+                host_pages.append(part.host_run.pages)
+                new_pages.append(pages)
+            elif owned_count:
+                owned = part.page_owners == self.cp_rank
+                host_pages.append(part.host_run.pages[owned])
+                new_pages.append(pages[owned])
+        if len(host_pages) > 1:
+            host_pages, new_pages = [np.concatenate(host_pages)], [np.concatenate(new_pages)]
+        physical_host_locs = torch.from_numpy(self.host_table.physical_host_locs(host_pages[0]))
+        # The owner lanes only hold pages of their owner: no ownership re-check needed.
+        physical_device_pages = self.layout.logical_pages_to_physical(new_pages[0], validate=False)
+        physical_device_locs = self.allocator.to_device(
+            page_token_locs(physical_device_pages, self.page_size)
+        )
+        return physical_host_locs, physical_device_locs
 
     def start_loading(self) -> int:
         if self.load_queue and all(op.host_indices.numel() == 0 for op in self.load_queue):

@@ -305,6 +305,27 @@ def test_alloc_balances_lanes_and_uses_all_capacity(cp_size):
     assert allocator.alloc(16) is None
 
 
+@pytest.mark.parametrize("need_sort", [False, True])
+def test_taking_part_by_part_gives_the_pages_of_one_joined_take(need_sort):
+    """A multi-node load takes each node's pages in turn (one room check for all): the
+    same pages, in the same order, as one allocation of the joined owners."""
+    rng = np.random.default_rng(0)
+    joined, by_part = (make_allocator(4, 16, pages_per_lane=24, need_sort=need_sort) for _ in range(2))
+    for allocator in (joined, by_part):  # churned free lists, identically
+        taken = allocator.alloc(16 * 20)
+        allocator.free(taken[16 * 5 : 16 * 15])
+    for _ in range(6):
+        parts = [rng.integers(0, 4, size=int(rng.integers(1, 4))) for _ in range(3)]
+        owners = np.concatenate(parts)
+        expected = joined.alloc_logical_pages(owners)
+        assert by_part.lane_fits(by_part.lane_demand(owners))
+        pages = [by_part.take_logical_pages(part, by_part.lane_demand(part)) for part in parts]
+
+        assert np.concatenate(pages).tolist() == expected.tolist()
+        assert (np.concatenate(pages) % 4).tolist() == owners.tolist()
+        assert lane_lists(by_part) == lane_lists(joined)
+
+
 # ---------------------------------------------------------- exhaustion and recovery
 @pytest.mark.parametrize("need_sort", [False, True])
 def test_new_pages_fail_only_when_all_lanes_together_are_short(need_sort):
