@@ -7,9 +7,10 @@ Same decisions, faster:
 
 * eviction order breaks priority ties by node id, so all ranks pick the same victims
   (upstream falls back to per-process set order on equal timestamps);
-* the evictable device and host leaves keep persistent lazy heaps
-  (:class:`EvictableLeafSet`), so an eviction call costs O(victims log leaves) instead of
-  a heap rebuild over all leaves, with exactly the victims a rebuild would pick; the
+* the evictable device and host leaves keep persistent lazy priority queues
+  (:class:`EvictableLeafSet`: a sorted run for leaves that arrive in LRU order, a heap for
+  the rest), so an eviction call costs at most O(victims log leaves) instead of a heap
+  rebuild over all leaves, with exactly the victims a rebuild would pick; the
   victims' slots go back in one free per call (device: the pages of one free group;
   host: the same free list as one free per node);
 * load-back locks the cached ancestors once (upstream walks them three times);
