@@ -129,10 +129,10 @@ class JoinedHostLoadPlan:
     """Consecutive nodes loaded together: their own plans (``parts``, in load order) and
     the pages each lane needs for all of them.
 
-    Nothing is concatenated: the controller checks the lanes once for the total, then
-    allocates part by part (popping each lane part after part takes the pages one joined
-    allocation would), and each loaded node keeps its part's new locs. On a scheduler
-    thread between tree walks every NumPy call is a cold one.
+    Nothing is concatenated: the controller checks and prepares the lanes once for the
+    total, then allocates part by part (popping each lane part after part takes the pages
+    one joined allocation would), and each loaded node keeps its part's new locs. On a
+    scheduler thread between tree walks every NumPy call is a cold one.
     """
 
     def __init__(self, plans: Sequence[HostLoadPlan]) -> None:

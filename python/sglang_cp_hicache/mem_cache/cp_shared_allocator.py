@@ -271,6 +271,13 @@ class OwnerLaneFreePages:
                 self.page_counts[lane] += count
                 start += count
 
+    def merge_short(self, demand: List[int]) -> None:
+        """Merge each lane whose free list is shorter than ``demand`` asks of it (what
+        :meth:`_pop` of that many pages would do first)."""
+        for lane, count in enumerate(demand):
+            if count > len(self.free_pages[lane]):
+                self._merge_lane(lane)
+
     def merge_and_sort(self) -> None:
         for lane in range(self.cp_size):
             self._merge_lane(lane)
@@ -385,6 +392,12 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         if not self.lanes.fits(lane_pages):
             return None
         return self.take_logical_pages(page_owners, lane_pages)
+
+    def prepare_takes(self, lane_pages: List[int]) -> None:
+        """Before several :meth:`take_logical_pages` that together ask ``lane_pages`` (which
+        fit): merge the released pages of each lane whose free list is short of its total,
+        as one take of the total would first. The takes then give that take's pages."""
+        self.lanes.merge_short(lane_pages)
 
     def take_logical_pages(self, page_owners: np.ndarray, lane_pages: List[int]) -> np.ndarray:
         """:meth:`alloc_logical_pages` without its room check, for a caller that checked

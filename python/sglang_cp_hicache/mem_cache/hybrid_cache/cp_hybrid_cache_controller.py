@@ -518,6 +518,8 @@ class CpHybridCacheController(HybridCacheController):
         if not self.allocator.lane_fits(plan.lane_pages):
             return None
         parts = plan.parts
+        if len(parts) > 1:  # one take merges what it needs itself
+            self.allocator.prepare_takes(plan.lane_pages)
         device_pages = [
             self.allocator.take_logical_pages(part.page_owners, part.lane_pages) for part in parts
         ]

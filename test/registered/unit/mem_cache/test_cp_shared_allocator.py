@@ -306,24 +306,37 @@ def test_alloc_balances_lanes_and_uses_all_capacity(cp_size):
 
 
 @pytest.mark.parametrize("need_sort", [False, True])
-def test_taking_part_by_part_gives_the_pages_of_one_joined_take(need_sort):
-    """A multi-node load takes each node's pages in turn (one room check for all): the
-    same pages, in the same order, as one allocation of the joined owners."""
+@pytest.mark.parametrize("pages_per_lane", [24, 8])  # 8: free lists run short mid-load
+def test_taking_part_by_part_gives_the_pages_of_one_joined_take(need_sort, pages_per_lane):
+    """A multi-node load checks and prepares the lanes once for all its nodes, then takes
+    each node's pages in turn: the same pages, in the same order, as one allocation of the
+    joined owners, also when a lane's free list is short of the total and (``need_sort``)
+    its released pages must be merged first."""
     rng = np.random.default_rng(0)
-    joined, by_part = (make_allocator(4, 16, pages_per_lane=24, need_sort=need_sort) for _ in range(2))
+    joined, by_part = (
+        make_allocator(4, 16, pages_per_lane=pages_per_lane, need_sort=need_sort) for _ in range(2)
+    )
     for allocator in (joined, by_part):  # churned free lists, identically
-        taken = allocator.alloc(16 * 20)
-        allocator.free(taken[16 * 5 : 16 * 15])
-    for _ in range(6):
+        taken = allocator.alloc(16 * 4 * (pages_per_lane - 3))
+        allocator.free(taken[16 * 3 : 16 * 4 * (pages_per_lane - 5)])
+    merged = 0
+    for _ in range(12):
         parts = [rng.integers(0, 4, size=int(rng.integers(1, 4))) for _ in range(3)]
         owners = np.concatenate(parts)
+        lane_pages = by_part.lane_demand(owners)
+        if not by_part.lane_fits(lane_pages):
+            break
+        merged += any(
+            need > len(free) for need, free in zip(lane_pages, by_part.lanes.free_pages)
+        )
         expected = joined.alloc_logical_pages(owners)
-        assert by_part.lane_fits(by_part.lane_demand(owners))
+        by_part.prepare_takes(lane_pages)
         pages = [by_part.take_logical_pages(part, by_part.lane_demand(part)) for part in parts]
 
         assert np.concatenate(pages).tolist() == expected.tolist()
         assert (np.concatenate(pages) % 4).tolist() == owners.tolist()
         assert lane_lists(by_part) == lane_lists(joined)
+    assert merged or not need_sort or pages_per_lane > 8  # the short case was reached
 
 
 # ---------------------------------------------------------- exhaustion and recovery
