@@ -275,8 +275,7 @@ class OwnerLaneFreePages:
         """Merge each lane whose free list is shorter than ``demand`` asks of it (what
         :meth:`_pop` of that many pages would do first)."""
         for lane, count in enumerate(demand):
-            if count > len(self.free_pages[lane]):
-                self._merge_lane(lane)
+            self._merge_if_short(lane, count)
 
     def merge_and_sort(self) -> None:
         for lane in range(self.cp_size):
@@ -291,12 +290,15 @@ class OwnerLaneFreePages:
         self.page_counts = [len(f) + len(r) for f, r in zip(free, release)]
 
     def _pop(self, lane: int, count: int) -> np.ndarray:
-        if count > len(self.free_pages[lane]):
-            self._merge_lane(lane)
+        self._merge_if_short(lane, count)
         free = self.free_pages[lane]
         self.free_pages[lane] = free[count:]
         self.page_counts[lane] -= count
         return free[:count]
+
+    def _merge_if_short(self, lane: int, count: int) -> None:
+        if count > len(self.free_pages[lane]):
+            self._merge_lane(lane)
 
     def _merge_lane(self, lane: int) -> None:
         if len(self.release_pages[lane]) == 0:
