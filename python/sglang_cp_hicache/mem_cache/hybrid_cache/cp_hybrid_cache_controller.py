@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -340,32 +340,13 @@ class CpHybridCacheController(HybridCacheController):
             self._fail_incomplete(
                 f"the forward reported layer {layer_id} after layer {batch.next_layer - 1}"
             )
-        layer_stored = _upstream.device_module.Event()
-        layer_stored.record()  # on the forward's stream, after this layer's stores
         last_layer = layer_id == self.layer_num - 1
         # With a draft the batch acks after the draft's layer, not here.
         acks_here = last_layer and self.draft_host is None
-        finish_event = _upstream.device_module.Event() if acks_here else None
-        with _upstream.device_module.stream(self.write_stream):
-            layer_stored.wait(self.write_stream)
-            if batch.host_indices is not None:
-                self._layer_backup.backup_from_device_per_layer(
-                    self.mem_pool_device,
-                    batch.host_indices,
-                    batch.device_indices,
-                    layer_id,
-                    self.io_backend,
-                    pool_transfers=batch.pool_transfers,
-                )
-            if acks_here:
-                finish_event.record()
-                if batch.host_indices is not None:
-                    self._record_transfer_indices_on_stream(
-                        self.write_stream,
-                        batch.host_indices,
-                        batch.device_indices,
-                        batch.pool_transfers,
-                    )
+        layer_stored, finish_event = self._submit_layer(
+            batch, self._layer_backup, self.mem_pool_device, layer_id, batch.pool_transfers,
+            acks=acks_here,
+        )  # fmt: skip
         if layer_id == 0:
             batch.start_event = layer_stored
         batch.next_layer += 1
@@ -398,33 +379,58 @@ class CpHybridCacheController(HybridCacheController):
                 f"the draft forward reported layer {layer_id}, expected layer "
                 f"{batch.next_layer - self.layer_num} of {draft_layers}"
             )
-        layer_stored = _upstream.device_module.Event()
-        layer_stored.record()  # on the draft forward's stream, after its stores
         last_layer = layer_id == draft_layers - 1
-        finish_event = _upstream.device_module.Event() if last_layer else None
-        with _upstream.device_module.stream(self.write_stream):
-            layer_stored.wait(self.write_stream)
-            if batch.host_indices is not None:
-                self._draft_layer_backup.backup_from_device_per_layer(
-                    self._draft_device_pool,
-                    batch.host_indices,
-                    batch.device_indices,
-                    layer_id,
-                    self.io_backend,
-                    pool_transfers=self.mem_pool_host.draft_transfers(
-                        batch.host_indices, batch.device_indices
-                    ),
-                )
-            if last_layer:
-                finish_event.record()
-                if batch.host_indices is not None:
-                    self._record_transfer_indices_on_stream(
-                        self.write_stream, batch.host_indices, batch.device_indices, batch.pool_transfers
-                    )
+        draft_transfers = (
+            None
+            if batch.host_indices is None
+            else self.mem_pool_host.draft_transfers(batch.host_indices, batch.device_indices)
+        )
+        _, finish_event = self._submit_layer(
+            batch, self._draft_layer_backup, self._draft_device_pool, layer_id, draft_transfers,
+            acks=last_layer,
+        )  # fmt: skip
         batch.next_layer += 1
         if last_layer:
             self.ack_write_queue.append(HiCacheAck(batch.start_event, finish_event, batch.node_ids))
             self._draft_batch = None
+
+    def _submit_layer(
+        self,
+        batch: LayerBackupBatch,
+        layer_backup: Any,
+        device_pool: Any,
+        layer_id: int,
+        pool_transfers: Optional[List[Any]],
+        acks: bool,
+    ) -> Tuple[Any, Optional[Any]]:
+        """Layer ``layer_id`` of ``batch`` from ``device_pool`` to host on the write stream,
+        after the stores the running forward issued so far (a rank that owns none of the
+        batch's pages copies nothing). Returns the event recorded after those stores and,
+        with ``acks``, the event the batch's ack waits on (recorded after the copy)."""
+        layer_stored = _upstream.device_module.Event()
+        layer_stored.record()  # on the forward's stream, after this layer's stores
+        finish_event = _upstream.device_module.Event() if acks else None
+        with _upstream.device_module.stream(self.write_stream):
+            layer_stored.wait(self.write_stream)
+            if batch.host_indices is not None:
+                layer_backup.backup_from_device_per_layer(
+                    device_pool,
+                    batch.host_indices,
+                    batch.device_indices,
+                    layer_id,
+                    self.io_backend,
+                    pool_transfers=pool_transfers,
+                )
+            if acks:
+                finish_event.record()
+                if batch.host_indices is not None:
+                    self._record_transfer_indices_on_stream(
+                        self.write_stream,
+                        batch.host_indices,
+                        batch.device_indices,
+                        batch.pool_transfers,
+                    )
+        return layer_stored, finish_event
 
     def end_draft_forward(self, error: Optional[BaseException] = None) -> None:
         """The draft forward returned or raised: the batch waiting for its layer cannot
