@@ -1,14 +1,25 @@
 """Repository-wide pytest set-up: the CPU runtime must be in place before SGLang is imported.
 
-``install()`` adds only what this machine lacks: on a GPU box with a working ``sgl_kernel``
-it adds nothing, so tests there run the real kernels on pinned host memory.
+``install()`` runs the installed SGLang release's CPU runtime and adds only what this
+machine lacks: on a GPU box with a working kernel package it adds nothing, so tests there
+run the real kernels on pinned host memory.
+
+Tests are split by line (``test/registered/{unit,multi_rank}/v0_5_12``, ``.../v0_5_23``);
+the other line's folders are not collected, so ``pytest test/registered`` in either venv runs
+that line's suite and the shared ``core`` tests.
 """
 
 import pytest
 
+from sglang_cp_hicache.core.releases import LINES, line_package
 from sglang_cp_hicache.testing import install
 
 install()
+
+_THIS_LINE = line_package().rsplit(".", 1)[1]
+collect_ignore_glob = [
+    f"test/registered/*/{line}/*" for line in sorted(set(LINES.values())) if line != _THIS_LINE
+]
 
 
 @pytest.fixture(scope="session")

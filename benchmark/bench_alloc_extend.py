@@ -23,10 +23,10 @@ import torch  # noqa: E402
 from sglang.srt.mem_cache import allocator as upstream_allocator  # noqa: E402
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator  # noqa: E402
 
-from sglang_cp_hicache.mem_cache.cp_shared_allocator import (  # noqa: E402
+from sglang_cp_hicache.v0_5_12.mem_cache.cp_shared_allocator import (  # noqa: E402
     CPSharedPagedTokenToKVPoolAllocator,
 )
-from sglang_cp_hicache.testing.allocators import NaiveExtendLaunch  # noqa: E402
+from sglang_cp_hicache.testing.v0_5_12.allocators import NaiveExtendLaunch  # noqa: E402
 
 logger = logging.getLogger("bench_alloc_extend")
 

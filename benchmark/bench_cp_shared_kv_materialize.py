@@ -37,13 +37,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sglang_cp_hicache.layers.attention.cp_shared_kv_mapping import build_batch_mapping
-from sglang_cp_hicache.layers.attention.cp_shared_kv_materialize import (
+from sglang_cp_hicache.v0_5_12.layers.attention.cp_shared_kv_mapping import build_batch_mapping
+from sglang_cp_hicache.v0_5_12.layers.attention.cp_shared_kv_materialize import (
     STRATEGIES,
     PoolPageReader,
     make_strategy,
 )
-from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_hicache.core.cp_shared_kv_layout import CpSharedKVLayout
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cp_shared_kv_cost_model import MODELS  # noqa: E402

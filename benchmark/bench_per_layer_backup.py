@@ -35,8 +35,8 @@ sglang_cp_hicache.testing.install()
 
 import torch  # noqa: E402
 
-from sglang_cp_hicache.mem_cache.cp_hicache_metadata import PageRun  # noqa: E402
-from sglang_cp_hicache.testing import nsa_stack  # noqa: E402
+from sglang_cp_hicache.v0_5_12.mem_cache.cp_hicache_metadata import PageRun  # noqa: E402
+from sglang_cp_hicache.testing.v0_5_12 import nsa_stack  # noqa: E402
 from sglang_cp_hicache.testing.dist import single_rank_world  # noqa: E402
 
 logger = logging.getLogger("bench_per_layer_backup")

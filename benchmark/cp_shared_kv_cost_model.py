@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List
 
-from sglang_cp_hicache.layers.attention.cp_shared_kv_collectives import bytes_per_rank
+from sglang_cp_hicache.v0_5_12.layers.attention.cp_shared_kv_collectives import bytes_per_rank
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,35 @@
 #!/usr/bin/env bash
-# Builds .venv at the repository root for CPU development, the simulator and CI:
-# torch 2.14.1 (from this machine's local wheels), sglang 0.5.12.post1 without its GPU
-# dependencies, the pinned import-time list, test tools, and this package (editable).
-# Idempotent: a venv whose stamp matches the pinned inputs is only refreshed.
+# Builds one SGLang line's venv at the repository root for CPU development, the simulator and
+# CI: torch 2.14.1 (from this machine's local wheels), sglang without its GPU dependencies,
+# that line's pinned import-time list, test tools, and this package (editable).
+#
+#   bash scripts/setup_env.sh                       # .venv                 (sglang 0.5.12.post1)
+#   bash scripts/setup_env.sh --sglang 0.5.23       # .venv-sglang-0.5.23   (sglang 0.5.23)
+#
+# Idempotent: a venv whose stamp matches the pinned inputs is only refreshed. VENV overrides
+# the venv's folder.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${VENV:-$ROOT/.venv}"
+RELEASE="0.5.12.post1"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --sglang) RELEASE="$2"; shift 2 ;;
+    --sglang=*) RELEASE="${1#--sglang=}"; shift ;;
+    *) echo "setup_env: unknown option $1 (use --sglang 0.5.12.post1|0.5.23)" >&2; exit 2 ;;
+  esac
+done
+case "$RELEASE" in
+  0.5.12.post1) DEFAULT_VENV="$ROOT/.venv" ;;
+  0.5.23) DEFAULT_VENV="$ROOT/.venv-sglang-$RELEASE" ;;
+  *) echo "setup_env: sglang $RELEASE is not a supported line (0.5.12.post1, 0.5.23)" >&2; exit 2 ;;
+esac
+VENV="${VENV:-$DEFAULT_VENV}"
+REQ="$ROOT/scripts/requirements-cpu-sglang-$RELEASE.txt"
+CONSTRAINTS="$ROOT/scripts/constraints-cpu-sglang-$RELEASE.txt"
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 STAMP="$VENV/.sglang-cp-hicache-stamp"
-want="$(cat "$ROOT"/scripts/requirements-*.txt "$ROOT/scripts/constraints-cpu.txt" \
+want="$(cat "$REQ" "$CONSTRAINTS" "$ROOT/scripts/requirements-test.txt" \
   "$ROOT/scripts/setup_env.sh" | sha256sum | cut -d' ' -f1)"
 
 quiet_pip() {
@@ -32,15 +52,12 @@ fi
 
 start=$(date +%s)
 "$PY" -m venv "$VENV"
-PIP=(install -q --disable-pip-version-check -c "$ROOT/scripts/constraints-cpu.txt")
+PIP=(install -q --disable-pip-version-check -c "$CONSTRAINTS")
 quiet_pip "${PIP[@]}" torch==2.14.1 torchvision==0.29.1
-quiet_pip "${PIP[@]}" --no-deps sglang==0.5.12.post1
-quiet_pip "${PIP[@]}" -r "$ROOT/scripts/requirements-cpu.txt" -r "$ROOT/scripts/requirements-test.txt"
+quiet_pip "${PIP[@]}" --no-deps "sglang==$RELEASE"
+quiet_pip "${PIP[@]}" -r "$REQ" -r "$ROOT/scripts/requirements-test.txt"
 quiet_pip "${PIP[@]}" --no-deps --no-build-isolation -e "$ROOT"
-"$VENV/bin/python" - <<'PY'
-from sglang_cp_hicache.testing import install
-install()
-import sglang.srt.mem_cache.hiradix_cache  # noqa: F401  (fails here, not in the tests)
-PY
+# Fails here, not in the tests, when the line's CPU runtime cannot bring up its cache stack.
+"$VENV/bin/python" -c "from sglang_cp_hicache.testing import install, warm_import; install(); warm_import()"
 echo "$want" > "$STAMP"
-echo "setup_env: .venv ready in $(( $(date +%s) - start )) s"
+echo "setup_env: $(basename "$VENV") (sglang $RELEASE) ready in $(( $(date +%s) - start )) s"

@@ -52,11 +52,11 @@ from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool, ReqToTokenPool  #
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
-from sglang_cp_hicache.mem_cache.cp_shared_allocator import (  # noqa: E402
+from sglang_cp_hicache.v0_5_12.mem_cache.cp_shared_allocator import (  # noqa: E402
     CPSharedPagedTokenToKVPoolAllocator,
 )
-from sglang_cp_hicache.mem_cache.fast_hiradix_cache import UPSTREAM  # noqa: E402
-from sglang_cp_hicache.mem_cache.hiradix_cache import CpHiRadixCache  # noqa: E402
+from sglang_cp_hicache.v0_5_12.mem_cache.fast_hiradix_cache import UPSTREAM  # noqa: E402
+from sglang_cp_hicache.v0_5_12.mem_cache.hiradix_cache import CpHiRadixCache  # noqa: E402
 from sglang_cp_hicache.testing.dist import single_rank_world  # noqa: E402
 
 logger = logging.getLogger("bench_radix_ops")

@@ -69,7 +69,7 @@ def _config_and_pool(device: str):
         ReferenceNSAPool,
         SparseMLAConfig,
     )
-    from sglang_cp_hicache.testing.shared_kv_twin import TwinBatchSpec
+    from sglang_cp_hicache.testing.v0_5_12.shared_kv_twin import TwinBatchSpec
 
     if device == "cpu":
         return TINY_CONFIG, TwinBatchSpec(), ReferenceNSAPool, "torch reference pool"
@@ -108,7 +108,7 @@ def check_rank(ctx: RankContext, options: dict) -> dict:
     ``asdict(CheckOptions)``: plain values unpickle in any launcher's child."""
     import torch
 
-    from sglang_cp_hicache.testing.shared_kv_twin import TwinRank, compare_shared_to_replicated
+    from sglang_cp_hicache.testing.v0_5_12.shared_kv_twin import TwinRank, compare_shared_to_replicated
 
     options = CheckOptions(**options)
     config, spec, pool_factory, pool_name = _config_and_pool(options.device)
@@ -123,7 +123,7 @@ def check_rank(ctx: RankContext, options: dict) -> dict:
 def kv_geometry(kind: str):
     import torch
 
-    from sglang_cp_hicache.layers.attention.cp_shared_kv_materialize import PagedLayerGeometry
+    from sglang_cp_hicache.v0_5_12.layers.attention.cp_shared_kv_materialize import PagedLayerGeometry
 
     dtype, shape, token_bytes = KV_TOKEN[kind]
     return PagedLayerGeometry(PAGE_SIZE, getattr(torch, dtype), shape, PAGE_SIZE * token_bytes, INDEX_PAGE_BYTES)
@@ -131,11 +131,11 @@ def kv_geometry(kind: str):
 
 def run_selftests(ctx: RankContext, device) -> List[dict]:
     """The startup self-test for each KV kind and strategy; failures are recorded, not raised."""
-    from sglang_cp_hicache.layers.attention.cp_shared_kv_selftest import (
+    from sglang_cp_hicache.v0_5_12.layers.attention.cp_shared_kv_selftest import (
         SharedKVSelfTestFailed,
         run_selftest,
     )
-    from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
+    from sglang_cp_hicache.core.cp_shared_kv_layout import CpSharedKVLayout
 
     layout = CpSharedKVLayout(ctx.world_size, ctx.rank, PAGE_SIZE)
     out = []
@@ -268,8 +268,8 @@ def per_layer_backup(device, shard: ShardGeometry = ShardGeometry(), repeats: in
     from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
     from sglang.srt.mem_cache.memory_pool_host import MLATokenToKVPoolHost, NSAIndexerPoolHost
 
-    from sglang_cp_hicache.mem_cache.cp_layer_backup import PER_LAYER_D2H_LAYOUTS
-    from sglang_cp_hicache.mem_cache.memory_pool_host import layer_backup_for
+    from sglang_cp_hicache.v0_5_12.mem_cache.cp_layer_backup import PER_LAYER_D2H_LAYOUTS
+    from sglang_cp_hicache.v0_5_12.mem_cache.memory_pool_host import layer_backup_for
 
     layers, pages = 2, shard.owned_pages
     pool = NSATokenToKVPool(

@@ -14,7 +14,7 @@ from typing import Any, Tuple
 import numpy as np
 import torch
 
-from sglang_cp_hicache.testing.nsa_stack import (
+from sglang_cp_hicache.testing.v0_5_12.nsa_stack import (
     RankStack,
     _index_byte_offsets,
     count_draft_kv_mismatches,

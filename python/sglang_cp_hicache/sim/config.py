@@ -164,7 +164,7 @@ class SimConfig:
     def stack_config(self, max_context_len: int, shared_kv: bool = True):
         """The nsa_stack.StackConfig of one rank (cp 1 and the same pool, without the
         draft, for the baseline: upstream keeps no NSA draft KV on host)."""
-        from sglang_cp_hicache.testing.nsa_stack import StackConfig
+        from sglang_cp_hicache.testing.v0_5_12.nsa_stack import StackConfig
 
         return StackConfig(
             cp_size=self.cp_size if shared_kv else 1,

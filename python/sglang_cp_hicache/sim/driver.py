@@ -54,9 +54,10 @@ from sglang_cp_hicache.sim.results import (
     SeriesPoint,
 )
 from sglang_cp_hicache.sim.workload import Request
-from sglang_cp_hicache.mem_cache import cp_layer_backup
-from sglang_cp_hicache.testing import device_module, scheduler_batch
-from sglang_cp_hicache.testing.nsa_stack import RankStack, device_run_mismatches, write_prefill_kv
+from sglang_cp_hicache.v0_5_12.mem_cache import cp_layer_backup
+from sglang_cp_hicache.testing import device_module
+from sglang_cp_hicache.testing.v0_5_12 import scheduler_batch
+from sglang_cp_hicache.testing.v0_5_12.nsa_stack import RankStack, device_run_mismatches, write_prefill_kv
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import numpy as np
 import torch.distributed as dist
 
-from sglang_cp_hicache.testing.nsa_stack import RankStack
+from sglang_cp_hicache.testing.v0_5_12.nsa_stack import RankStack
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def apply_fault(
 
 def _shift_mirrored_extend_locs() -> None:
     """The extend hook's host locs arrive one position late (the first one doubled)."""
-    from sglang_cp_hicache.mem_cache import common as mirror_hooks
+    from sglang_cp_hicache.v0_5_12.mem_cache import common as mirror_hooks
 
     expand = mirror_hooks.extend_token_locs_host
 
@@ -109,8 +109,8 @@ def _roll_load_owners() -> None:
     tensors and the guard is skipped, so the bug would corrupt KV silently. Turning the
     guard off here reproduces that on CPU.
     """
-    from sglang_cp_hicache.mem_cache.cp_shared_allocator import CPSharedPagedTokenToKVPoolAllocator
-    from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import CpSharedKVLayout
+    from sglang_cp_hicache.v0_5_12.mem_cache.cp_shared_allocator import CPSharedPagedTokenToKVPoolAllocator
+    from sglang_cp_hicache.core.cp_shared_kv_layout import CpSharedKVLayout
 
     original = CPSharedPagedTokenToKVPoolAllocator.take_logical_pages
 

@@ -15,9 +15,9 @@ from typing import Any, Callable, ContextManager, Optional
 
 from sglang.srt.mem_cache.hiradix_cache import StorageMedium
 
-from sglang_cp_hicache.mem_cache.cp_shared_kv_layout import host_int64
-from sglang_cp_hicache.mem_cache.fast_hiradix_cache import UPSTREAM
-from sglang_cp_hicache.mem_cache.hiradix_cache import CpHiRadixCache
+from sglang_cp_hicache.core.cp_shared_kv_layout import host_int64
+from sglang_cp_hicache.v0_5_12.mem_cache.fast_hiradix_cache import UPSTREAM
+from sglang_cp_hicache.v0_5_12.mem_cache.hiradix_cache import CpHiRadixCache
 from sglang_cp_hicache.sim.results import RankCounters
 
 

@@ -37,7 +37,7 @@ def _apply_plugin_hooks() -> None:
     driver's calls into SGLang's scheduler-path functions run the plugin's wrappers."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sglang_cp_hicache.hooks import missing_hooks
+    from sglang_cp_hicache.v0_5_12.hooks import missing_hooks
     from sglang_cp_hicache.plugin import register
 
     register()
@@ -74,7 +74,7 @@ def cp_rank_main(ctx: RankContext, cfg: SimConfig, steps: List[List[Request]]) -
     from sglang_cp_hicache.sim.driver import RankDriver
     from sglang_cp_hicache.sim.faults import apply_fault
     from sglang_cp_hicache.sim.observed_cache import ObservedCpHiRadixCache
-    from sglang_cp_hicache.testing.nsa_stack import build_rank_stack
+    from sglang_cp_hicache.testing.v0_5_12.nsa_stack import build_rank_stack
 
     _setup_process(cfg, f"cp rank {ctx.rank}")
     _apply_plugin_hooks()
@@ -116,8 +116,8 @@ def baseline_rank_main(ctx: RankContext, cfg: SimConfig, steps: List[List[Reques
     from sglang_cp_hicache.sim.driver import RankDriver
     from sglang_cp_hicache.sim.faults import FaultHooks
     from sglang_cp_hicache.sim.observed_cache import ObservedUpstreamHiRadixCache
-    from sglang_cp_hicache.testing.allocators import NaiveExtendLaunch
-    from sglang_cp_hicache.testing.nsa_stack import build_rank_stack
+    from sglang_cp_hicache.testing.v0_5_12.allocators import NaiveExtendLaunch
+    from sglang_cp_hicache.testing.v0_5_12.nsa_stack import build_rank_stack
 
     _setup_process(cfg, "baseline")
     upstream_allocator.alloc_extend_kernel = NaiveExtendLaunch()

@@ -1,7 +1,6 @@
-"""Imported once by the forkserver: CPU runtime first, then SGLang's cache stack."""
+"""Imported once by the forkserver: the CPU runtime first, then the installed line's cache stack."""
 
-from sglang_cp_hicache.testing import install
+from sglang_cp_hicache.testing import install, warm_import
 
 install()
-
-import sglang.srt.mem_cache.hiradix_cache  # noqa: E402,F401  (warm import for forked ranks)
+warm_import()  # warm import for forked ranks

@@ -1,0 +1,2 @@
+"""What both SGLang lines share: pure logic that imports no SGLang (the import-graph test holds
+this). Layout arithmetic, the ack watcher, the post-import watcher, the release table."""

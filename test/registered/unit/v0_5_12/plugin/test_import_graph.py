@@ -1,0 +1,119 @@
+"""The package's imports form no cycle (read from the source, nothing imported).
+
+Imports inside functions count too: the circle this pins (``server_args`` and the KV mixin
+importing ``plugin`` for the hook check, ``plugin`` importing them) went through them.
+Only ``if TYPE_CHECKING:`` imports, which never run, are left out.
+"""
+
+import ast
+from pathlib import Path
+from typing import Dict, List, Optional, Set
+
+import sglang_cp_hicache
+
+ROOT = Path(sglang_cp_hicache.__file__).parent
+PACKAGE = "sglang_cp_hicache"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.Module):
+    """Every import statement that can run (module level or in a function)."""
+    pending: List[ast.AST] = [tree]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If) and _is_type_checking(node):
+            pending.extend(node.orelse)
+        else:
+            pending.extend(ast.iter_child_nodes(node))
+
+
+def _parents(name: str) -> Set[str]:
+    parts = name.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))}
+
+
+def _edges(importer: str, imported: str, modules: Set[str]) -> Set[str]:
+    """``imported`` and the packages its import runs first (``a.b.c`` runs ``a``, ``a.b``),
+    less the importer's own packages: they are already running when it is imported."""
+    return ({imported} | (_parents(imported) - _parents(importer))) & modules
+
+
+def import_graph() -> Dict[str, Set[str]]:
+    files = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    modules = set(files)
+    graph: Dict[str, Set[str]] = {}
+    for name, path in files.items():
+        is_package = path.name == "__init__.py"
+        edges: Set[str] = set()
+        for node in _imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    edges |= _edges(name, alias.name, modules)
+                continue
+            base: Optional[str] = node.module
+            if node.level:
+                anchor = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            if base is None:
+                continue
+            edges |= _edges(name, base, modules)
+            for alias in node.names:  # ``from pkg import submodule``
+                if f"{base}.{alias.name}" in modules:
+                    edges.add(f"{base}.{alias.name}")
+        edges.discard(name)
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: Dict[str, Set[str]]) -> Optional[List[str]]:
+    """One import cycle as ``[a, b, ..., a]``, or None."""
+    state: Dict[str, int] = {}  # 1: on the current path, 2: done
+    path: List[str] = []
+
+    def visit(node: str) -> Optional[List[str]]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_package_has_no_import_cycle():
+    graph = import_graph()
+    assert "sglang_cp_hicache.v0_5_12.hooks" in graph["sglang_cp_hicache.v0_5_12.server_args"]  # the graph is real
+    assert "sglang_cp_hicache.sim.config" in graph["sglang_cp_hicache.sim"]
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
