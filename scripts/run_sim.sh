@@ -1,8 +1,22 @@
 #!/usr/bin/env bash
 # README's main job on a CPU machine: set-up, then the multi-rank CP HiCache simulator.
-# Extra arguments go to the simulator (see `--help`).
+#   bash scripts/run_sim.sh [--sglang 0.5.12.post1] [simulator options, see --help]
+# The simulator runs on the 0.5.12.post1 line (.venv) until the 0.5.23 line's simulator lands.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$ROOT/scripts/setup_env.sh"
+RELEASE="0.5.12.post1"
+args=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --sglang) RELEASE="$2"; shift 2 ;;
+    --sglang=*) RELEASE="${1#--sglang=}"; shift ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+case "$RELEASE" in
+  0.5.12.post1) VENV="$ROOT/.venv" ;;
+  *) VENV="$ROOT/.venv-sglang-$RELEASE" ;;
+esac
+bash "$ROOT/scripts/setup_env.sh" --sglang "$RELEASE"
 cd "$ROOT"
-exec .venv/bin/python -W ignore -m sglang_cp_hicache.sim "$@"
+exec "$VENV/bin/python" -W ignore -m sglang_cp_hicache.sim "${args[@]}"

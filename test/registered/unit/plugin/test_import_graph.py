@@ -1,8 +1,9 @@
-"""The package's imports form no cycle (read from the source, nothing imported).
+"""The package's import graph (read from the source, nothing imported): no cycle, ``core``
+imports no SGLang and nothing of a line, and the two SGLang lines never import each other.
 
 Imports inside functions count too: the circle this pins (``server_args`` and the KV mixin
 importing ``plugin`` for the hook check, ``plugin`` importing them) went through them.
-Only ``if TYPE_CHECKING:`` imports, which never run, are left out.
+Only ``if TYPE_CHECKING:`` imports, which never run, are left out. Runs in both venvs.
 """
 
 import ast
@@ -80,6 +81,33 @@ def import_graph() -> Dict[str, Set[str]]:
     return graph
 
 
+def imported_names(path: Path, name: str) -> Set[str]:
+    """Every absolute module name ``path`` (module ``name``) may import, ours or not."""
+    is_package = path.name == "__init__.py"
+    names: Set[str] = set()
+    for node in _imports(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+            continue
+        base: Optional[str] = node.module
+        if node.level:
+            anchor = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
+            base = ".".join(anchor + ([node.module] if node.module else []))
+        if base is not None:
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _modules_under(*prefixes: str) -> Dict[str, Path]:
+    files = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    return {n: p for n, p in files.items() if any(n == q or n.startswith(q + ".") for q in prefixes)}
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
 def find_cycle(graph: Dict[str, Set[str]]) -> Optional[List[str]]:
     """One import cycle as ``[a, b, ..., a]``, or None."""
     state: Dict[str, int] = {}  # 1: on the current path, 2: done
@@ -117,3 +145,43 @@ def test_package_has_no_import_cycle():
 def test_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_core_imports_no_sglang_and_no_line():
+    core = _modules_under(f"{PACKAGE}.core")
+    assert f"{PACKAGE}.core.cp_shared_kv_layout" in core  # the scan is real
+    offending = {
+        name: sorted(
+            imported
+            for imported in imported_names(path, name)
+            if _within(imported, "sglang") or (_within(imported, PACKAGE) and not _within(imported, f"{PACKAGE}.core"))
+        )
+        for name, path in core.items()
+    }
+    assert {name: found for name, found in offending.items() if found} == {}
+
+
+LINES = ("v0_5_12", "v0_5_23")
+
+
+def _line_prefixes(line: str) -> tuple:
+    return (f"{PACKAGE}.{line}", f"{PACKAGE}.testing.{line}")
+
+
+def test_the_two_lines_never_import_each_other():
+    for line in LINES:
+        others = [p for other in LINES if other != line for p in _line_prefixes(other)]
+        crossing = {
+            name: sorted(i for i in imported_names(path, name) if any(_within(i, p) for p in others))
+            for name, path in _modules_under(*_line_prefixes(line)).items()
+        }
+        assert {name: found for name, found in crossing.items() if found} == {}, line
+
+
+def test_line_scan_finds_a_planted_crossing(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("def f():\n    from sglang_cp_hicache.v0_5_23 import hooks\n")
+    assert f"{PACKAGE}.v0_5_23" in imported_names(planted, f"{PACKAGE}.v0_5_12.planted")
+    relative = tmp_path / "rel.py"
+    relative.write_text("from ..core import releases\n")
+    assert f"{PACKAGE}.core.releases" in imported_names(relative, f"{PACKAGE}.v0_5_12.rel")
