@@ -1,0 +1,444 @@
+"""One rank's REAL SGLang 0.5.23 DSA HiCache stack, built on CPU.
+
+What a scheduler rank of a PD-prefill worker with ``--enable-kv-cache-sharding`` holds, built
+directly (as upstream's own kit does, ``sglang/test/kits/unified_radix_cache/fixtures.py``)
+instead of through ``KVCacheConfigurator``:
+
+* sharded (``shard_size > 1``, one :func:`~sglang_cp_hicache.testing.dist.run_ranks` rank
+  each): ``PageInterleaveDSATokenToKVPool`` over a gloo shard group,
+  ``PageInterleavePoolAllocator`` (the logical index space, ``shard_size`` x one rank's
+  rows), and after ``init_hicache`` a ``HybridCacheController`` whose KV host pool is a
+  ``PageInterleaveHostPool``;
+* unsharded (the replicated reference): ``DSATokenToKVPool``,
+  ``PagedTokenToKVPoolAllocator`` and plain host pools.
+
+Both share ``ReqToTokenPool`` and ``UnifiedRadixCache`` with the Python tree core (the only
+core sharding accepts). The radix tree, allocator and ``req_to_token`` are logical and
+identical on every rank; the device and host pools are physical, per rank. Call
+:func:`~sglang_cp_hicache.testing.install` before SGLang is imported (``run_ranks`` ranks
+and the root ``conftest.py`` do).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Tuple
+
+import torch
+
+from sglang_cp_hicache.testing.dist import RankContext
+from sglang_cp_hicache.testing.v0_5_23.shard_group import GlooShardGroup
+
+logger = logging.getLogger(__name__)
+
+#: Upstream sizes the scratch prefix region for eight full contexts
+#: (``page_interleave._KV_SHARD_SCRATCH_PREFIX_CONTEXTS``); the default here follows it.
+SCRATCH_PREFIX_CONTEXTS = 8
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """Geometry and HiCache options of one stack (small defaults: a few MiB per rank).
+
+    ``device_pages_per_rank`` counts one rank's allocatable physical pages; each rank's
+    pool has one more (page 0, upstream's reserved trash page). The logical device
+    capacity is ``shard_size * device_pages_per_rank`` pages.
+    """
+
+    page_size: int = 64  # DSA's indexer kernels need 64
+    layer_num: int = 2
+    device_pages_per_rank: int = 16
+    host_to_device_ratio: float = 2.0
+    io_backend: str = "kernel"
+    mem_layout: str = "layer_first"
+    write_policy: str = "write_through"
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    index_head_dim: int = 128
+    dtype: torch.dtype = torch.bfloat16
+    context_len: int = 1024
+    chunk_tokens: int = 1024
+    max_num_reqs: int = 8
+    max_prefix_tokens: Optional[int] = None  # scratch prefix rows; None: 8 contexts
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens % self.page_size:
+            raise ValueError(f"chunk_tokens {self.chunk_tokens} is not page-aligned")
+
+    @property
+    def device_rows_per_rank(self) -> int:
+        """Allocatable physical token rows of one rank (the pool's ``size``)."""
+        return self.device_pages_per_rank * self.page_size
+
+    @property
+    def kv_cache_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def scratch_prefix_tokens(self, shard_size: int) -> int:
+        """The scratch prefix region: given, or eight contexts each rounded up to a
+        gather span (``shard_size`` pages), as ``make_page_shard_spec`` sizes it."""
+        if self.max_prefix_tokens is not None:
+            return self.max_prefix_tokens
+        span = shard_size * self.page_size
+        return SCRATCH_PREFIX_CONTEXTS * (-(-self.context_len // span) * span)
+
+
+@dataclass(frozen=True)
+class TreeNodeView:
+    """One radix node as every rank must see it: logical keys, locs and flags only."""
+
+    node_id: int
+    parent_id: int
+    token_ids: Tuple[int, ...]
+    logical_device_locs: Optional[Tuple[int, ...]]  # None: evicted from device
+    logical_host_locs: Optional[Tuple[int, ...]]  # None: not backed up
+    host_backed: bool
+    rotation_base: Optional[int]
+
+
+@dataclass
+class RankStack:
+    """The pieces of one rank's stack. ``shard_group``/``placement`` are None unsharded.
+
+    Invariants: ``allocator.get_kvcache() is kv_pool``; ``cache.cache_controller`` is the
+    HybridCacheController built by ``init_hicache``; logical locs come from ``allocator``
+    and index ``kv_pool`` only through ``placement`` (sharded) or directly (unsharded).
+    """
+
+    config: StackConfig
+    shard_rank: int
+    shard_size: int
+    server_args: Any
+    kv_pool: Any  # DSATokenToKVPool or PageInterleaveDSATokenToKVPool (physical rows)
+    allocator: Any  # PagedTokenToKVPoolAllocator or PageInterleavePoolAllocator (logical)
+    req_to_token_pool: Any
+    cache: Any  # UnifiedRadixCache
+    params: Any  # CacheInitParams
+    shard_group: Optional[GlooShardGroup] = None
+    placement: Any = None  # PageInterleavePlacement
+    _closed: bool = field(default=False, repr=False)
+
+    @property
+    def sharded(self) -> bool:
+        return self.shard_size > 1
+
+    @property
+    def controller(self) -> Any:
+        return self.cache.cache_controller
+
+    @property
+    def host_pool_group(self) -> Any:
+        """The controller's ``HostPoolGroup`` (KV anchor + DSA indexer)."""
+        return self.controller.mem_pool_host
+
+    @property
+    def kv_host_pool(self) -> Any:
+        """The KV anchor host pool (a ``PageInterleaveHostPool`` when sharded)."""
+        return self.host_pool_group.anchor_entry.host_pool
+
+    @property
+    def indexer_host_pool(self) -> Any:
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        return self.host_pool_group.entry_map[PoolName.INDEXER].host_pool
+
+    def device_available(self) -> int:
+        """Logical device slots the allocator admits (sharded: the min-class floor)."""
+        return self.allocator.available_size()
+
+    def host_available(self) -> int:
+        """Logical host slots the KV host pool can still allocate."""
+        return self.kv_host_pool.available_size()
+
+    def physical_rows(self, logical_locs: torch.Tensor) -> torch.Tensor:
+        """This rank's physical rows of the logical slots it owns, in order."""
+        if not self.sharded:
+            return logical_locs
+        return self.placement.filter_local(logical_locs, self.shard_rank)
+
+    def owned_mask(self, logical_locs: torch.Tensor) -> torch.Tensor:
+        """Which logical slots this rank stores (all of them unsharded)."""
+        if not self.sharded:
+            return torch.ones_like(logical_locs, dtype=torch.bool)
+        return self.placement.local_mask(logical_locs, self.shard_rank)
+
+    def alloc_extend(
+        self, prefix_locs: torch.Tensor, seq_len: int, rotation_base: Optional[int] = None
+    ) -> Tuple[torch.Tensor, Optional[int]]:
+        """Fresh logical locs for positions ``[len(prefix_locs), seq_len)`` of one request,
+        and the chain's rotation base (sharded: ``None`` starts a new chain at the
+        least-full owner class, as upstream does; unsharded: always ``None``).
+
+        Raises ``RuntimeError`` when the allocator cannot supply the pages.
+        """
+        prefix_len = len(prefix_locs)
+        prefix = torch.tensor([prefix_len], dtype=torch.int64)
+        seq = torch.tensor([seq_len], dtype=torch.int64)
+        last = prefix_locs[-1:].to(torch.int64) if prefix_len else torch.tensor([-1])
+        args = (prefix, prefix, seq, seq, last, seq_len - prefix_len)
+        if self.sharded:
+            bases = [rotation_base]
+            locs = self.allocator.alloc_extend(*args, rotation_bases=bases)
+            rotation_base = bases[0]
+        else:
+            locs = self.allocator.alloc_extend(*args)
+        if locs is None:
+            raise RuntimeError(
+                f"rank {self.shard_rank}: no device pages for {seq_len - prefix_len} tokens"
+            )
+        return locs, rotation_base
+
+    def insert(
+        self,
+        token_ids: Sequence[int],
+        logical_locs: torch.Tensor,
+        rotation_base: Optional[int],
+        cached_len: int = 0,
+    ) -> Any:
+        """Insert one request's tokens with their logical locs (``InsertResult``).
+
+        ``cached_len``: leading tokens whose locs the request took from the tree (its
+        matched prefix, ``req.kv.cache_protected_len``). The insert frees the request's
+        own duplicates of cached KV past it, so passing 0 for a matched prefix frees
+        the tree's pages (a double free later).
+        """
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        key = RadixKey(array("q", token_ids))
+        return self.cache.insert(
+            InsertParams(
+                key=key,
+                value=logical_locs,
+                prev_prefix_len=cached_len,
+                rotation_base=rotation_base,
+            )
+        )
+
+    def match(self, token_ids: Sequence[int]) -> Any:
+        """``match_prefix`` of ``token_ids`` (a ``MatchResult``)."""
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        return self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", token_ids))))
+
+    def tree_snapshot(self) -> Tuple[TreeNodeView, ...]:
+        """Every node of the radix tree but the root, by node id: what must be identical
+        on every rank of a shard group (the tree is logical)."""
+        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+
+        def as_list(value: Any) -> Optional[Tuple[int, ...]]:
+            return None if value is None else tuple(int(v) for v in value)
+
+        root = self.cache.tree_core.root_node
+        views, stack = [], list(root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            full = node.component_data[ComponentType.FULL]
+            views.append(
+                TreeNodeView(
+                    node_id=node.id,
+                    parent_id=node.parent.id,
+                    token_ids=tuple(node.key.raw_token_ids()),
+                    logical_device_locs=as_list(full.value),
+                    logical_host_locs=as_list(full.host_value),
+                    host_backed=node.backuped,
+                    rotation_base=node.rotation_base,
+                )
+            )
+        return tuple(sorted(views, key=lambda view: view.node_id))
+
+    def close(self) -> None:
+        """Release the host pools and drop the cache's atexit hook (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.cache.shutdown)
+        self.cache.release_host_resources()
+
+    def __enter__(self) -> "RankStack":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _publish_server_args(config: StackConfig, sharded: bool) -> Any:
+    """The process's ServerArgs, published the way the cache reads its config."""
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    server_args = ServerArgs(
+        model_path="dummy",
+        page_size=config.page_size,
+        context_length=config.context_len,
+        chunked_prefill_size=config.chunk_tokens,
+        hicache_ratio=config.host_to_device_ratio,
+        hicache_io_backend=config.io_backend,
+        hicache_mem_layout=config.mem_layout,
+        hicache_write_policy=config.write_policy,
+        hicache_host_memory_mode="cache",
+        enable_kv_cache_sharding=sharded,
+    )
+    set_global_server_args_for_scheduler(server_args)
+    return server_args
+
+
+def _dsa_pool_kwargs(config: StackConfig) -> dict:
+    return dict(
+        page_size=config.page_size,
+        kv_lora_rank=config.kv_lora_rank,
+        dtype=config.dtype,
+        qk_rope_head_dim=config.qk_rope_head_dim,
+        layer_num=config.layer_num,
+        device="cpu",
+        index_head_dim=config.index_head_dim,
+        enable_memory_saver=False,
+        kv_cache_dim=config.kv_cache_dim,
+    )
+
+
+def _build_cache(
+    config: StackConfig,
+    server_args: Any,
+    allocator: Any,
+    req_to_token_pool: Any,
+    groups: dict,
+) -> tuple[Any, Any]:
+    """UnifiedRadixCache (Python core, FULL component) with HiCache initialised."""
+    from sglang.srt.environ import envs
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=req_to_token_pool,
+        token_to_kv_pool_allocator=allocator,
+        page_size=config.page_size,
+        tree_components=(ComponentType.FULL,),
+        **groups,
+    )
+    # Sharding forces the Python core (kv_shard_hook.py:132-144); so does the reference.
+    with envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.override("python"):
+        cache = UnifiedRadixCache(params=params)
+    cache.init_hicache(server_args, params)
+    return cache, params
+
+
+def build_sharded_stack(ctx: RankContext, config: StackConfig = StackConfig()) -> RankStack:
+    """Rank ``ctx.rank``'s sharded stack; every rank of ``ctx.cp_group`` must call it.
+
+    The shard group is the CP group (upstream's ``get_kv_shard_group`` under prefill CP);
+    the pool's gather communicator is gloo (the runtime rebinds ``PyNcclCommunicator``).
+    """
+    from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.page_interleave import PageInterleavePlacement, PageShardSpec
+    from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveDSATokenToKVPool
+
+    shard_group = GlooShardGroup.from_rank_context(ctx)
+    if shard_group.world_size < 2:
+        raise ValueError("build_sharded_stack needs a shard group of at least 2 ranks")
+    server_args = _publish_server_args(config, sharded=True)
+    spec = PageShardSpec(
+        shard_rank=shard_group.rank_in_group,
+        shard_size=shard_group.world_size,
+        page_size=config.page_size,
+        max_prefix_tokens=config.scratch_prefix_tokens(shard_group.world_size),
+        chunk_tokens=config.chunk_tokens,
+    )
+    kv_pool = PageInterleaveDSATokenToKVPool(
+        config.device_rows_per_rank,
+        shard_spec=spec,
+        shard_group=shard_group,
+        **_dsa_pool_kwargs(config),
+    )
+    allocator = PageInterleavePoolAllocator(
+        config.device_rows_per_rank,
+        physical_page_size=config.page_size,
+        shard_size=spec.shard_size,
+        dtype=config.dtype,
+        device="cpu",
+        kvcache=kv_pool,
+        need_sort=True,  # PD prefill workers sort (kv_cache_configurator need_sort)
+        shard_spec=spec,
+    )
+    req_to_token_pool = ReqToTokenPool(
+        size=config.max_num_reqs,
+        max_context_len=config.context_len,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    groups = dict(
+        tp_cache_group=ctx.attn_tp_group,
+        attn_cp_cache_group=ctx.cp_group,
+        attn_tp_cache_group=ctx.attn_tp_group,
+        attn_cp_rank=spec.shard_rank,
+        attn_cp_size=spec.shard_size,
+    )
+    cache, params = _build_cache(config, server_args, allocator, req_to_token_pool, groups)
+    return RankStack(
+        config=config,
+        shard_rank=spec.shard_rank,
+        shard_size=spec.shard_size,
+        server_args=server_args,
+        kv_pool=kv_pool,
+        allocator=allocator,
+        req_to_token_pool=req_to_token_pool,
+        cache=cache,
+        params=params,
+        shard_group=shard_group,
+        placement=PageInterleavePlacement(spec),
+    )
+
+
+def build_unsharded_stack(tp_group: Any, config: StackConfig = StackConfig()) -> RankStack:
+    """The replicated reference: one rank holding every page (``tp_group``: its cache's
+    TP group, e.g. :func:`~sglang_cp_hicache.testing.dist.single_rank_world`)."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
+
+    server_args = _publish_server_args(config, sharded=False)
+    kv_pool = DSATokenToKVPool(config.device_rows_per_rank, **_dsa_pool_kwargs(config))
+    allocator = PagedTokenToKVPoolAllocator(
+        config.device_rows_per_rank,
+        page_size=config.page_size,
+        dtype=config.dtype,
+        device="cpu",
+        kvcache=kv_pool,
+        need_sort=True,
+    )
+    req_to_token_pool = ReqToTokenPool(
+        size=config.max_num_reqs,
+        max_context_len=config.context_len,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    cache, params = _build_cache(
+        config, server_args, allocator, req_to_token_pool, dict(tp_cache_group=tp_group)
+    )
+    return RankStack(
+        config=config,
+        shard_rank=0,
+        shard_size=1,
+        server_args=server_args,
+        kv_pool=kv_pool,
+        allocator=allocator,
+        req_to_token_pool=req_to_token_pool,
+        cache=cache,
+        params=params,
+    )
+
+
+__all__ = [
+    "RankStack",
+    "SCRATCH_PREFIX_CONTEXTS",
+    "StackConfig",
+    "TreeNodeView",
+    "build_sharded_stack",
+    "build_unsharded_stack",
+]
