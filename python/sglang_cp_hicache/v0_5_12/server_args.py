@@ -42,8 +42,10 @@ class CpSharedKVConfigError(ValueError):
 
 
 def is_cp_shared_kv_enabled(server_args: Any) -> bool:
-    """True when ``server_args`` asks for CP shared KV (any object, missing attr = off)."""
-    return bool(getattr(server_args, FLAG, False))
+    """True when ``server_args`` asks for CP shared KV: its flag is the bool ``True`` (what
+    ``init_around`` stores). Missing, or any other value, is off: an object that answers
+    every name (a ``MagicMock`` of upstream's tests) never turns the plugin on."""
+    return getattr(server_args, FLAG, False) is True
 
 
 class _EnableAction(argparse.Action):
@@ -89,13 +91,20 @@ def add_cli_args_after(result: Any, parser: argparse.ArgumentParser) -> None:
     return None
 
 
+def parsed_plugin_values(args: argparse.Namespace) -> dict:
+    """The plugin's options as argparse stores them (the flag ``True``, the collective a
+    string); a namespace without them, or one that answers every name, carries none."""
+    values: dict = {}
+    if getattr(args, FLAG, False) is True:
+        values[FLAG] = True
+    materialize = getattr(args, MATERIALIZE_DEST, None)
+    if isinstance(materialize, str):
+        values[MATERIALIZE_DEST] = materialize
+    return values
+
+
 def from_cli_args_around(original: Callable, cls: type, args: argparse.Namespace):
-    token = _cli_values.set(
-        {
-            FLAG: bool(getattr(args, FLAG, False)),
-            MATERIALIZE_DEST: getattr(args, MATERIALIZE_DEST, "auto"),
-        }
-    )
+    token = _cli_values.set(parsed_plugin_values(args))
     try:
         return original(cls, args)
     finally:

@@ -6,7 +6,9 @@ have split, because that node's host backup is pending (not host-visible until i
 ack), is not added to this prefill batch: it stays in the waiting queue, holding no lock, and
 is matched again next round, after that round's write acks (``check_hicache_events`` starts
 each round). Other requests, and the pending backup itself, are untouched; the transfer is
-never drained. Caches without deferrals (flag off, other cache classes) are upstream's path.
+never drained. Only the plugin's CP-mode cache defers (:func:`cp_hicache_of`, by type, the
+cache inside SGLang's ``StreamingSession`` included); any other cache, a ``MagicMock`` of
+upstream's tests among them, is upstream's path.
 
 **Budget (CP shared KV): no batch reads more KV pages than were reserved.**
 
@@ -42,6 +44,7 @@ from sglang_cp_hicache.v0_5_12.layers.attention.cp_shared_kv_budget import (
     active_budget,
 )
 from sglang_cp_hicache.core.cp_shared_kv_layout import ceil_div
+from sglang_cp_hicache.v0_5_12.own_objects import cp_hicache_of
 
 logger = logging.getLogger(__name__)
 
@@ -88,10 +91,10 @@ def add_one_req_around(
     pass everything else to SGLang unchanged."""
     from sglang.srt.managers.schedule_policy import AddReqResult
 
-    take_deferral = getattr(self.tree_cache, "take_split_deferral", None)
-    if take_deferral is not None and take_deferral(req):
+    cp_cache = cp_hicache_of(self.tree_cache)
+    if cp_cache is not None and cp_cache.take_split_deferral(req):
         return AddReqResult.CONTINUE  # not in can_run_list: the scheduler keeps it waiting
-    budget = active_budget()
+    budget = active_budget()  # reserved at init only with the flag on
     if budget is None:
         return original(self, req, has_chunked_req, truncation_align_size)
 

@@ -12,20 +12,20 @@ with ``--enable-hierarchical-cache``:
 * ``_maybe_register_hicache_draft`` (AROUND) never runs upstream's registration: it checks
   that the cache keeps exactly the scheduler's draft pool on host and fails fast otherwise.
 
-Flag or HiCache off: both call SGLang's original.
+Flag or HiCache off: both call SGLang's original. Both decide from the flag first (a real
+``True``), so a scheduler whose attributes answer every name (a ``MagicMock``) is upstream's.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from sglang_cp_hicache.v0_5_12.server_args import is_cp_shared_kv_enabled
+from sglang_cp_hicache.v0_5_12.own_objects import cp_hiradix_cache
+from sglang_cp_hicache.v0_5_12.server_args import CLI_FLAG, CpSharedKVConfigError, is_cp_shared_kv_enabled
 
 
 def _cp_hicache(scheduler: Any) -> bool:
-    return is_cp_shared_kv_enabled(scheduler.server_args) and bool(
-        getattr(scheduler, "enable_hierarchical_cache", False)
-    )
+    return is_cp_shared_kv_enabled(scheduler.server_args) and scheduler.enable_hierarchical_cache is True
 
 
 def _draft_kv_pool(scheduler: Any) -> Any:
@@ -45,6 +45,12 @@ def init_cache_with_memory_pool_around(original: Callable, self: Any, *args, **k
 def maybe_register_hicache_draft_around(original: Callable, self: Any, *args, **kwargs) -> None:
     if not _cp_hicache(self):
         return original(self, *args, **kwargs)
-    cache = getattr(self.tree_cache, "inner", self.tree_cache)  # a StreamingSession wraps it
+    cache = cp_hiradix_cache(self.tree_cache)  # by type, inside SGLang's StreamingSession too
+    if cache is None:
+        raise CpSharedKVConfigError(
+            f"{CLI_FLAG} with --enable-hierarchical-cache keeps the MTP draft's KV on host in "
+            f"the plugin's CP HiRadixCache, but the scheduler's tree cache is "
+            f"{type(self.tree_cache).__name__}"
+        )
     cache.check_draft_kv_pool(_draft_kv_pool(self))
     return None

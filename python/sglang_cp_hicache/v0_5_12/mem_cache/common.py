@@ -17,8 +17,10 @@ request's logical page ids taken from those rows: what the batch's forward reads
 ``managers/schedule_batch.py`` and ``model_executor/forward_batch_info.py`` carry it to the
 forward, whose shared-KV page mapping then reads nothing back from the device.
 
-Replicated logical state: every rank computes the same rows; no collective. Without a
-mirror (flag off, or CP without HiCache) both hooks are upstream's functions unchanged.
+Replicated logical state: every rank computes the same rows; no collective. Only the
+plugin's CP-mode cache has a mirror (:func:`cp_hicache_of`, by type, the cache inside SGLang's
+``StreamingSession`` included); with any other cache (flag off, CP without HiCache, a
+``MagicMock`` of upstream's tests) both hooks are upstream's functions unchanged.
 """
 
 from __future__ import annotations
@@ -31,15 +33,16 @@ from sglang_cp_hicache.v0_5_12.mem_cache.cp_hicache_metadata import CpHiCacheMet
 from sglang_cp_hicache.v0_5_12.mem_cache.cp_shared_allocator import extend_token_locs_host
 from sglang_cp_hicache.core.cp_shared_kv_layout import host_int64
 from sglang_cp_hicache.v0_5_12.mem_cache.memory_pool import LOGICAL_PAGES_ATTR
+from sglang_cp_hicache.v0_5_12.own_objects import cp_hicache_of
 from sglang_cp_hicache.v0_5_12.server_args import CLI_FLAG, CpSharedKVConfigError
 
 
 def alloc_for_extend_around(original: Callable, batch: Any):
     """AROUND hook of ``sglang.srt.mem_cache.common.alloc_for_extend``."""
-    cache = batch.tree_cache
-    mirror = getattr(cache, "req_loc_mirror", None)
-    if mirror is None:
+    cache = cp_hicache_of(batch.tree_cache)
+    if cache is None:
         return original(batch)
+    mirror = cache.req_loc_mirror
     had_slot = [req.req_pool_idx is not None for req in batch.reqs]
     with cache.token_to_kv_pool_allocator.recording_new_pages() as taken:
         result = original(batch)
@@ -55,9 +58,8 @@ def alloc_for_extend_around(original: Callable, batch: Any):
 
 def alloc_for_decode_around(original: Callable, batch: Any, token_per_req: int):
     """AROUND hook of ``sglang.srt.mem_cache.common.alloc_for_decode``."""
-    cache = batch.tree_cache
-    mirror = getattr(cache, "req_loc_mirror", None)
-    if mirror is None:
+    cache = cp_hicache_of(batch.tree_cache)
+    if cache is None:
         return original(batch, token_per_req=token_per_req)
     if token_per_req != 1 or batch.model_config.is_encoder_decoder:
         raise CpSharedKVConfigError(

@@ -7,7 +7,9 @@ model-forward hook calls :func:`notify_forward_end` when the forward returns or 
 Consumer: a controller with per-layer backups registers itself on its *device KV pool*,
 the very object each forward batch carries as ``token_to_kv_pool``. So the registry needs
 no process global, two cache stacks in one process stay apart, and a pool nobody registered
-on (upstream HiCache's, a draft model's without CP HiCache) costs one ``getattr`` per layer.
+on (upstream HiCache's, a draft model's without CP HiCache) costs one dict lookup per layer.
+The listener is read from the pool's own ``__dict__``, where :func:`register` put it, never by
+``getattr``: a pool that answers every name (a ``MagicMock``) has no listener.
 With the MTP draft's KV on host, the draft pool has its own listener (the controller's draft
 stage), told of the draft forward's layer after the target forward.
 
@@ -65,23 +67,28 @@ def register(device_pool: Any, listener: LayerBackupListener) -> None:
 
 
 def unregister(device_pool: Any, listener: LayerBackupListener) -> None:
-    if getattr(device_pool, _ATTR, None) is listener:
+    if listener_of(device_pool) is listener:
         delattr(device_pool, _ATTR)
 
 
 def listener_of(device_pool: Any) -> Optional[LayerBackupListener]:
-    return getattr(device_pool, _ATTR, None)
+    # What own_objects.plugin_attr does, kept here: server_args imports this module at
+    # registration, which may import only the light modules test_light_registration lists.
+    try:
+        return vars(device_pool).get(_ATTR)
+    except TypeError:  # no instance __dict__: nobody registered on it
+        return None
 
 
 def notify_layer_stored(device_pool: Any, layer_id: int) -> None:
     """Called after model layer ``layer_id``'s KV and index K stores are issued."""
-    listener = getattr(device_pool, _ATTR, None)
+    listener = listener_of(device_pool)
     if listener is not None:
         listener.backup_layer(layer_id - device_pool.start_layer)
 
 
 def notify_forward_end(device_pool: Any, error: Optional[BaseException] = None) -> None:
     """Called when the model forward over ``device_pool`` returned or raised."""
-    listener = getattr(device_pool, _ATTR, None)
+    listener = listener_of(device_pool)
     if listener is not None:
         listener.end_forward(error)

@@ -118,12 +118,11 @@ def check_draft_pool(model_runner: Any) -> None:
 
 
 def init_pools_around(original: Callable, self: Any, *args, **kwargs) -> Any:
-    is_target = (
-        is_cp_shared_kv_enabled(self.server_args)
-        and not getattr(self, "is_draft_worker", False)
-        and self.token_to_kv_pool_allocator is None
-    )
-    is_draft = is_cp_shared_kv_enabled(self.server_args) and getattr(self, "is_draft_worker", False)
+    """AROUND ``_init_pools``: flag off (anything but a real ``True``), SGLang's own."""
+    if not is_cp_shared_kv_enabled(self.server_args):
+        return original(self, *args, **kwargs)
+    is_draft = bool(getattr(self, "is_draft_worker", False))
+    is_target = not is_draft and self.token_to_kv_pool_allocator is None
     result = original(self, *args, **kwargs)
     if is_target:
         verify_hooks_installed()

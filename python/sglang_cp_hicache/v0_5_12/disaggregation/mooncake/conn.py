@@ -102,9 +102,11 @@ def send_kvcache_hisparse_around(
     """AROUND hook of ``MooncakeKVManager.send_kvcache_hisparse`` (decode ``--enable-hisparse``).
 
     Upstream reads ``page_index_slice.start``; the shared-KV PD filter passes the owned
-    pages' positions as an ndarray, so expand those positions to tokens here.
+    pages' positions as an ndarray, so expand those positions to tokens here. Only that
+    ndarray (the plugin's filter's product) takes this path: upstream's slice, or anything
+    else a caller passes, is upstream's.
     """
-    if isinstance(page_index_slice, slice):
+    if not isinstance(page_index_slice, np.ndarray):
         return original(
             self, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, page_index_slice, executor
         )

@@ -21,7 +21,12 @@ Per forward (extend batches only):
    stores are issued) the pool's per-layer backup listener hears of it
    (:mod:`sglang_cp_hicache.v0_5_12.mem_cache.cp_layer_backup`), and again when the model forward
    returns or raises. Both run with shared KV on or off (a pool with no listener: one
-   ``getattr``).
+   dict lookup).
+
+Flag off means upstream: the runtime resolves from the flag (None unless it is a real
+``True``), and the per-forward state and the layer listener are found only where the plugin
+stored them, in the forward batch's and the pool's own ``__dict__`` (:func:`plugin_attr`), so a
+batch or pool that answers every name (a ``MagicMock``) is never taken for one that has them.
 
 Everything but the thin hook functions is plain torch and runs in the CPU twin.
 """
@@ -63,6 +68,7 @@ from sglang_cp_hicache.v0_5_12.layers.attention.cp_shared_kv_materialize import 
 from sglang_cp_hicache.v0_5_12.layers.attention.cp_shared_kv_write import WritePathLocs
 from sglang_cp_hicache.v0_5_12.mem_cache import cp_layer_backup
 from sglang_cp_hicache.core.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_hicache.v0_5_12.own_objects import plugin_attr
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +290,7 @@ def _is_shared_kv_extend(forward_batch: Any) -> bool:
 
 def active_state(forward_batch: Any) -> Optional[CpSharedKVForwardState]:
     """The batch's state while its model forward runs; ``None`` when shared KV is off."""
-    state = getattr(forward_batch, STATE_ATTR, None)
+    state = plugin_attr(forward_batch, STATE_ATTR)
     if state is None:
         return None
     if state.pipeline is None:
@@ -368,7 +374,7 @@ def model_forward_around(original: Callable, self: Any, input_ids, positions, fo
 
 
 def _model_forward(original: Callable, self: Any, input_ids, positions, forward_batch, *args, **kwargs):
-    state = getattr(forward_batch, STATE_ATTR, None)
+    state = plugin_attr(forward_batch, STATE_ATTR)
     if state is None:
         return original(self, input_ids, positions, forward_batch, *args, **kwargs)
     try:

@@ -59,7 +59,9 @@ def draft_stack(gloo_world1):
 def test_upstream_draft_registration_is_replaced_by_a_check(draft_stack):
     cache = draft_stack.cache
     hooks.maybe_register_hicache_draft_around(_never, _scheduler(draft_stack.draft_pool, cache))
-    wrapped = SimpleNamespace(inner=cache)  # a StreamingSession around the cache
+    from sglang.srt.session.streaming_session import StreamingSession
+
+    wrapped = StreamingSession(cache)  # the scheduler's wrapper when streaming sessions are on
     hooks.maybe_register_hicache_draft_around(_never, _scheduler(draft_stack.draft_pool, wrapped))
     with pytest.raises(CpSharedKVConfigError, match="CP rank 0: the CP HiRadixCache keeps another draft KV pool"):
         hooks.maybe_register_hicache_draft_around(_never, _scheduler(nsa_stack.build_kv_pool(
