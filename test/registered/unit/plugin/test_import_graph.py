@@ -165,7 +165,7 @@ LINES = ("v0_5_12", "v0_5_23")
 
 
 def _line_prefixes(line: str) -> tuple:
-    return (f"{PACKAGE}.{line}", f"{PACKAGE}.testing.{line}")
+    return (f"{PACKAGE}.{line}", f"{PACKAGE}.testing.{line}", f"{PACKAGE}.sim.{line}")
 
 
 def test_the_two_lines_never_import_each_other():
