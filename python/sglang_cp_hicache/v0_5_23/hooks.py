@@ -1,0 +1,207 @@
+"""The 0.5.23 line's hook table: every hook and resolution step the plugin puts into
+SGLang 0.5.23.
+
+Two kinds of seams, both named by path (nothing of this package is imported to describe
+them):
+
+* :data:`HOOKS`, ``HookRegistry`` hooks (``module:qualname`` targets), handed over by
+  :mod:`sglang_cp_hicache.hook_table`: the flag on the CLI and on ``Engine(**kwargs)``.
+* :data:`RESOLUTION_STEPS`, wrappers of named steps of SGLang's resolution pipeline
+  (``sglang.srt.arg_groups.resolution_hooks.register_resolution_hook``). 0.5.23 resolves
+  server args there, not in ``ServerArgs.__post_init__``, so the flag's validation and its
+  turning on of upstream's KV sharding are steps.
+
+Registration is light (besides this package's registration modules it imports only
+``resolution_hooks``, which itself imports nothing but ``typing``) and idempotent: SGLang
+calls ``register`` in the launcher, the Engine and every scheduler, detokenizer and
+DP-controller process, sometimes more than once per process. Imports nothing of this
+package that imports it back (``server_args`` calls the check).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+from sglang.srt.arg_groups import resolution_hooks
+
+from sglang_cp_hicache import hook_table
+from sglang_cp_hicache.hook_table import HookSpec, PluginNotInstalledError, resolve
+
+logger = logging.getLogger(__name__)
+
+RELEASE = "0.5.23"
+
+_SERVER_ARGS = "sglang.srt.server_args:ServerArgs"
+_OURS_ARGS = "sglang_cp_hicache.v0_5_23.server_args"
+
+HOOKS: Tuple[HookSpec, ...] = (
+    # The flag on the command line. from_cli_args copies only record fields, so the parsed
+    # value (and the 0.5.12 spellings) would be dropped without the AROUND.
+    HookSpec(f"{_SERVER_ARGS}.add_cli_args", f"{_OURS_ARGS}:add_cli_args_after", "AFTER"),
+    HookSpec(f"{_SERVER_ARGS}.from_cli_args", f"{_OURS_ARGS}:from_cli_args_around", "AROUND"),
+    # Engine(enable_nsa_prefill_cp_shared_kv=True): ServerArgs is a msgspec struct whose
+    # Python __init__ never runs, so the keyword is taken off where Engine builds the record.
+    HookSpec(
+        "sglang.srt.entrypoints.engine:Engine.__init__",
+        f"{_OURS_ARGS}:engine_init_around",
+        "AROUND",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class ResolutionStep:
+    """One wrapper ``hook(server_args, previous)`` of the pipeline step named ``step``.
+
+    ``step`` must be one of SGLang's overridable names; ``hook`` is a ``"module:qualname"``
+    path, imported on the wrapper's first call.
+    """
+
+    step: str
+    hook: str
+
+    @property
+    def label(self) -> str:
+        """How the check names this step."""
+        return f"resolution step {self.step}"
+
+
+RESOLUTION_STEPS: Tuple[ResolutionStep, ...] = (
+    # Runs before the model is resolved (and on the dummy-model path, which returns before
+    # any model step): the configuration refusals, then enable_kv_cache_sharding declared
+    # before its first reader (handle_gpu_memory_settings) and upstream's gate.
+    ResolutionStep("validate_prefill_cp_platform", f"{_OURS_ARGS}:refuse_and_enable_sharding"),
+    # Upstream's sharding gate, once the model is known: refuse a model outside the DSA
+    # family, then run the gate unchanged.
+    ResolutionStep("handle_kv_cache_sharding", f"{_OURS_ARGS}:refuse_unsupported_model"),
+)
+
+# Per step, the wrapper handed to register_resolution_hook: the check looks for this very
+# object in SGLang's list, and a second registration finds it there.
+_step_wrappers: Dict[ResolutionStep, Callable[[Any, Callable[[Any], None]], None]] = {}
+_step_errors: Dict[ResolutionStep, str] = {}
+_lock = threading.RLock()
+
+
+def _lazy_wrapper(step: ResolutionStep) -> Callable[[Any, Callable[[Any], None]], None]:
+    """A stand-in for ``step.hook`` that imports the real callable on its first call."""
+    resolved: List[Callable[[Any, Callable[[Any], None]], None]] = []
+
+    def run_step(server_args: Any, previous: Callable[[Any], None]) -> None:
+        if not resolved:
+            resolved.append(resolve(step.hook))
+        resolved[0](server_args, previous)
+
+    run_step.__qualname__ = run_step.__name__ = f"lazy[{step.hook}]"
+    return run_step
+
+
+def _registered(step: ResolutionStep, wrapper: Callable) -> bool:
+    return any(fn is wrapper for fn in resolution_hooks._HOOKS.get(step.step, ()))
+
+
+def install_resolution_steps(steps: Iterable[ResolutionStep]) -> None:
+    """Register each of ``steps`` once per process; a step SGLang refuses (a name that is
+    not overridable, e.g. renamed upstream) is logged and named by the check, never raised."""
+    with _lock:
+        for step in steps:
+            wrapper = _step_wrappers.get(step)
+            if wrapper is None:
+                wrapper = _step_wrappers[step] = _lazy_wrapper(step)
+            if _registered(step, wrapper):
+                continue
+            try:
+                resolution_hooks.register_resolution_hook(step.step)(wrapper)
+            except Exception as exc:
+                _step_errors[step] = f"{type(exc).__name__}: {exc}"
+                logger.exception("cp_hicache: cannot register the %s", step.label)
+
+
+def register(source: Any = None) -> None:
+    """Hand every hook of :data:`HOOKS` to SGLang (``source``: its ``HookSource``) and
+    register every step of :data:`RESOLUTION_STEPS`."""
+    hook_table.install(HOOKS, source=source)
+    install_resolution_steps(RESOLUTION_STEPS)
+
+
+def install(specs: Iterable[HookSpec], source: Any = None) -> None:
+    """Register ``specs`` now or right after their target's import (see ``hook_table``)."""
+    hook_table.install(specs, source=source)
+
+
+def _why_step_missing(step: ResolutionStep, import_targets: bool) -> Optional[str]:
+    if step in _step_errors:
+        return _step_errors[step]
+    wrapper = _step_wrappers.get(step)
+    if wrapper is None:
+        return "never registered in this process"
+    if not _registered(step, wrapper):
+        return "not in SGLang's wrappers of this step"
+    if import_targets:
+        try:  # the wrapper's first call must not be where a broken import shows up
+            resolve(step.hook)
+        except Exception as exc:
+            return f"{step.hook}: {type(exc).__name__}: {exc}"
+    return None
+
+
+def missing_resolution_steps(
+    steps: Iterable[ResolutionStep], *, import_targets: bool = True
+) -> List[str]:
+    """``"resolution step <name> (why)"`` for each of ``steps`` not in place."""
+    missing = []
+    for step in steps:
+        why = _why_step_missing(step, import_targets)
+        if why is not None:
+            missing.append(f"{step.label} ({why})")
+    return missing
+
+
+def missing_hooks(
+    specs: Optional[Iterable[HookSpec]] = None, *, import_targets: bool = True
+) -> List[str]:
+    """``"target (why)"`` for each spec not in place; by default every hook of
+    :data:`HOOKS` and every step of :data:`RESOLUTION_STEPS`.
+
+    ``import_targets=True`` imports every target module (``sglang.srt.entrypoints.engine``
+    among them) and every hook callable; ``False`` imports nothing.
+    """
+    if specs is not None:
+        return hook_table.missing_hooks(specs, import_targets=import_targets)
+    return hook_table.missing_hooks(HOOKS, import_targets=import_targets) + (
+        missing_resolution_steps(RESOLUTION_STEPS, import_targets=import_targets)
+    )
+
+
+def verify_hooks_installed(*, import_targets: bool = True) -> None:
+    """Raise :class:`PluginNotInstalledError` naming every hook and step not in place."""
+    missing = missing_hooks(import_targets=import_targets)
+    if missing:
+        raise PluginNotInstalledError(
+            "--enable-nsa-prefill-cp-shared-kv: the sglang-cp-hicache plugin is not fully "
+            "installed in this process; these hooks are missing: "
+            + ", ".join(missing)
+            + f". Check that the package is pip-installed next to sglang=={RELEASE}, that "
+            "SGLANG_PLUGINS (if set) includes 'cp_hicache', and the log lines "
+            "'Failed to apply hooks to ...' above."
+        )
+
+
+__all__ = [
+    "HOOKS",
+    "RESOLUTION_STEPS",
+    "HookSpec",
+    "PluginNotInstalledError",
+    "RELEASE",
+    "ResolutionStep",
+    "install",
+    "install_resolution_steps",
+    "missing_hooks",
+    "missing_resolution_steps",
+    "register",
+    "resolve",
+    "verify_hooks_installed",
+]
