@@ -57,7 +57,7 @@ class SubmissionCounter:
 
     def __init__(self, controller) -> None:
         self.count = 0
-        group, layer_backup = controller.mem_pool_host, controller._layer_backup
+        group, layer_backup = controller.mem_pool_host, controller.layer_backup
         self._wrap(group, "backup_from_device_all_layer")
         self._wrap(layer_backup, "backup_from_device_per_layer")
 

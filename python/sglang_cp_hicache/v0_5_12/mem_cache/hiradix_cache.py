@@ -26,7 +26,9 @@ it adds only the CP deltas, as policy; the controller is mechanism:
   at the commit (docs/cp_hicache_design.md, "Backup state machine");
 * a new leaf's backup is reserved before its forward and, with :attr:`per_layer_backup`,
   submitted then, so the forward's layer hooks move it layer by layer; its ack carries a
-  ticket until the insert names the leaf (:class:`ForwardReservation`);
+  ticket until the insert names the leaf (the shared state machine
+  :class:`ForwardReservations`, ``core/forward_reservations.py``: this class does what it
+  decides);
 * with the MTP draft's pool handed over (:func:`draft_kv_pool_scope`, by the scheduler
   hook), the draft's KV is kept on host with the target's as one object
   (:class:`CpHostPoolGroup`): both sized from the target's budget, the same slots, one
@@ -77,6 +79,7 @@ from sglang_cp_hicache.v0_5_12.mem_cache.cp_hicache_metadata import (
 from sglang_cp_hicache.v0_5_12.mem_cache.cp_lane_eviction import plan_lane_victims
 from sglang_cp_hicache.v0_5_12.mem_cache.cp_shared_allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_hicache.core.cp_shared_kv_layout import host_int64
+from sglang_cp_hicache.core.forward_reservations import ForwardReservations, Next, Transition
 from sglang_cp_hicache.v0_5_12.mem_cache.fast_hiradix_cache import CPU, FastHiRadixCache, host_evictable
 from sglang_cp_hicache.v0_5_12.mem_cache.hybrid_cache.cp_hybrid_cache_controller import (
     CpHybridCacheController,
@@ -134,28 +137,6 @@ class PendingBackup:
 
     node: TreeNode
     write: PendingHostWrite
-    reservation: Optional[ForwardReservation] = None  # made before the forward, claimed
-
-
-@dataclass
-class ForwardReservation:
-    """Host pages reserved before a prefill forward for the leaf a request's insert will
-    create (``reserve_for_extend``).
-
-    Per-layer (``ticket`` set): submitted at once, so the forward's layer hooks move it
-    layer by layer; its one ack carries ``ticket`` (a negative id: the leaf does not exist
-    yet). The insert claims it (``node``); the ack then commits that node. An ack that lands
-    before the claim marks it ``landed`` (the claim commits at once); one left unclaimed
-    (``settled``: insert miss, abort, retraction) is rolled back at its ack, never before
-    (its transfer may still be writing the pages).
-    """
-
-    rid: str
-    write: PendingHostWrite
-    ticket: Optional[int] = None
-    node: Optional[TreeNode] = None
-    landed: bool = False
-    settled: bool = False
 
 
 @dataclass
@@ -182,13 +163,9 @@ class CpHiRadixCache(FastHiRadixCache):
             server_args = self._size_host_pools_for_draft(allocator.get_kvcache(), params.page_size, server_args)
         # Before super(): its __init__ calls reset(). Keyed by the reserving node's id.
         self.pending_backups: Dict[int, PendingBackup] = {}
-        # Reserved before the forward, not yet claimed by an insert: by rid, and the rid
-        # by the leaf's first logical device page (how the insert finds it).
-        self._forward_reservations: Dict[str, ForwardReservation] = {}
-        self._forward_reservation_rids: Dict[int, str] = {}
-        # Per-layer reservations whose ack has not been popped, by ticket (the ack's id).
-        self._reservations_in_flight: Dict[int, ForwardReservation] = {}
-        self._next_ticket = -2  # -1 is "no node" (a reservation not yet named)
+        # Reserved before the forward for the leaves the inserts will create; per layer,
+        # their acks carry tickets (in ongoing_write_through until the claim or the ack).
+        self.forward_reservations: ForwardReservations[PendingHostWrite, TreeNode] = ForwardReservations()
         # Backups of new leaves move during their forward, layer by layer. Off: submitted
         # all layers at once at the insert (tests and the simulator's comparison runs).
         self.per_layer_backup = True
@@ -466,39 +443,38 @@ class CpHiRadixCache(FastHiRadixCache):
             return 0  # already pending, itself or as a fragment of a pending node
         if not write_back and not self._may_back_up_under(node.parent):
             return 0
-        record = self._reserve_backup(node)
+        claim = self.forward_reservations.claim(node, self._device_run(node).pages)
+        record = self._reserve_backup(node, claim)
         if record is None:
             return 0
-        reservation = record.reservation
-        if reservation is not None and reservation.landed:
+        if claim is not None and claim.next is Next.COMMIT:
             # Its per-layer transfer landed on every rank before this claim: commit now.
             self._commit_backup(record)
             self._record_store_event(node, medium=CPU)
             return len(record.write.logical_host_locs)
         self.pending_backups[node.id] = record
-        if reservation is None or reservation.ticket is None:
+        if claim is None or claim.next is Next.SUBMIT:
             self.cache_controller.submit_write(record.write)  # all layers, one ack
         else:  # submitted before the forward: its ack (by ticket) now commits this node
-            reservation.node = node
-            del self.ongoing_write_through[reservation.ticket]
+            del self.ongoing_write_through[claim.reservation.ticket]
         self.ongoing_write_through[node.id] = node
         if not write_back:
             self.inc_lock_ref(node)
         return len(record.write.logical_host_locs)
 
-    def _reserve_backup(self, node: TreeNode) -> Optional[PendingBackup]:
-        """Reserve ``node``'s host pages per owner lane (no transfer): the reservation made
-        before the forward for this leaf if there is one, else a new one; None after a
+    def _reserve_backup(self, node: TreeNode, claim: Optional[Transition]) -> Optional[PendingBackup]:
+        """``node``'s host pages per owner lane (no transfer): those reserved before the
+        forward for this leaf (``claim``) if any, else a new reservation; None after a
         counted skip."""
-        run = self._device_run(node)
-        reservation = self._claim_forward_reservation(node.id, run)
-        if reservation is not None:
-            write = reservation.write
+        if claim is not None:
+            write = claim.reservation.write
+            if claim.next is Next.SUBMIT:  # not submitted yet: its ack will name the node
+                write.assign_node(node.id)
         else:
-            write = self._reserve(self.host_table.plan_write(run), node.id)
+            write = self._reserve(self.host_table.plan_write(self._device_run(node)), node.id)
         if write is None:
             return None
-        return PendingBackup(node, write, reservation)
+        return PendingBackup(node, write)
 
     def _reserve(self, plan: HostWritePlan, node_id: int) -> Optional[PendingHostWrite]:
         """Reserve ``plan``; on a short lane make room there (host-only victims) and retry
@@ -520,7 +496,7 @@ class CpHiRadixCache(FastHiRadixCache):
         forward. The probe walks the *final* insertion key (bigram and page-aligned as
         ``insert`` sees it), not ``cache_protected_len``: pages another request has cached
         since the match are not reserved twice. True if a reservation was made; the insert
-        claims it (:meth:`_reserve_backup`), :meth:`_settle_forward_reservation` rolls back
+        claims it (:meth:`write_backup`), :meth:`_settle_forward_reservation` rolls back
         one left unclaimed (insert miss, abort, retraction)."""
         if not self.uses_cp_hicache or not self._backs_up_new_leaves(req):
             return False
@@ -537,16 +513,11 @@ class CpHiRadixCache(FastHiRadixCache):
         if write is None:
             return False
         self._settle_forward_reservation(req)  # a chunk's earlier reservation, if any
-        reservation = ForwardReservation(req.rid, write)
-        if self.per_layer_backup:
-            reservation.ticket = self._next_ticket
-            self._next_ticket -= 1
+        reservation = self.forward_reservations.reserve(req.rid, write, run.pages, self.per_layer_backup)
+        if reservation.ticket is not None:
             write.assign_node(reservation.ticket)
             self.cache_controller.submit_write(write, per_layer=True)
-            self._reservations_in_flight[reservation.ticket] = reservation
             self.ongoing_write_through[reservation.ticket] = None  # no node yet
-        self._forward_reservations[req.rid] = reservation
-        self._forward_reservation_rids[int(run.pages[0])] = req.rid
         return True
 
     def _backs_up_new_leaves(self, req: Any) -> bool:
@@ -575,47 +546,27 @@ class CpHiRadixCache(FastHiRadixCache):
         parent is backed up or pending (its ack pops first, acks pop in order)."""
         return parent is self.root_node or parent.backuped or self._pending_write_id(parent) is not None
 
-    def _claim_forward_reservation(self, node_id: int, run: PageRun) -> Optional[ForwardReservation]:
-        """The reservation made before the forward for exactly this leaf's pages, if any."""
-        if not self._forward_reservation_rids or not len(run.pages):
-            return None
-        rid = self._forward_reservation_rids.get(int(run.pages[0]))
-        if rid is None:
-            return None
-        reservation = self._forward_reservations[rid]
-        if not np.array_equal(reservation.write.plan.device_run.pages, run.pages):
-            return None  # the leaf starts on the reserved pages but is not that leaf
-        del self._forward_reservations[rid], self._forward_reservation_rids[int(run.pages[0])]
-        if reservation.ticket is None:  # not submitted: its ack will name the node
-            reservation.write.assign_node(node_id)
-        return reservation
-
     def _settle_forward_reservation(self, req: Any) -> None:
         """After the insert (or instead of it): roll back what the insert did not claim,
         now, or at its ack when its per-layer transfer may still be writing."""
-        reservation = self._forward_reservations.pop(req.rid, None)
-        if reservation is None:
-            return
-        del self._forward_reservation_rids[int(reservation.write.plan.device_run.pages[0])]
-        if reservation.ticket is not None and not reservation.landed:
-            reservation.settled = True
-            return
-        self.cache_controller.rollback_write(reservation.write)
-        self.pending_stats.rolled_back += 1
+        settle = self.forward_reservations.settle(req.rid)
+        if settle is not None and settle.next is Next.ROLL_BACK:
+            self._roll_back(settle.reservation.write)
 
     def _land_reservation(self, ticket: int) -> Optional[TreeNode]:
         """The ack of a per-layer reservation popped: commit the node that claimed it (its
-        node, to unlock), roll back one left unclaimed, or mark it landed for its claim."""
-        reservation = self._reservations_in_flight.pop(ticket)
-        if reservation.node is not None:
-            return self._publish_backup(reservation.node.id)
+        node, to unlock), roll back one left unclaimed, or leave it for its claim."""
+        landing = self.forward_reservations.land(ticket)
+        if landing.next is Next.COMMIT:
+            return self._publish_backup(landing.reservation.node.id)
         del self.ongoing_write_through[ticket]
-        if reservation.settled:
-            self.cache_controller.rollback_write(reservation.write)
-            self.pending_stats.rolled_back += 1
-        else:
-            reservation.landed = True
+        if landing.next is Next.ROLL_BACK:
+            self._roll_back(landing.reservation.write)
         return None
+
+    def _roll_back(self, write: PendingHostWrite) -> None:
+        self.cache_controller.rollback_write(write)
+        self.pending_stats.rolled_back += 1
 
     # ----------------------------------------------------- request inserts
     def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
@@ -640,7 +591,7 @@ class CpHiRadixCache(FastHiRadixCache):
         self._settle_forward_reservation(req)
 
     def _publish_backup(self, node_id: int) -> Optional[TreeNode]:
-        if node_id in self._reservations_in_flight:
+        if self.forward_reservations.in_flight(node_id):
             return self._land_reservation(node_id)
         record = self.pending_backups.pop(node_id, None)
         if record is not None:
@@ -819,24 +770,16 @@ class CpHiRadixCache(FastHiRadixCache):
     # ---------------------------------------------------------------- lifecycle
     def reset(self) -> None:
         # The controller's reset frees every host page, reserved or committed, at once.
-        self.pending_stats.rolled_back += len(self.pending_backups) + len(self._unclaimed_reservations())
+        unclaimed = self.forward_reservations.unclaimed()
+        self.pending_stats.rolled_back += len(self.pending_backups) + len(unclaimed)
         self.pending_backups.clear()
-        self._forward_reservations.clear()
-        self._forward_reservation_rids.clear()
-        self._reservations_in_flight.clear()
+        self.forward_reservations.clear()
         super().reset()
-
-    def _unclaimed_reservations(self) -> List[ForwardReservation]:
-        """Reservations made before a forward that no node holds: not yet claimed, or
-        left unclaimed with their per-layer transfer still in flight."""
-        unclaimed = {id(r): r for r in self._forward_reservations.values()}
-        unclaimed.update({id(r): r for r in self._reservations_in_flight.values() if r.node is None})
-        return list(unclaimed.values())
 
     def reserved_host_tokens(self) -> int:
         """Logical host tokens reserved by backups not committed yet (not in the tree)."""
         records = [record.write for record in self.pending_backups.values()]
-        records += [reservation.write for reservation in self._unclaimed_reservations()]
+        records += [reservation.write for reservation in self.forward_reservations.unclaimed()]
         return sum(len(write.logical_host_locs) for write in records)
 
     # ----------------------------------------------------------------- storage

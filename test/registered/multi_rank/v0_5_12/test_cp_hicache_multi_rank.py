@@ -301,7 +301,7 @@ def _per_layer_batch(ctx):
     for req in reqs:
         req.kv_committed_len = len(req.fill_ids)  # what the forward commits
     prepare_for_extend_after(None, batch)
-    tickets = sorted(cache._reservations_in_flight)
+    tickets = sorted(cache.forward_reservations.tickets_in_flight())
     controller = cache.cache_controller
     held = list(controller.held_write_node_ids)
     offset = 0

@@ -21,13 +21,16 @@ Invariants kept for the replicated scheduler:
 Backups go to the host either all layers at once (:meth:`submit_write`, the default: hit-
 count backups of computed nodes, write-back eviction) or layer by layer during the forward
 that computes them (``submit_write(pending, per_layer=True)``, then :meth:`backup_layer`
-from the attention hook, see :class:`LayerBackupBatch` for the ack rule).
+from the attention hook). The per-layer pipeline (held writes, the layer batch, the draft
+batch, the ack rule, fail-fast) is the shared :class:`PerLayerBackup`
+(``core/per_layer_backup.py``); this controller gives it its copies, events and write
+stream (:class:`ControllerLayerTransfers`).
 
 With an MTP draft, the host pool is a :class:`CpHostPoolGroup` holding the target's and the
 draft's pools over the same physical slots: one reservation, one page table, one transfer
 op and one ack per logical backup or load carry both. A per-layer batch acks after the
-draft forward's layer (:meth:`backup_draft_layer`, from the draft pool's layer hook), not
-after the target's last layer: the draft stores its KV only after the target forward.
+draft forward's layer (the pipeline's ``draft_stage``, the draft pool's layer listener),
+not after the target's last layer: the draft stores its KV only after the target forward.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from sglang_cp_hicache.v0_5_12.mem_cache.cp_hicache_metadata import (
 )
 from sglang_cp_hicache.v0_5_12.mem_cache.cp_shared_allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_hicache.core.cp_shared_kv_layout import host_int64, page_token_locs
+from sglang_cp_hicache.core.per_layer_backup import PerLayerBackup
 from sglang_cp_hicache.v0_5_12.mem_cache.memory_pool_host import (
     DraftHostSlotsError,
     HostPoolGroupLayerBackup,
@@ -92,49 +96,62 @@ class PendingHostWrite:
             self.operation.node_ids = [node_id]
 
 
-class PerLayerBackupIncomplete(RuntimeError):
-    """A per-layer backup was left without all its layers: its ack would never come."""
-
-
 @dataclass
-class LayerBackupBatch:
-    """The per-layer backups of one forward, submitted layer by layer as one transfer.
+class OwnedLayerTransfer:
+    """This rank's owned pages of a batch of per-layer backups, merged and moved once
+    (``move_hybrid_indices``): the indices every layer of the batch copies."""
 
-    Invariants: ``node_ids`` lists every held backup in submission order, also those this
-    rank owns nothing of (their ack must still come); ``host_indices``/``device_indices``/
-    ``pool_transfers`` are this rank's owned pages of all of them merged and moved once
-    (None when it owns none); ``next_layer`` layers have been submitted, each once.
-
-    Ack rule: the batch's one ``HiCacheAck`` (all ``node_ids``) is appended when its last
-    layer is submitted, never per layer: the target's last layer, or with an MTP draft the
-    draft forward's layer, which runs after the target forward. An all-layer submission
-    appends its ack when it is submitted. Both points are reached by every rank in the same program order (the
-    scheduler is replicated and every rank runs every layer), so ``ack_write_queue`` has
-    the same order on every rank, which ``writing_check``'s count-based pop (MIN
-    all-reduce) needs: an all-layer backup submitted while a batch is held or in flight
-    acks before that batch.
-    """
-
-    node_ids: List[int]
-    host_indices: Optional[torch.Tensor]
-    device_indices: Optional[torch.Tensor]
+    host_indices: torch.Tensor
+    device_indices: torch.Tensor
     pool_transfers: Optional[list]
-    start_event: object
-    next_layer: int = 0
 
 
-class DraftLayerListener:
-    """The draft pool's layer hook: its forward's layer ends go to the controller's draft
-    stage (:meth:`CpHybridCacheController.backup_draft_layer`)."""
+class ControllerLayerTransfers:
+    """What one layer of a per-layer batch moves on this controller's pools, on SGLang's
+    ``device_module`` (read at each call: the CPU runtime may bind it after import). The
+    :class:`LayerTransfers` and :class:`BackupStreams` of the core pipeline."""
 
     def __init__(self, controller: "CpHybridCacheController") -> None:
         self.controller = controller
 
-    def backup_layer(self, layer_id: int) -> None:
-        self.controller.backup_draft_layer(layer_id)
+    def merge(self, writes: Sequence[PendingHostWrite]) -> Optional[OwnedLayerTransfer]:
+        operations = [write.operation for write in writes if write.operation is not None]
+        if not operations:  # this rank owns none of the pages: ack only, no transfer
+            return None
+        merged = CacheOperation.merge_ops(operations)
+        return OwnedLayerTransfer(*self.controller.move_hybrid_indices(merged))
 
-    def end_forward(self, error: Optional[BaseException] = None) -> None:
-        self.controller.end_draft_forward(error)
+    def copy_layer(self, transfer: OwnedLayerTransfer, layer_id: int) -> None:
+        c = self.controller
+        c.layer_backup.backup_from_device_per_layer(
+            c.mem_pool_device, transfer.host_indices, transfer.device_indices, layer_id,
+            c.io_backend, pool_transfers=transfer.pool_transfers,
+        )  # fmt: skip
+
+    def copy_draft_layer(self, transfer: OwnedLayerTransfer, layer_id: int) -> None:
+        c = self.controller
+        c.draft_layer_backup.backup_from_device_per_layer(
+            c.draft_device_pool, transfer.host_indices, transfer.device_indices, layer_id,
+            c.io_backend,
+            pool_transfers=c.mem_pool_host.draft_transfers(transfer.host_indices, transfer.device_indices),
+        )  # fmt: skip
+
+    def keep_alive(self, transfer: OwnedLayerTransfer, stream: Any) -> None:
+        self.controller._record_transfer_indices_on_stream(
+            stream, transfer.host_indices, transfer.device_indices, transfer.pool_transfers
+        )
+
+    def ack(self, start_event: Any, finish_event: Any, ack_ids: List[int]) -> None:
+        self.controller.ack_write_queue.append(HiCacheAck(start_event, finish_event, ack_ids))
+
+    def new_event(self) -> Any:
+        return _upstream.device_module.Event()
+
+    @contextmanager
+    def on_write_stream(self) -> Iterator[Any]:
+        stream = self.controller.write_stream
+        with _upstream.device_module.stream(stream):
+            yield stream
 
 
 class CpHybridCacheController(HybridCacheController):
@@ -165,17 +182,24 @@ class CpHybridCacheController(HybridCacheController):
         self._no_device_locs = torch.empty(0, dtype=torch.int64, device=self.device)
         # Host frees (logical host locs) held back while batched_host_frees() is open.
         self._deferred_host_frees: Optional[List[torch.Tensor]] = None
-        # Per-layer backups: submitted for the next forward, then that forward's batch,
-        # then (with a draft) the batch waiting for the draft forward's layer.
-        self._held_writes: List[PendingHostWrite] = []
-        self._layer_batch: Optional[LayerBackupBatch] = None
-        self._draft_batch: Optional[LayerBackupBatch] = None
         self._layer_backup = layer_backup_for(self.mem_pool_host)
+        self.draft_device_pool: Any = None
+        self.draft_layer_backup: Optional[HostPoolGroupLayerBackup] = None
+        if self.draft_host is not None:
+            self.draft_device_pool = self.mem_pool_host.draft_device_pool
+            self.draft_layer_backup = HostPoolGroupLayerBackup(self.draft_host)
+        # Per-layer backups: held for the next forward, moved layer by layer during it.
+        transfers = ControllerLayerTransfers(self)
+        self.layer_pipeline: PerLayerBackup[PendingHostWrite, OwnedLayerTransfer] = PerLayerBackup(
+            transfers,
+            transfers,
+            self.layer_num,
+            draft_layer_num=self.draft_device_pool.layer_num if self.draft_host is not None else 0,
+            rank_label=f"CP rank {self.cp_rank}",
+        )
         cp_layer_backup.register(self.mem_pool_device, self)
         if self.draft_host is not None:
-            self._draft_device_pool = self.mem_pool_host.draft_device_pool
-            self._draft_layer_backup = HostPoolGroupLayerBackup(self.draft_host)
-            cp_layer_backup.register(self._draft_device_pool, DraftLayerListener(self))
+            cp_layer_backup.register(self.draft_device_pool, self.layer_pipeline.draft_stage)
 
     @property
     def cp_rank(self) -> int:
@@ -188,9 +212,7 @@ class CpHybridCacheController(HybridCacheController):
     def reset(self) -> None:
         super().reset()
         self.host_table.clear()
-        self._held_writes.clear()
-        self._layer_batch = None
-        self._draft_batch = None
+        self.layer_pipeline.reset()
 
     # --------------------------------------------------------------- write (D2H)
     def write(
@@ -290,18 +312,7 @@ class CpHybridCacheController(HybridCacheController):
         before that forward starts; the forward must run every layer.
         """
         if per_layer:
-            if self._layer_batch is not None:
-                raise PerLayerBackupIncomplete(
-                    f"node {pending.node_id} on CP rank {self.cp_rank}: per-layer backup "
-                    f"submitted while a forward is at layer {self._layer_batch.next_layer}; "
-                    "its earlier layers would never be backed up"
-                )
-            if self._draft_batch is not None:
-                self._fail_incomplete(
-                    f"node {pending.node_id}'s per-layer backup was submitted for the next "
-                    "forward before the draft forward stored its layer"
-                )
-            self._held_writes.append(pending)
+            self.layer_pipeline.hold(pending)
             return
         if pending.operation is None:
             self._ack_without_transfer(pending.node_id)
@@ -312,159 +323,22 @@ class CpHybridCacheController(HybridCacheController):
     @property
     def held_write_node_ids(self) -> List[int]:
         """Node ids of per-layer backups whose ack has not been appended yet."""
-        waiting = self._draft_batch.node_ids if self._draft_batch is not None else []
-        started = self._layer_batch.node_ids if self._layer_batch is not None else []
-        return waiting + started + [pending.node_id for pending in self._held_writes]
+        return self.layer_pipeline.held_ack_ids
+
+    @property
+    def layer_backup(self) -> HostPoolGroupLayerBackup:
+        """The target host group's per-layer D2H adapter (read only)."""
+        return self._layer_backup
 
     def backup_layer(self, layer_id: int) -> None:
         """Layer ``layer_id``'s KV stores of the running forward are issued: submit that
-        layer of every held backup as one transfer on the write stream.
-
-        Called once per layer by the attention hook (a repeat for a layer already
-        submitted is ignored); a no-op when nothing is held.
-        """
-        batch = self._layer_batch
-        if batch is None:
-            if self._draft_batch is not None:  # the draft forward did not run in between
-                self._fail_incomplete(
-                    "a target forward started before the draft forward stored its layer"
-                )
-            if not self._held_writes:
-                return
-            if layer_id != 0:
-                self._fail_incomplete(f"the forward reported layer {layer_id} before layer 0")
-            batch = self._layer_batch = self._start_layer_batch()
-        if layer_id < batch.next_layer:
-            return
-        if layer_id > batch.next_layer:
-            self._fail_incomplete(
-                f"the forward reported layer {layer_id} after layer {batch.next_layer - 1}"
-            )
-        last_layer = layer_id == self.layer_num - 1
-        # With a draft the batch acks after the draft's layer, not here.
-        acks_here = last_layer and self.draft_host is None
-        layer_stored, finish_event = self._submit_layer(
-            batch, self._layer_backup, self.mem_pool_device, layer_id, batch.pool_transfers,
-            acks=acks_here,
-        )  # fmt: skip
-        if layer_id == 0:
-            batch.start_event = layer_stored
-        batch.next_layer += 1
-        if acks_here:
-            self.ack_write_queue.append(HiCacheAck(batch.start_event, finish_event, batch.node_ids))
-            self._layer_batch = None
-        elif last_layer:  # every target layer is on its way: wait for the draft's
-            self._draft_batch, self._layer_batch = batch, None
+        layer of every held backup as one transfer on the write stream (the device pool's
+        layer hook; see :class:`PerLayerBackup`)."""
+        self.layer_pipeline.backup_layer(layer_id)
 
     def end_forward(self, error: Optional[BaseException] = None) -> None:
-        """The model forward returned or raised: no per-layer backup may be left behind
-        (a batch waiting for the draft forward's layer is not: that forward comes next)."""
-        if self._held_writes or self._layer_batch is not None or (
-            error is not None and self._draft_batch is not None
-        ):
-            reason = "the model forward raised" if error is not None else "the model forward ended"
-            self._fail_incomplete(reason, error)
-
-    def backup_draft_layer(self, layer_id: int) -> None:
-        """The draft forward's layer ``layer_id`` stored its KV and index K: submit that
-        layer of the batch whose target layers all went to the host, then the batch's one
-        ack (also on a rank that owns none of its pages). A no-op when no batch waits (a
-        draft forward of a batch without per-layer backups)."""
-        batch = self._draft_batch
-        if batch is None:
-            return
-        draft_layers = self._draft_device_pool.layer_num
-        if layer_id != batch.next_layer - self.layer_num:
-            self._fail_incomplete(
-                f"the draft forward reported layer {layer_id}, expected layer "
-                f"{batch.next_layer - self.layer_num} of {draft_layers}"
-            )
-        last_layer = layer_id == draft_layers - 1
-        draft_transfers = (
-            None
-            if batch.host_indices is None
-            else self.mem_pool_host.draft_transfers(batch.host_indices, batch.device_indices)
-        )
-        _, finish_event = self._submit_layer(
-            batch, self._draft_layer_backup, self._draft_device_pool, layer_id, draft_transfers,
-            acks=last_layer,
-        )  # fmt: skip
-        batch.next_layer += 1
-        if last_layer:
-            self.ack_write_queue.append(HiCacheAck(batch.start_event, finish_event, batch.node_ids))
-            self._draft_batch = None
-
-    def _submit_layer(
-        self,
-        batch: LayerBackupBatch,
-        layer_backup: Any,
-        device_pool: Any,
-        layer_id: int,
-        pool_transfers: Optional[List[Any]],
-        acks: bool,
-    ) -> Tuple[Any, Optional[Any]]:
-        """Layer ``layer_id`` of ``batch`` from ``device_pool`` to host on the write stream,
-        after the stores the running forward issued so far (a rank that owns none of the
-        batch's pages copies nothing). Returns the event recorded after those stores and,
-        with ``acks``, the event the batch's ack waits on (recorded after the copy)."""
-        layer_stored = _upstream.device_module.Event()
-        layer_stored.record()  # on the forward's stream, after this layer's stores
-        finish_event = _upstream.device_module.Event() if acks else None
-        with _upstream.device_module.stream(self.write_stream):
-            layer_stored.wait(self.write_stream)
-            if batch.host_indices is not None:
-                layer_backup.backup_from_device_per_layer(
-                    device_pool,
-                    batch.host_indices,
-                    batch.device_indices,
-                    layer_id,
-                    self.io_backend,
-                    pool_transfers=pool_transfers,
-                )
-            if acks:
-                finish_event.record()
-                if batch.host_indices is not None:
-                    self._record_transfer_indices_on_stream(
-                        self.write_stream,
-                        batch.host_indices,
-                        batch.device_indices,
-                        batch.pool_transfers,
-                    )
-        return layer_stored, finish_event
-
-    def end_draft_forward(self, error: Optional[BaseException] = None) -> None:
-        """The draft forward returned or raised: the batch waiting for its layer cannot
-        be left behind (its ack would never come)."""
-        if self._draft_batch is not None:
-            reason = "the draft forward raised" if error is not None else "the draft forward ended"
-            self._fail_incomplete(f"{reason} before storing its layer", error)
-
-    def _start_layer_batch(self) -> LayerBackupBatch:
-        held, self._held_writes = self._held_writes, []
-        node_ids = [pending.node_id for pending in held]
-        operations = [pending.operation for pending in held if pending.operation is not None]
-        if not operations:  # this rank owns none of the pages: ack only, no transfer
-            return LayerBackupBatch(node_ids, None, None, None, start_event=None)
-        merged = CacheOperation.merge_ops(operations)
-        host_indices, device_indices, pool_transfers = self.move_hybrid_indices(merged)
-        return LayerBackupBatch(node_ids, host_indices, device_indices, pool_transfers, start_event=None)
-
-    def _fail_incomplete(self, reason: str, error: Optional[BaseException] = None) -> None:
-        """Drop the per-layer state and raise naming its nodes (fail fast: the acks of
-        these nodes can no longer come on this rank, so the ranks would diverge)."""
-        node_ids = self.held_write_node_ids
-        if self._draft_batch is not None:
-            layers = f"{self.layer_num}/{self.layer_num} layers submitted, not the draft's"
-        else:
-            layers_done = self._layer_batch.next_layer if self._layer_batch is not None else 0
-            layers = f"{layers_done}/{self.layer_num} layers submitted"
-        self._held_writes = []
-        self._layer_batch = None
-        self._draft_batch = None
-        raise PerLayerBackupIncomplete(
-            f"CP rank {self.cp_rank}: per-layer backups of nodes {node_ids} incomplete "
-            f"({layers}): {reason}"
-        ) from error
+        """The model forward returned or raised: no per-layer backup may be left behind."""
+        self.layer_pipeline.end_forward(error)
 
     def rollback_write(self, pending: PendingHostWrite) -> None:
         """Free a reservation that was never submitted, or whose ack has completed:

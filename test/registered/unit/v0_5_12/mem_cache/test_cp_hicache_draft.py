@@ -304,9 +304,7 @@ def _indexer():
 
 def test_a_draft_forward_ending_without_its_layer_names_nodes_and_rank(stack):
     from sglang_cp_hicache.v0_5_12.mem_cache import cp_layer_backup
-    from sglang_cp_hicache.v0_5_12.mem_cache.hybrid_cache.cp_hybrid_cache_controller import (
-        PerLayerBackupIncomplete,
-    )
+    from sglang_cp_hicache.core.per_layer_backup import PerLayerBackupIncomplete
 
     controller = stack.cache.cache_controller
     controller.submit_write(_reserve(stack, [0, 1], 7), per_layer=True)
@@ -318,9 +316,7 @@ def test_a_draft_forward_ending_without_its_layer_names_nodes_and_rank(stack):
 
 
 def test_the_next_forward_before_the_draft_layer_fails_fast(stack):
-    from sglang_cp_hicache.v0_5_12.mem_cache.hybrid_cache.cp_hybrid_cache_controller import (
-        PerLayerBackupIncomplete,
-    )
+    from sglang_cp_hicache.core.per_layer_backup import PerLayerBackupIncomplete
 
     controller = stack.cache.cache_controller
     controller.submit_write(_reserve(stack, [0], 7), per_layer=True)
@@ -344,7 +340,7 @@ def test_a_per_layer_backup_awaiting_the_draft_layer_cannot_be_rolled_back(stack
         controller.backup_layer(layer)
     with pytest.raises(CpHiCacheMetadataError, match="node 7 on CP rank 0: rollback of a per-layer backup"):
         controller.rollback_write(pending)
-    controller.backup_draft_layer(0)
+    controller.layer_pipeline.backup_draft_layer(0)
     controller.rollback_write(pending)  # after the ack: allowed
 
 

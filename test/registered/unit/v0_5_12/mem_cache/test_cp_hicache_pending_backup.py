@@ -206,7 +206,7 @@ def test_request_that_would_split_a_pending_backup_waits_a_round(stack, schedule
         assert _add(adder, req_b) == AddReqResult.CONTINUE
         assert _add(adder, req_c) == AddReqResult.CONTINUE
         assert adder.can_run_list == [req_c]  # B stays waiting, holding no lock
-        assert cache.pending_backups[node_a.id] is record and not cache._pending_fragments
+        assert cache.pending_backups[node_a.id] is record and node_a.parent is cache.root_node
         assert cache.pending_stats.deferred_splits == 1
         hold.release()
     cache.check_hicache_events()  # round 3: A's backup commits, B is matched again
@@ -319,7 +319,7 @@ def test_reservation_before_the_forward_is_claimed_by_the_insert(stack, schedule
     start = _host_free(stack)
     a = Scheduled(stack, "a", _tokens(1, 3) + [7])
     assert cache.reserve_for_extend(a.req)
-    reserved = cache._forward_reservations["a"].write
+    reserved = cache.forward_reservations.get("a").write
     assert _host_free(stack) != start and not controller.ack_write_queue  # no transfer yet
     assert controller.held_write_node_ids == ([reserved.node_id] if per_layer else [])
     with device_module().hold_events() as hold:
@@ -335,7 +335,7 @@ def test_reservation_before_the_forward_is_claimed_by_the_insert(stack, schedule
         hold.release()
     cache.check_hicache_events()
     assert leaf.backuped and torch.equal(leaf.host_value, reserved.logical_host_locs)
-    assert not cache._forward_reservations and cache.pending_stats.rolled_back == 0
+    assert not cache.forward_reservations.rids() and cache.pending_stats.rolled_back == 0
     assert _locks_clear(cache) and not cache.ongoing_write_through
     _loads_back_exact(stack, _tokens(1, 3))
 
@@ -346,7 +346,7 @@ def test_per_layer_ack_before_the_insert_commits_at_the_claim(stack, scheduler_a
     cache = stack.cache
     a = Scheduled(stack, "a", _tokens(1, 3) + [7])
     assert cache.reserve_for_extend(a.req)
-    reserved = cache._forward_reservations["a"].write
+    reserved = cache.forward_reservations.get("a").write
     a.forward()
     cache.check_hicache_events()  # the ack pops: nothing claimed it yet
     assert not cache.cache_controller.ack_write_queue and cache.pending_stats.committed == 0
@@ -382,8 +382,8 @@ def test_insert_miss_and_retraction_roll_the_reservation_back(stack, scheduler_a
     c.release(is_insert=False)  # retracted (or aborted) after its forward
     cache.check_hicache_events()
     assert _host_free(stack) == start and cache.pending_stats.rolled_back == 2
-    assert not cache._forward_reservations and _locks_clear(cache)
-    assert not cache.ongoing_write_through and not cache._reservations_in_flight
+    assert not cache.forward_reservations.rids() and _locks_clear(cache)
+    assert not cache.ongoing_write_through and not cache.forward_reservations.tickets_in_flight()
 
 
 def test_flush_with_per_layer_reservations_in_flight_frees_everything(stack, scheduler_args):
@@ -396,7 +396,7 @@ def test_flush_with_per_layer_reservations_in_flight_frees_everything(stack, sch
     cache.check_hicache_events()
     cache.evict(EvictParams(num_tokens=10**6))
     cache.reset()
-    assert _host_free(stack) == start and not cache._reservations_in_flight
+    assert _host_free(stack) == start and not cache.forward_reservations.tickets_in_flight()
 
 
 def test_reservation_probes_the_final_insertion_prefix(stack, scheduler_args):
@@ -408,7 +408,7 @@ def test_reservation_probes_the_final_insertion_prefix(stack, scheduler_args):
     cache.check_hicache_events()
     assert b.req.cache_protected_len == 0
     assert cache.reserve_for_extend(b.req)
-    reserved = cache._forward_reservations["b"]
+    reserved = cache.forward_reservations.get("b")
     assert len(reserved.write.logical_host_locs) == 2 * PS  # only the pages b's insert adds
     b.release()
     cache.check_hicache_events()
@@ -425,8 +425,8 @@ def test_prepare_for_extend_hook_reserves_for_every_request_of_the_batch(stack, 
     scheduled = [Scheduled(stack, rid, _tokens(1000 * (i + 1), 2) + [7]) for i, rid in enumerate("ab")]
     batch = ScheduleBatch(reqs=[s.req for s in scheduled], tree_cache=cache)
     assert prepare_for_extend_after(None, batch) is None
-    assert sorted(cache._forward_reservations) == ["a", "b"]
+    assert sorted(cache.forward_reservations.rids()) == ["a", "b"]
     for s in scheduled:
         s.release()
     cache.check_hicache_events()
-    assert cache.pending_stats.committed == 2 and not cache._forward_reservations
+    assert cache.pending_stats.committed == 2 and not cache.forward_reservations.rids()

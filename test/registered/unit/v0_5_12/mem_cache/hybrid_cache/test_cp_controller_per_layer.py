@@ -11,11 +11,9 @@ import torch
 
 from sglang.srt.mem_cache.hicache_storage import PoolName
 
+from sglang_cp_hicache.core.per_layer_backup import PerLayerBackupIncomplete
 from sglang_cp_hicache.v0_5_12.mem_cache import cp_layer_backup
 from sglang_cp_hicache.v0_5_12.mem_cache.cp_hicache_metadata import CpHiCacheMetadataError, PageRun
-from sglang_cp_hicache.v0_5_12.mem_cache.hybrid_cache.cp_hybrid_cache_controller import (
-    PerLayerBackupIncomplete,
-)
 from sglang_cp_hicache.testing.v0_5_12 import nsa_stack
 
 PS = 64
@@ -51,7 +49,7 @@ class LayerSpy:
 
 
 def _spies(monkeypatch, controller):
-    backups = controller._layer_backup.entry_backups
+    backups = controller.layer_backup.entry_backups
     return LayerSpy(monkeypatch, backups[PoolName.KV]), LayerSpy(monkeypatch, backups[PoolName.INDEXER])
 
 
