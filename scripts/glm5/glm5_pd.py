@@ -27,6 +27,12 @@ not apply); ``prefill``/``decode``/``router --no-launch`` check that component's
 (prefill: and print its hit rates). Remote decode *with* a launch is ``--nodes 2``.
 
 Every subcommand takes ``--dry-run``: print the commands (and the workload plan) only.
+
+``--sglang 0.5.23``: the prefill server spelled for SGLang 0.5.23 (``--enable-prefill-cp
+--cp-strategy interleave`` instead of 0.5.12's removed ``--enable-nsa-prefill-context-parallel``,
+page 64, kernel HiCache I/O as 0.5.23's sharded DSA HiCache requires) for H200: the KV dtype
+resolves to bf16 (``flashmla_sparse`` prefill) unless ``--kv-cache-dtype fp8_e4m3``
+(``flashmla_kv``), the two Hopper formats the plugin admits. Default 0.5.12 (its spelling).
 """
 
 from __future__ import annotations
@@ -78,6 +84,8 @@ class Deployment:
     hicache_size_gb: int = 0  # per rank; 0 = use the ratio
     ib_device: Optional[str] = None
     log_dir: str = "glm5_pd_logs"
+    sglang: str = "0.5.12"  # the SGLang line the prefill server is spelled for
+    kv_cache_dtype: Optional[str] = None  # None: SGLang's default (bf16 on H200 with 0.5.23)
 
     @property
     def prefill_url(self) -> str:
@@ -92,11 +100,23 @@ class Deployment:
         return f"http://{self.host}:{self.router_port}"
 
 
+SGLANG_LINES = ("0.5.12", "0.5.23")
+# Prefill CP with shared KV, per SGLang line: 0.5.23 renamed prefill CP without an alias
+# (the plugin still accepts 0.5.12's spelling under its flag, with a deprecation warning).
+PREFILL_CP_FLAGS = {
+    "0.5.12": ["--enable-nsa-prefill-context-parallel", "--enable-nsa-prefill-cp-shared-kv"],
+    "0.5.23": [
+        "--enable-prefill-cp", "--cp-strategy", "interleave", "--enable-nsa-prefill-cp-shared-kv",
+        "--page-size", "64", "--hicache-io-backend", "kernel",
+    ],
+}
+
+
 def prefill_command(d: Deployment) -> List[str]:
     cmd = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", d.model, "--trust-remote-code",
         "--tp", str(d.tp),
-        "--enable-nsa-prefill-context-parallel", "--enable-nsa-prefill-cp-shared-kv",
+        *PREFILL_CP_FLAGS[d.sglang],
         "--enable-hierarchical-cache",
         "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mooncake",
         "--disaggregation-bootstrap-port", str(d.bootstrap_port),
@@ -104,6 +124,8 @@ def prefill_command(d: Deployment) -> List[str]:
         "--enable-metrics", "--enable-cache-report",
     ]
     cmd += ["--hicache-size", str(d.hicache_size_gb)] if d.hicache_size_gb else ["--hicache-ratio", str(d.hicache_ratio)]
+    if d.kv_cache_dtype:
+        cmd += ["--kv-cache-dtype", d.kv_cache_dtype]
     if d.ib_device:
         cmd += ["--disaggregation-ib-device", d.ib_device]
     return cmd
@@ -527,6 +549,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--hicache-size", type=int, default=0, help="GB per rank (0: use the ratio)")
     parser.add_argument("--ib-device", default=None)
     parser.add_argument("--log-dir", default="glm5_pd_logs")
+    parser.add_argument("--sglang", choices=SGLANG_LINES, default="0.5.12",
+                        help="the SGLang line the prefill server is spelled for")
+    parser.add_argument("--kv-cache-dtype", choices=("bfloat16", "fp8_e4m3"), default=None,
+                        help="prefill KV dtype (default: SGLang's; 0.5.23 on H200: bfloat16)")
     parser.add_argument("--no-launch", action="store_true",
                         help="launch nothing: check the running endpoints (/health) and run the checks against them")
     parser.add_argument("--num-prefixes", type=int, default=0, help="0: sized from the server's capacity")
@@ -576,6 +602,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         model=args.model_path, host=args.host, decode_host=args.decode_host, tp=args.tp,
         decode_base_gpu=decode_base_gpu, nodes=args.nodes, hicache_ratio=args.hicache_ratio,
         hicache_size_gb=hicache_size, ib_device=args.ib_device, log_dir=args.log_dir,
+        sglang=args.sglang, kv_cache_dtype=args.kv_cache_dtype,
     )
     # Only a launch needs the two-node topology; --no-launch just names endpoints.
     problems = [] if args.no_launch else topology_problems(d)

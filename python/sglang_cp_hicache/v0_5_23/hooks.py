@@ -5,7 +5,8 @@ Two kinds of seams, both named by path (nothing of this package is imported to d
 them):
 
 * :data:`HOOKS`, ``HookRegistry`` hooks (``module:qualname`` targets), handed over by
-  :mod:`sglang_cp_hicache.hook_table`: the flag on the CLI and on ``Engine(**kwargs)``.
+  :mod:`sglang_cp_hicache.hook_table`: the flag on the CLI and on ``Engine(**kwargs)``,
+  and the DSA backend rule inside upstream's sharding gate (the Hopper formats).
 * :data:`RESOLUTION_STEPS`, wrappers of named steps of SGLang's resolution pipeline
   (``sglang.srt.arg_groups.resolution_hooks.register_resolution_hook``). 0.5.23 resolves
   server args there, not in ``ServerArgs.__post_init__``, so the flag's validation and its
@@ -47,6 +48,14 @@ HOOKS: Tuple[HookSpec, ...] = (
     HookSpec(
         "sglang.srt.entrypoints.engine:Engine.__init__",
         f"{_OURS_ARGS}:engine_init_around",
+        "AROUND",
+    ),
+    # Inside upstream's sharding gate, its DSA backend rule: under the flag, the Hopper
+    # formats (flashmla_sparse bf16, flashmla_kv fp8) are admitted beside trtllm; every
+    # other rule of the gate stays upstream's (arg_groups/kv_shard_hook.py).
+    HookSpec(
+        "sglang.srt.arg_groups.kv_shard_hook:validate_kv_shard_attention_backend",
+        "sglang_cp_hicache.v0_5_23.arg_groups.kv_shard_hook:validate_dsa_backend_around",
         "AROUND",
     ),
 )

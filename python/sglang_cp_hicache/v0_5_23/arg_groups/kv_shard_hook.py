@@ -1,0 +1,186 @@
+"""DSA KV sharding on Hopper (SM90) under ``--enable-nsa-prefill-cp-shared-kv``.
+
+Upstream 0.5.23's sharding gate (``handle_kv_cache_sharding``) checks the DSA attention
+backend in ``validate_kv_shard_attention_backend`` (``arg_groups/kv_shard_hook.py:30-65``):
+CUDA interleave prefill CP > 1 and PP 1; then trtllm prefill *and* decode, ``fp8_e4m3`` KV,
+page 64 (:45-54), a Blackwell-only triple; then Mooncake, ``index_kpool == 1``, no layer
+split. A default H200 launch resolves ``bfloat16`` KV with ``flashmla_sparse`` prefill and
+``fa3`` decode, or ``fp8_e4m3`` with ``flashmla_kv`` for both (``overrides.py:714-726``), and
+both are refused there, although the shard-aware parts of ``DeepseekSparseAttnBackend``
+(plan, ``translate_loc_to_scratch``, scratch bounds; ``dsa_backend.py:1121, 1284-1290,
+1332``) do not depend on the sub-backend.
+
+:func:`validate_dsa_backend_around` wraps that check (an AROUND: ``handle_kv_cache_sharding``
+calls it by its module-global name). With the plugin's flag on a DSA model it admits, beside
+upstream's own triple, the :data:`ADMITTED` Hopper ones: only formats whose scratch-translated
+tables a CPU twin checks against the replicated pool (``flashmla_sparse`` over bf16 rows:
+``test/registered/multi_rank/v0_5_23/test_native_read_path_multi_rank.py`` and
+``test_read_path_cp8_multi_rank.py``). A Hopper format whose twin is not written yet is
+:data:`PENDING` and refused naming why, and so is speculative decoding on an admitted Hopper
+format (the MTP draft's extend reads the tables with the decode kernel, ``fa3``, whose twin is
+not written yet): an unproven read of translated tables could serve wrong KV silently.
+Anything else is refused naming what is admitted on that GPU. An admitted Hopper triple then runs upstream's check unchanged, shown
+upstream's own triple for its backend rule (:class:`_BackendRuleView`): every other rule of
+the check (CUDA, CP, interleave, PP 1, Mooncake, index_kpool, layer split, page 64) and of the
+rest of the gate stays upstream's. Flag off: upstream's function, called as is.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Tuple
+
+from sglang_cp_hicache.v0_5_23.server_args import (
+    CLI_FLAG,
+    CpSharedKVConfigError,
+    cp_shared_kv_enabled,
+)
+
+logger = logging.getLogger(__name__)
+
+DSA_SHARD_PAGE_SIZE = 64  # the only DSA page size (and the one upstream's gate requires)
+HOPPER_SM_MAJOR = 9
+
+
+@dataclass(frozen=True)
+class DsaShardBackends:
+    """The DSA sub-backends and KV format a sharded prefill rank reads its tables with."""
+
+    prefill: Optional[str]
+    decode: Optional[str]
+    kv_cache_dtype: str
+    page_size: Optional[int]
+
+    @classmethod
+    def of(cls, cfg: Any) -> "DsaShardBackends":
+        return cls(
+            cfg.dsa_prefill_backend, cfg.dsa_decode_backend, cfg.kv_cache_dtype, cfg.page_size
+        )
+
+    def spelled(self) -> str:
+        return (
+            f"--dsa-prefill-backend {self.prefill} --dsa-decode-backend {self.decode} "
+            f"--kv-cache-dtype {self.kv_cache_dtype} --page-size {self.page_size}"
+        )
+
+
+#: What upstream's backend rule admits on every CUDA GPU (kv_shard_hook.py:45-54).
+UPSTREAM_ADMITTED = DsaShardBackends("trtllm", "trtllm", "fp8_e4m3", DSA_SHARD_PAGE_SIZE)
+
+#: What the plugin adds, per SM major: the two formats an H200 resolves by default
+#: (overrides.py:714-726), each with the decode backend a PD prefill worker resolves with it
+#: (a prefill worker runs decode kernels only in the MTP draft's extend).
+ADMITTED = {
+    HOPPER_SM_MAJOR: (
+        # token-level indices (page_table_1) over bf16 KV rows
+        DsaShardBackends("flashmla_sparse", "fa3", "bfloat16", DSA_SHARD_PAGE_SIZE),
+    ),
+}
+
+#: Hopper formats to admit once their CPU twin lands, and what is missing for each.
+PENDING = {
+    HOPPER_SM_MAJOR: {
+        # the fp8 packed layout (656 bytes per token) in 64-token block tables
+        DsaShardBackends("flashmla_kv", "flashmla_kv", "fp8_e4m3", DSA_SHARD_PAGE_SIZE): (
+            "its fp8 packed-layout twin (flash_mla_with_kvcache over the translated 64-token "
+            "block tables) is not written yet; use --kv-cache-dtype bfloat16 "
+            "(flashmla_sparse / fa3)"
+        ),
+    },
+}
+
+
+def admitted_on(sm_major: int) -> Tuple[DsaShardBackends, ...]:
+    """Every triple a sharded DSA prefill rank on SM ``sm_major`` may run, upstream's first."""
+    return (UPSTREAM_ADMITTED,) + ADMITTED.get(sm_major, ())
+
+
+class _BackendRuleView:
+    """``cfg`` with upstream's admitted backend triple in place of the resolved one.
+
+    Shown to upstream's check once the resolved triple is one of :data:`ADMITTED`, so its
+    backend rule passes and every other field it reads is the real, resolved value.
+    """
+
+    __slots__ = ("_cfg",)
+    _SHOWN = {
+        "dsa_prefill_backend": UPSTREAM_ADMITTED.prefill,
+        "dsa_decode_backend": UPSTREAM_ADMITTED.decode,
+        "kv_cache_dtype": UPSTREAM_ADMITTED.kv_cache_dtype,
+    }
+
+    def __init__(self, cfg: Any):
+        object.__setattr__(self, "_cfg", cfg)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._SHOWN:
+            return self._SHOWN[name]
+        return getattr(object.__getattribute__(self, "_cfg"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("_BackendRuleView is read-only")
+
+
+def _device_sm_major() -> int:
+    """The GPU's SM major, read where upstream's DSA resolution reads it (overrides.py)."""
+    import torch
+
+    return torch.cuda.get_device_capability()[0]
+
+
+def _refusal(chosen: DsaShardBackends, sm_major: int) -> CpSharedKVConfigError:
+    admitted = "; or ".join(b.spelled() for b in admitted_on(sm_major))
+    hopper = "; or ".join(b.spelled() for b in ADMITTED[HOPPER_SM_MAJOR])
+    return CpSharedKVConfigError(
+        f"{CLI_FLAG}: DSA KV sharding on SM{sm_major}0 admits {admitted} (got "
+        f"{chosen.spelled()}). The plugin adds, on Hopper (SM90) only, {hopper}: the "
+        "formats whose scratch-translated tables are checked against the replicated pool."
+    )
+
+
+def _pending_refusal(chosen: DsaShardBackends, sm_major: int, why: str) -> CpSharedKVConfigError:
+    return CpSharedKVConfigError(
+        f"{CLI_FLAG}: DSA KV sharding with {chosen.spelled()} on SM{sm_major}0 is not admitted "
+        f"yet: {why}."
+    )
+
+
+def validate_dsa_backend_around(
+    original: Callable[..., None], server_args: Any, cfg: Any = None
+) -> None:
+    """AROUND ``kv_shard_hook.validate_kv_shard_attention_backend(server_args, cfg)``."""
+    if not cp_shared_kv_enabled(server_args):
+        return original(server_args, cfg)
+    from sglang.srt.arg_groups.overrides import (
+        attention_backends_of,
+        resolved_view,
+        resolving_view,
+    )
+
+    cfg = cfg or resolving_view(server_args)
+    prefill_backend, _ = attention_backends_of(resolved_view(server_args))
+    if prefill_backend != "dsa" or cfg.device != "cuda":
+        # Not the DSA backend rule (our model step refuses non-DSA models), or upstream's
+        # CUDA rule refuses first: upstream's verdict, unchanged.
+        return original(server_args, cfg)
+    chosen, sm_major = DsaShardBackends.of(cfg), _device_sm_major()
+    if chosen == UPSTREAM_ADMITTED:
+        return original(server_args, cfg)
+    pending = PENDING.get(sm_major, {}).get(chosen)
+    if pending is not None:
+        raise _pending_refusal(chosen, sm_major, pending)
+    if chosen not in ADMITTED.get(sm_major, ()):
+        raise _refusal(chosen, sm_major)
+    if cfg.speculative_algorithm is not None:
+        raise _pending_refusal(
+            chosen,
+            sm_major,
+            f"with --speculative-algorithm {cfg.speculative_algorithm} the MTP draft's extend "
+            f"reads the translated tables with --dsa-decode-backend {chosen.decode}, whose twin "
+            "is not written yet",
+        )
+    logger.info(
+        "%s: admitting DSA KV sharding with %s on SM%d0", CLI_FLAG, chosen.spelled(), sm_major
+    )
+    return original(server_args, _BackendRuleView(cfg))

@@ -1,0 +1,76 @@
+"""Upstream 0.5.23's sharded ``flashmla_sparse`` read path at cp 8 (GLM-5's prefill CP size)
+equals the replicated one, across 8 real CPU gloo ranks.
+
+The cp 2 / 3 file (``test_native_read_path_multi_rank.py``) plants every fault; here the
+largest group runs the real comparison and the one fault whose reach grows with the group:
+each prefix page read from the next rank's gathered block (wrong owner). One batch with a
+shared page-aligned prefix and chunks ending mid-page, as there.
+"""
+
+import pytest
+import torch
+
+from sglang_cp_hicache.testing.dist import run_ranks
+
+CP_SIZE = 8
+
+
+def _wrong_owner(pool, loc, rows):
+    """The scratch row of the same page in the next owner's gathered block."""
+    ps, block, size = pool.page_size, pool._block_pages, pool.shard_size
+    if not block:
+        return rows
+    page = rows // ps
+    moved = (page // block + 1) % size * block + page % block
+    return torch.where(page < size * block, moved * ps + rows % ps, rows)
+
+
+def _rank(ctx):
+    from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
+    from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
+
+    from sglang_cp_hicache.testing.v0_5_23.read_path import read_path_session
+    from sglang_cp_hicache.testing.v0_5_23.shard_group import GlooShardGroup
+
+    with read_path_session(GlooShardGroup.from_rank_context(ctx)) as rank:
+        results = {"real": rank.compare_sharded_to_replicated()}
+        init = DeepseekSparseAttnBackend.__dict__["init_forward_metadata"]
+        translate = PageInterleaveKVPoolMixin.__dict__["translate_loc_to_scratch"]
+
+        def init_with_wrong_owner(backend, forward_batch):
+            PageInterleaveKVPoolMixin.translate_loc_to_scratch = (
+                lambda pool, loc: _wrong_owner(pool, loc, translate(pool, loc))
+            )
+            try:
+                return init(backend, forward_batch)
+            finally:
+                PageInterleaveKVPoolMixin.translate_loc_to_scratch = translate
+
+        DeepseekSparseAttnBackend.init_forward_metadata = init_with_wrong_owner
+        try:
+            results["wrong_owner"] = rank.compare_sharded_to_replicated()
+        finally:
+            DeepseekSparseAttnBackend.init_forward_metadata = init
+    return results
+
+
+@pytest.fixture(scope="module")
+def per_rank():
+    return run_ranks(CP_SIZE, _rank)
+
+
+def test_cp8_sharded_read_path_equals_replicated_bit_for_bit(per_rank):
+    for rank, results in enumerate(per_rank):
+        real = results["real"]
+        assert real.identical and real.table_translated, f"cp8 rank {rank}: {real}"
+        assert real.pool_problems == (), f"cp8 rank {rank}"
+        assert real.coverage.prefix_selections and real.coverage.chunk_selections, real.coverage
+
+
+def test_cp8_wrong_owner_is_detected(per_rank):
+    detected = [not results["wrong_owner"].identical for results in per_rank]
+    # a rank whose queries never select a prefix token cannot see it; most must
+    assert sum(detected) >= CP_SIZE // 2, detected
+    for rank, results in enumerate(per_rank):
+        if results["real"].coverage.prefix_selections and not detected[rank]:
+            pytest.fail(f"cp8 rank {rank}: wrong owner read the replicated bytes")
