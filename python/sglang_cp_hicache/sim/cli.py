@@ -10,7 +10,7 @@ import logging
 import sys
 from typing import List, Optional, Tuple
 
-from sglang_cp_hicache.sim.config import FAULTS, WORKLOADS, SimConfig
+from sglang_cp_hicache.sim.config import FAULTS, SHARD_IMPLS, WORKLOADS, SimConfig
 
 logger = logging.getLogger("sglang_cp_hicache.sim")
 
@@ -33,61 +33,87 @@ def _chosen_workload(argv: Optional[List[str]]) -> str:
 
 
 def _parser(d: SimConfig) -> argparse.ArgumentParser:
+    from sglang_cp_hicache.sim.lines import installed_line_description
+
     p = argparse.ArgumentParser(
         prog="sglang-cp-hicache-sim",
         description="Replay a workload through CP shared KV + HiCache on N simulated CPU "
-        "ranks, verify every cache hit byte for byte, and report.",
+        "ranks, verify every cache hit byte for byte, and report the plugin's column beside "
+        "upstream's native KV sharding (SGLang 0.5.23 and later) and upstream's unsharded "
+        f"cache at cp 1. Runs on the installed line: {installed_line_description()}.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     run = p.add_argument_group("run")
-    run.add_argument("--cp-size", type=int, default=d.cp_size)
-    run.add_argument("--seed", type=int, default=d.seed)
-    run.add_argument("--json", metavar="PATH", help="write the full report as JSON")
-    run.add_argument("--plot", metavar="PATH", help="write a PNG (needs matplotlib)")
-    run.add_argument("--no-baseline", action="store_true", help="skip the cp-1 upstream replay")
+    run.add_argument("--cp-size", type=int, default=d.cp_size, help="simulated CP ranks")
+    run.add_argument("--seed", type=int, default=d.seed, help="workload and fault seed")
+    run.add_argument("--json", metavar="PATH", help="write the full report as JSON (every column)")
+    run.add_argument("--plot", metavar="PATH", help="write a PNG of every column (needs matplotlib)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    run.add_argument("--log-level", default=d.log_level)
-    run.add_argument("--timeout-s", type=float, default=d.timeout_s)
+    run.add_argument("--log-level", default=d.log_level, help="logging level of every process")
+    run.add_argument("--timeout-s", type=float, default=d.timeout_s,
+                     help="gloo / result timeout per launch (seconds)")  # fmt: skip
     run.add_argument("--fault", choices=sorted(FAULTS), help=argparse.SUPPRESS)  # checker tests
+
+    cols = p.add_argument_group("columns")
+    cols.add_argument("--shard-impl", choices=SHARD_IMPLS, default=d.shard_impl,
+                      help="the main column: the plugin's sharding, or upstream's native sharding "
+                      "alone (0.5.23 only; refused on 0.5.12.post1)")  # fmt: skip
+    cols.add_argument("--no-native-column", action="store_true",
+                      help="skip the native-sharding column beside a plugin run (it runs only "
+                      "on lines with native sharding: 0.5.23)")  # fmt: skip
+    cols.add_argument("--no-baseline", action="store_true", help="skip the cp-1 upstream replay")
 
     work = p.add_argument_group("workload")
     _workload_arg(work, d.workload)
     work.add_argument("--trace", metavar="JSONL", help="replay this trace instead of the generator")
-    work.add_argument("--num-requests", type=int, default=d.num_requests)
-    work.add_argument("--batch-size", type=int, default=d.batch_size)
-    work.add_argument("--num-system-prompts", type=int, default=d.num_system_prompts)
-    work.add_argument("--system-prompt-len", type=int, default=d.system_prompt_len)
-    work.add_argument("--turn-len-min", type=int, default=d.turn_len_min)
-    work.add_argument("--turn-len-max", type=int, default=d.turn_len_max)
-    work.add_argument("--reply-len", type=int, default=d.reply_len)
-    work.add_argument("--max-prompt-len", type=int, default=d.max_prompt_len)
-    work.add_argument("--max-active-sessions", type=int, default=d.max_active_sessions)
-    work.add_argument("--continue-prob", type=float, default=d.continue_prob)
+    work.add_argument("--num-requests", type=int, default=d.num_requests, help="generated requests")
+    work.add_argument("--batch-size", type=int, default=d.batch_size, help="requests per prefill batch")
+    work.add_argument("--num-system-prompts", type=int, default=d.num_system_prompts,
+                      help="shared system prompts sessions start from")  # fmt: skip
+    work.add_argument("--system-prompt-len", type=int, default=d.system_prompt_len, help="tokens")
+    work.add_argument("--turn-len-min", type=int, default=d.turn_len_min, help="tokens per user turn, min")
+    work.add_argument("--turn-len-max", type=int, default=d.turn_len_max, help="tokens per user turn, max")
+    work.add_argument("--reply-len", type=int, default=d.reply_len,
+                      help="tokens of the previous turn's reply in the next prompt")  # fmt: skip
+    work.add_argument("--max-prompt-len", type=int, default=d.max_prompt_len,
+                      help="a session ends once its next prompt would be longer")  # fmt: skip
+    work.add_argument("--max-active-sessions", type=int, default=d.max_active_sessions,
+                      help="sessions open at once")  # fmt: skip
+    work.add_argument("--continue-prob", type=float, default=d.continue_prob,
+                      help="chance the next request continues an open session")  # fmt: skip
 
     sched = p.add_argument_group("scheduler features")
     sched.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
                        help="tokens per prefill chunk (0: off)")  # fmt: skip
-    sched.add_argument("--abort-prob", type=float, default=d.abort_prob)
-    sched.add_argument("--retract-prob", type=float, default=d.retract_prob)
+    sched.add_argument("--abort-prob", type=float, default=d.abort_prob,
+                       help="chance a request is aborted after admission, before its forward")  # fmt: skip
+    sched.add_argument("--retract-prob", type=float, default=d.retract_prob,
+                       help="chance a request is retracted after its forward and re-queued")  # fmt: skip
     sched.add_argument("--inflight-steps", type=int, default=d.inflight_steps,
                        help="write acks land this many steps after submission")  # fmt: skip
     sched.add_argument("--all-layer-backup", action="store_true",
-                       help="all-layer D2H submission (today both submit all layers)")  # fmt: skip
+                       help="back up new leaves all layers at once at the insert; without it the "
+                       "line's default: layer by layer during the forward on 0.5.12.post1, all "
+                       "layers on 0.5.23 (upstream has no per-layer D2H)")  # fmt: skip
 
     stack = p.add_argument_group("per-rank stack")
-    stack.add_argument("--layer-num", type=int, default=d.layer_num)
-    stack.add_argument("--page-size", type=int, default=d.page_size)
-    stack.add_argument(
-        "--physical-tokens", type=int, default=d.physical_tokens, help="device KV pool per rank"
-    )
-    stack.add_argument("--hicache-ratio", type=float, default=d.hicache_ratio)
-    stack.add_argument("--io-backend", default=d.io_backend, choices=("direct", "kernel"))
-    stack.add_argument("--mem-layout", default=d.mem_layout)
+    stack.add_argument("--layer-num", type=int, default=d.layer_num, help="KV layers")
+    stack.add_argument("--page-size", type=int, default=d.page_size, help="tokens per page")
+    stack.add_argument("--physical-tokens", type=int, default=d.physical_tokens,
+                       help="device KV pool per rank, in tokens")  # fmt: skip
+    stack.add_argument("--hicache-ratio", type=float, default=d.hicache_ratio,
+                       help="host pool per rank = ratio x device pool per rank")  # fmt: skip
+    stack.add_argument("--io-backend", default=d.io_backend, choices=("direct", "kernel"),
+                       help="HiCache I/O backend (None: the line's, direct on 0.5.12.post1, "
+                       "kernel on 0.5.23, which requires it)")  # fmt: skip
+    stack.add_argument("--mem-layout", default=d.mem_layout,
+                       help="HiCache host memory layout (0.5.23: layer_first or page_first)")  # fmt: skip
     stack.add_argument(
         "--draft",
         action="store_true",
         help="the MTP draft's 1-layer NSA pool beside the target's, kept on host with it "
-        "(one budget: needs --hicache-ratio large enough for both); every hit checks both",
+        "(one budget: needs --hicache-ratio large enough for both); every hit checks both "
+        "(0.5.12.post1 line)",
     )
     return p
 
@@ -112,7 +138,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         abort_prob=args.abort_prob,
         retract_prob=args.retract_prob,
         inflight_steps=args.inflight_steps,
-        per_layer_backup=not args.all_layer_backup,
+        per_layer_backup=False if args.all_layer_backup else None,
         layer_num=args.layer_num,
         page_size=args.page_size,
         physical_tokens=args.physical_tokens,
@@ -120,6 +146,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         io_backend=args.io_backend,
         mem_layout=args.mem_layout,
         draft=args.draft,
+        shard_impl=args.shard_impl,
+        native_column=not args.no_native_column,
         baseline=not args.no_baseline,
         progress=not args.no_progress,
         timeout_s=args.timeout_s,

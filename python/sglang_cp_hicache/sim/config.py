@@ -6,10 +6,12 @@ import random
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-# Planted bugs that prove the checkers can fail (debug only, never on by default).
+# Planted bugs that prove the checkers can fail (debug only, never on by default). Each line
+# plants the ones it has a seam for (0.5.23: all but shift_mirror and the draft's); the
+# descriptions name the 0.5.12.post1 seam, sim/v0_5_23/faults.py the 0.5.23 one.
 FAULTS = {
-    "roll_load_owners": "load-back allocates device pages with rolled owners and the "
-    "layout's host-side owner guard is off (as for device tensors): silent KV corruption",
+    "roll_load_owners": "load-back allocates device pages with owners rolled by one page, "
+    "unguarded (as for device tensors on GPU): silent KV corruption",
     "drop_last_rank_loads": "the last rank acks loads without copying host -> device",
     "hot_path_barrier": "match_prefix issues a barrier on the CP group",
     "diverge_last_rank": "the last rank evicts one extra node half-way through the run",
@@ -19,6 +21,11 @@ FAULTS = {
     "drop_last_rank_draft_loads": "the last rank's load-backs copy the target's KV but not "
     "the MTP draft's (needs draft=True): a draft-only loss behind a target hit",
 }
+
+# Which sharding the main column runs (``SimConfig.shard_impl``): the plugin's (upstream's
+# sharding with the plugin's hooks where the line has it, the plugin's own CP shared KV on
+# 0.5.12.post1), or upstream's native KV sharding alone (0.5.23 and later).
+SHARD_IMPLS = ("plugin", "native")
 
 # Named workloads: overrides of the SimConfig defaults (``default`` is the defaults).
 # ``long``: long system prompts and turns, prompts up to ~3.8K tokens, a 4096-token device
@@ -48,7 +55,7 @@ class SchedulerFeatures:
     abort_prob: float = 0.0
     retract_prob: float = 0.0
     inflight_steps: int = 0
-    per_layer_backup: bool = True
+    per_layer_backup: bool = True  # resolved by the line (SimConfig.per_layer_backup)
 
     def draw(self, kind: str, request_index: int, attempt: int) -> float:
         """A uniform draw that depends only on its arguments: every rank, and the
@@ -83,20 +90,29 @@ class SimConfig:
     inflight_steps: int = 0  # write acks land this many steps after submission (0: at once)
     # New leaves' backups reserved before the forward move during it, layer by layer (the
     # forward reports each layer's end as the NSA hook does); False: all layers at once at
-    # the insert. Hit-count and write-back backups are all-layer either way.
-    per_layer_backup: bool = True
+    # the insert. Hit-count and write-back backups are all-layer either way. None: the
+    # line's default (0.5.12.post1: per layer; 0.5.23: all layers, the only way upstream
+    # backs up, so True is refused there).
+    per_layer_backup: Optional[bool] = None
     # ---- one rank's stack (nsa_stack.StackConfig)
     layer_num: int = 2
     page_size: int = 64
     physical_tokens: int = 1024  # device KV pool per rank, in tokens
     hicache_ratio: float = 2.0  # host pool per rank = ratio x device pool per rank
-    io_backend: str = "direct"
+    io_backend: Optional[str] = None  # None: the line's ("direct" on 0.5.12.post1, "kernel" on 0.5.23)
     mem_layout: str = "layer_first"
     # The MTP draft: a 1-layer NSA pool beside the target's (CP ranks; not the baseline),
     # kept on host with it from the same budget; every hit checks target and draft bytes.
     draft: bool = False
+    # ---- columns
+    # The main column: "plugin" (the plugin's CP shared KV; on 0.5.23 upstream's sharding
+    # with the plugin's hooks applied) or "native" (upstream's sharding alone: 0.5.23 only).
+    shard_impl: str = "plugin"
+    # Beside a plugin run, replay through upstream's native sharding alone (the "native"
+    # column) where the line has it (0.5.23); 0.5.12.post1 has none, its column reads n/a.
+    native_column: bool = True
+    baseline: bool = True  # replay through upstream's unsharded cache (cp 1, same pool)
     # ---- run
-    baseline: bool = True  # replay through upstream non-CP HiRadixCache (cp 1)
     tree_digest_every: int = 8  # steps between full radix-tree digests in the decision log
     progress: bool = False  # tqdm on rank 0 (stderr)
     timeout_s: float = 300.0  # gloo / result timeout per launch
@@ -128,6 +144,10 @@ class SimConfig:
             bad(f"physical_tokens ({self.physical_tokens}) must be a multiple of page_size")
         if self.hicache_ratio <= 1.0:
             bad(f"hicache_ratio must be > 1 (SGLang's rule), got {self.hicache_ratio}")
+        if self.io_backend not in (None, "direct", "kernel"):
+            bad(f"io_backend must be 'direct' or 'kernel', got {self.io_backend!r}")
+        if self.shard_impl not in SHARD_IMPLS:
+            bad(f"shard_impl must be one of {list(SHARD_IMPLS)}, got {self.shard_impl!r}")
         if self.fault is not None and self.fault not in FAULTS:
             bad(f"fault must be one of {sorted(FAULTS)}, got {self.fault!r}")
         if self.fault == "drop_last_rank_draft_loads" and not self.draft:
@@ -151,30 +171,18 @@ class SimConfig:
         settings = {**WORKLOADS.get(workload, {}), **overrides}
         return cls(workload=workload, **settings)  # __post_init__ rejects an unknown name
 
-    def scheduler_features(self) -> "SchedulerFeatures":
+    def scheduler_features(self, per_layer_backup: bool) -> "SchedulerFeatures":
+        """The driver's scheduler features; ``per_layer_backup`` as the line resolved it."""
         return SchedulerFeatures(
             seed=self.seed,
             chunked_prefill_size=self.chunked_prefill_size,
             abort_prob=self.abort_prob,
             retract_prob=self.retract_prob,
             inflight_steps=self.inflight_steps,
-            per_layer_backup=self.per_layer_backup,
+            per_layer_backup=per_layer_backup,
         )
 
-    def stack_config(self, max_context_len: int, shared_kv: bool = True):
-        """The nsa_stack.StackConfig of one rank (cp 1 and the same pool, without the
-        draft, for the baseline: upstream keeps no NSA draft KV on host)."""
-        from sglang_cp_hicache.testing.v0_5_12.nsa_stack import StackConfig
-
-        return StackConfig(
-            cp_size=self.cp_size if shared_kv else 1,
-            layer_num=self.layer_num,
-            physical_tokens=self.physical_tokens,
-            page_size=self.page_size,
-            hicache_ratio=self.hicache_ratio,
-            io_backend=self.io_backend,
-            mem_layout=self.mem_layout,
-            req_pool_size=max(8, 2 * self.batch_size),
-            max_context_len=max_context_len,
-            draft=self.draft and shared_kv,
-        )
+    def runs_native_column(self) -> bool:
+        """Whether a native-sharding comparison column is asked for (lines with native
+        sharding only; the line decides whether it can run)."""
+        return self.native_column and self.shard_impl == "plugin"

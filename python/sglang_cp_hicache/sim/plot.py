@@ -22,7 +22,14 @@ def require_matplotlib() -> None:
         raise PlotUnavailable(MATPLOTLIB_HINT) from None
 
 
+# One line style per column: plugin vs native vs upstream at a glance.
+_STYLES = {"plugin": "-", "native": "--", "upstream": ":"}
+
+
 def write_plot(report: SimReport, path: str) -> None:
+    """Two panels against requests: every column's cumulative hit rate, and every column's
+    physical host bytes per rank (the mean over its ranks, with the band from the lightest
+    to the heaviest rank) beside the logical (replicated) host bytes."""
     require_matplotlib()
     import matplotlib
 
@@ -30,20 +37,28 @@ def write_plot(report: SimReport, path: str) -> None:
     import matplotlib.pyplot as plt
 
     series = report.series
-    fig, (hits, host) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
-    cp_label = f"cp={report.config['cp_size']} shared KV"
-    hits.plot(series["requests"], series["hit_rate"], label=cp_label)
-    if "baseline_hit_rate" in series:
-        hits.plot(series["baseline_requests"], series["baseline_hit_rate"], label="cp=1 upstream")
+    fig, (hits, host) = plt.subplots(2, 1, figsize=(9, 8), sharex=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, (name, column) in enumerate(series["columns"].items()):
+        style, colour = _STYLES.get(name, "-"), colours[index % len(colours)]
+        x = column["requests"]
+        hits.plot(x, column["hit_rate"], style, color=colour, label=column["label"], linewidth=2)
+        per_rank = [[v / 2**20 for v in values] for values in column["host_physical_bytes_per_rank"]]
+        low, high = [min(at) for at in zip(*per_rank)], [max(at) for at in zip(*per_rank)]
+        mean = [sum(at) / len(at) for at in zip(*per_rank)]
+        ranks = len(per_rank)
+        label = column["label"] + (f" (mean, band: min-max of {ranks} ranks)" if ranks > 1 else "")
+        host.plot(x, mean, style, color=colour, linewidth=2, label=label)
+        if ranks > 1:
+            host.fill_between(x, low, high, color=colour, alpha=0.15, linewidth=0)
     hits.set_ylabel("cumulative hit rate")
+    hits.set_title(f"SGLang {report.sglang_release}, cp={report.config['cp_size']}")
     hits.legend()
-    for rank, values in enumerate(series["host_physical_bytes_per_rank"]):
-        host.plot(series["requests"], [v / 2**20 for v in values], label=f"rank {rank} physical")
     logical = [v / 2**20 for v in series["host_logical_bytes"]]
-    host.plot(series["requests"], logical, "k--", label="logical (replicated)")
-    host.set_ylabel("host KV (MiB)")
+    host.plot(series["requests"], logical, "k-", alpha=0.4, linewidth=3, label="logical (replicated)")
+    host.set_ylabel("host KV per rank, physical (MiB)")
     host.set_xlabel("requests")
-    host.legend()
+    host.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

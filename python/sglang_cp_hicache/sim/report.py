@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from sglang_cp_hicache.sim.config import SimConfig
 from sglang_cp_hicache.sim.results import OPS, LaneUsage, RankCounters, RankResult
+
+if TYPE_CHECKING:
+    from sglang_cp_hicache.sim.lines import Column, LineSim
 
 _PER_RANK_FIELDS = ("kv_checked_tokens", "kv_mismatches", "draft_kv_checked_tokens", "draft_kv_mismatches")
 
@@ -29,6 +32,40 @@ class BaselineSummary:
     d2h_bytes: int
     h2d_bytes: int
     kv_mismatches: int
+    rejected_insert_tokens: int = 0
+    rejected_insert_hit_tokens: int = 0
+
+
+@dataclass
+class ColumnSummary:
+    """One column of the comparison: one implementation's replay of the same trace, with
+    every invariant checked (``passed``: its own checks, as ``SimReport.passed`` for the
+    main column). Byte lists have one entry per rank of that replay."""
+
+    name: str  # "plugin" | "native" | "upstream" (lines.COLUMNS)
+    label: str
+    world_size: int
+    passed: bool
+    violations: int
+    kv_mismatches: int
+    kv_checked_tokens: int
+    prompt_tokens: int
+    device_hit_tokens: int
+    host_hit_tokens: int
+    load_backs: int
+    hit_rate: float
+    device_evicted_tokens: int
+    host_evicted_tokens: int
+    rejected_inserts: int
+    rejected_insert_tokens: int  # refused by the tree (rotation-run joins under sharding)
+    rejected_insert_hit_tokens: int  # hits they cost (upper bound)
+    device_lane_peak_skew: float  # max/mean over owner lanes; 1.0 for one rank
+    host_lane_peak_skew: float
+    host_bytes_per_rank: List[int]  # peak, physical
+    d2h_bytes_per_rank: List[int]
+    h2d_bytes_per_rank: List[int]
+    hot_path_collectives: int
+    leaked_slots: int  # device + req + host slots over ranks
 
 
 def max_over_mean(values: Sequence[float]) -> float:
@@ -155,6 +192,15 @@ class SimReport:
     draft_host_bytes_per_rank: List[int] = field(default_factory=list)  # peak, physical
     draft_d2h_bytes_per_rank: List[int] = field(default_factory=list)
     draft_h2d_bytes_per_rank: List[int] = field(default_factory=list)
+    # ---- the SGLang line and the comparison columns
+    sglang_release: str = ""
+    rejected_inserts: int = 0  # the main column's inserts refused by the tree
+    rejected_insert_tokens: int = 0
+    rejected_insert_hit_tokens: int = 0  # hits they cost (upper bound)
+    # Every column that ran, main first ("plugin" or "native", then "native" beside a
+    # plugin run where the line has it, then "upstream"): the same figures for each.
+    columns: Dict[str, ColumnSummary] = field(default_factory=dict)
+    native_column_note: Optional[str] = None  # why a native column was asked for and not run
 
     @property
     def passed(self) -> bool:
@@ -241,25 +287,112 @@ def _hit_rates(result: RankResult) -> List[float]:
     return [p.hit_tokens / max(1, p.prompt_tokens) for p in result.series]
 
 
+def _hot_by_name(results: List[RankResult]) -> Dict[str, int]:
+    hot: Dict[str, int] = {}
+    for r in results:
+        for name, count in r.hot_path_collectives.items():
+            hot[name] = hot.get(name, 0) + count
+    return hot
+
+
+def _leaks(results: List[RankResult]) -> tuple:
+    device = sum(abs(r.leaked_device_slots) + abs(r.leaked_req_slots) for r in results)
+    return device, sum(abs(r.leaked_host_slots) for r in results)
+
+
+def _column_problems(results: List[RankResult]) -> List[str]:
+    """Everything ``SimReport.passed`` checks besides the ranks' own violations, as
+    messages: a comparison column passes or fails on the same invariants as the main one."""
+    # A rank reports each hit with wrong bytes as a violation of its own.
+    problems = [v for r in results for v in r.violations] + _cross_rank_checks(results)
+    hot = _hot_by_name(results)
+    if hot:
+        problems.append(f"collectives on the scheduler path: {hot}")
+    device, host = _leaks(results)
+    if device or host:
+        problems.append(f"leaked device/req slots {device}, host slots {host} after the flush")
+    return problems
+
+
+def _lane_skews(results: List[RankResult]) -> tuple:
+    lanes = results[0].lane_usage
+    if lanes is None:  # one rank, one lane
+        return 1.0, 1.0
+    return max_over_mean(lanes.device_peak), max_over_mean(lanes.host_peak)
+
+
+def _column_summary(column: "Column", results: List[RankResult], problems: List[str]) -> ColumnSummary:
+    c = results[0].counters
+    device_skew, host_skew = _lane_skews(results)
+    device_leaks, host_leaks = _leaks(results)
+    return ColumnSummary(
+        name=column.name,
+        label=column.label,
+        world_size=len(results),
+        passed=not problems,
+        violations=len(problems),
+        kv_mismatches=sum(r.counters.kv_mismatches for r in results),
+        kv_checked_tokens=sum(r.counters.kv_checked_tokens for r in results),
+        prompt_tokens=c.prompt_tokens,
+        device_hit_tokens=c.device_hit_tokens,
+        host_hit_tokens=c.host_hit_tokens,
+        load_backs=c.load_backs,
+        hit_rate=(c.device_hit_tokens + c.host_hit_tokens) / max(1, c.prompt_tokens),
+        device_evicted_tokens=c.device_evicted_tokens,
+        host_evicted_tokens=c.host_evicted_tokens,
+        rejected_inserts=c.rejected_inserts,
+        rejected_insert_tokens=c.rejected_insert_tokens,
+        rejected_insert_hit_tokens=c.rejected_insert_hit_tokens,
+        device_lane_peak_skew=device_skew,
+        host_lane_peak_skew=host_skew,
+        host_bytes_per_rank=[r.host_peak_physical_bytes for r in results],
+        d2h_bytes_per_rank=[r.d2h_bytes for r in results],
+        h2d_bytes_per_rank=[r.h2d_bytes for r in results],
+        hot_path_collectives=sum(_hot_by_name(results).values()),
+        leaked_slots=device_leaks + host_leaks,
+    )
+
+
+def _column_series(results: List[RankResult]) -> Dict[str, Any]:
+    return {
+        "requests": [p.requests for p in results[0].series],
+        "hit_rate": _hit_rates(results[0]),
+        "host_physical_bytes_per_rank": [[p.host_physical_bytes for p in r.series] for r in results],
+    }
+
+
 def build_report(
     cfg: SimConfig,
-    results: List[RankResult],
-    baseline: Optional[RankResult],
+    line: "LineSim",
+    columns: List["Column"],
+    results_by_column: Dict[str, List[RankResult]],
     num_requests: int,
     num_steps: int,
     wall_s: float,
 ) -> SimReport:
+    """The report of one run: the main column (``columns[0]``) in the top-level fields,
+    every column in ``columns`` (and the cp-1 replay also in ``baseline``)."""
+    main = columns[0]
+    results = results_by_column[main.name]
     violations = [v for r in results for v in r.violations] + _cross_rank_checks(results)
+    summaries: Dict[str, ColumnSummary] = {}
+    series: Dict[str, Any] = {"columns": {}}
+    for column in columns:
+        column_results = results_by_column[column.name]
+        problems = _column_problems(column_results)
+        if column is not main:
+            prefix = "baseline" if column.name == "upstream" else column.name
+            violations = violations + [f"{prefix}: {p}" for p in problems]
+        summaries[column.name] = _column_summary(column, column_results, problems)
+        series["columns"][column.name] = dict(label=column.label, **_column_series(column_results))
     c = results[0].counters
     bpt = results[0].bytes_per_token
-    hot_by_name: Dict[str, int] = {}
-    for r in results:
-        for name, count in r.hot_path_collectives.items():
-            hot_by_name[name] = hot_by_name.get(name, 0) + count
+    hot_by_name = _hot_by_name(results)
+    leaked_device, leaked_host = _leaks(results)
     baseline_summary = None
+    baseline = results_by_column.get("upstream", [None])[0]
     if baseline is not None:
         b = baseline.counters
-        violations += [f"baseline: {v}" for v in baseline.violations]
         baseline_summary = BaselineSummary(
             device_hit_tokens=b.device_hit_tokens,
             host_hit_tokens=b.host_hit_tokens,
@@ -271,18 +404,21 @@ def build_report(
             d2h_bytes=baseline.d2h_bytes,
             h2d_bytes=baseline.h2d_bytes,
             kv_mismatches=b.kv_mismatches,
+            rejected_insert_tokens=b.rejected_insert_tokens,
+            rejected_insert_hit_tokens=b.rejected_insert_hit_tokens,
         )
-    series = {
-        "requests": [p.requests for p in results[0].series],
-        "hit_rate": _hit_rates(results[0]),
-        "host_physical_bytes_per_rank": [
-            [p.host_physical_bytes for p in r.series] for r in results
-        ],
-        "host_logical_bytes": [p.host_logical_bytes for p in results[0].series],
-    }
+    series.update(
+        requests=[p.requests for p in results[0].series],
+        hit_rate=_hit_rates(results[0]),
+        host_physical_bytes_per_rank=[[p.host_physical_bytes for p in r.series] for r in results],
+        host_logical_bytes=[p.host_logical_bytes for p in results[0].series],
+    )
     if baseline is not None:
         series["baseline_requests"] = [p.requests for p in baseline.series]
         series["baseline_hit_rate"] = _hit_rates(baseline)
+    native_note = None
+    if cfg.runs_native_column() and not line.native_sharding:
+        native_note = f"SGLang {line.release} has no native KV sharding"
     return SimReport(
         config=dataclasses.asdict(cfg),
         requests=num_requests,
@@ -296,10 +432,8 @@ def build_report(
         hot_path_collectives=sum(hot_by_name.values()),
         hot_path_collectives_by_name=hot_by_name,
         writing_check_all_reduces=[r.allowed_collectives for r in results],
-        leaked_device_slots=sum(
-            abs(r.leaked_device_slots) + abs(r.leaked_req_slots) for r in results
-        ),
-        leaked_host_slots=sum(abs(r.leaked_host_slots) for r in results),
+        leaked_device_slots=leaked_device,
+        leaked_host_slots=leaked_host,
         device_hit_tokens=c.device_hit_tokens,
         host_hit_tokens=c.host_hit_tokens,
         host_matched_tokens=c.host_matched_tokens,
@@ -340,6 +474,12 @@ def build_report(
         draft_host_bytes_per_rank=[r.draft_host_peak_bytes for r in results],
         draft_d2h_bytes_per_rank=[r.draft_d2h_bytes for r in results],
         draft_h2d_bytes_per_rank=[r.draft_h2d_bytes for r in results],
+        sglang_release=line.release,
+        rejected_inserts=c.rejected_inserts,
+        rejected_insert_tokens=c.rejected_insert_tokens,
+        rejected_insert_hit_tokens=c.rejected_insert_hit_tokens,
+        columns=summaries,
+        native_column_note=native_note,
     )
 
 
@@ -357,10 +497,18 @@ def _headline(report: SimReport) -> List[str]:
         if report.draft
         else ""
     )
+    others = [
+        f"{s.name} {'PASS' if s.passed else 'FAIL'}"
+        for name, s in report.columns.items()
+        if name != cfg["shard_impl"]
+    ]
     return [
-        f"CP HiCache simulator  cp_size={cfg['cp_size']}  seed={cfg['seed']}  "
-        f"requests={report.requests}  batches={report.steps}  wall={report.wall_s:.1f}s",
-        f"result: {'PASS' if report.passed else 'FAIL'}  "
+        f"CP HiCache simulator  SGLang {report.sglang_release}  cp_size={cfg['cp_size']}  "
+        f"seed={cfg['seed']}  requests={report.requests}  batches={report.steps}  "
+        f"wall={report.wall_s:.1f}s",
+        f"result: {'PASS' if report.passed else 'FAIL'}  ({cfg['shard_impl']} column"
+        + (f"; {', '.join(others)}" if others else "")
+        + ")  "
         f"kv_mismatches={report.kv_mismatches} (checked {report.kv_checked_tokens} hit tokens)  "
         f"{draft}"
         f"violations={len(report.invariant_violations)}  "
@@ -370,67 +518,101 @@ def _headline(report: SimReport) -> List[str]:
     ]
 
 
+_LABEL_WIDTH, _CELL_WIDTH = 38, 17
+
+
+def _table_slots(report: SimReport) -> List[tuple]:
+    """(header, summary or None, cell for a column that did not run), in ``COLUMNS`` order."""
+    from sglang_cp_hicache.sim.lines import COLUMNS
+
+    cp = report.config["cp_size"]
+    slots = []
+    for name in COLUMNS:
+        summary = report.columns.get(name)
+        header = summary.label if summary else ("cp=1 upstream" if name == "upstream" else f"cp={cp} {name}")
+        missing = "n/a" if name == "native" and report.native_column_note else "-"
+        slots.append((header, summary, missing))
+    return slots
+
+
 def _cache_rows(report: SimReport) -> List[str]:
-    b = report.baseline
-    header = f"cp={report.config['cp_size']} shared KV"
-    lines = [f"{'':34}{header:>18}{'cp=1 upstream':>18}"]
+    """The three columns side by side (plugin, native, cp=1 upstream), then the main
+    column's scheduler-feature counters."""
+    slots = _table_slots(report)
+    main = report.config["shard_impl"]
+    lines = [f"{'':{_LABEL_WIDTH}}" + "".join(f"{h:>{_CELL_WIDTH}}" for h, _, _ in slots)]
 
-    def row(label: str, ours: Any, theirs: Any = None) -> None:
-        theirs = "-" if b is None or theirs is None else theirs
-        lines.append(f"{label:34}{str(ours):>18}{str(theirs):>18}")
+    def row(label: str, cell: Any, main_only: bool = False) -> None:
+        cells = []
+        for _, summary, missing in slots:
+            if summary is None or (main_only and summary.name != main):
+                cells.append(missing if summary is None else "-")
+            else:
+                cells.append(str(cell(summary)))
+        lines.append(f"{label:{_LABEL_WIDTH}}" + "".join(f"{c:>{_CELL_WIDTH}}" for c in cells))
 
-    row("prompt tokens", report.prompt_tokens, report.prompt_tokens)
-    row("device hit tokens", report.device_hit_tokens, b and b.device_hit_tokens)
-    row("host hit tokens (loaded back)", report.host_hit_tokens, b and b.host_hit_tokens)
-    row("host-hit load-backs", report.load_backs, b and b.load_backs)
-    row("hit rate", f"{report.hit_rate:.3f}", b and f"{b.hit_rate:.3f}")
-    row(
-        "device evictions (nodes/tokens)",
-        f"{report.device_evictions}/{report.device_evicted_tokens}",
-        b and f"-/{b.device_evicted_tokens}",
-    )
-    row(
-        "host evictions (nodes/tokens)",
-        f"{report.host_evictions}/{report.host_evicted_tokens}",
-        b and f"-/{b.host_evicted_tokens}",
-    )
-    row("load-back failures", report.load_back_failures)
+    row("checks", lambda s: "PASS" if s.passed else f"FAIL ({s.violations})")
+    row("prompt tokens", lambda s: s.prompt_tokens)
+    row("device hit tokens", lambda s: s.device_hit_tokens)
+    row("host hit tokens (loaded back)", lambda s: s.host_hit_tokens)
+    row("host-hit load-backs", lambda s: s.load_backs)
+    row("hit rate", lambda s: f"{s.hit_rate:.3f}")
+    row("device evicted tokens", lambda s: s.device_evicted_tokens)
+    row("host evicted tokens", lambda s: s.host_evicted_tokens)
+    row("rejected inserts (tokens)", lambda s: f"{s.rejected_inserts} ({s.rejected_insert_tokens})")
+    row("  hits they cost (upper bound)", lambda s: s.rejected_insert_hit_tokens)
+    row("lane fill skew device/host (peak)",
+        lambda s: f"{s.device_lane_peak_skew:.3f}/{s.host_lane_peak_skew:.3f}")  # fmt: skip
+    row("device evictions (nodes)", lambda s: report.device_evictions, main_only=True)
+    row("host evictions (nodes)", lambda s: report.host_evictions, main_only=True)
+    row("load-back failures", lambda s: report.load_back_failures, main_only=True)
     row("chunks / aborts / retractions",
-        f"{report.prefill_chunks}/{report.aborted_requests}/{report.retracted_requests}")  # fmt: skip
-    row("backups committed / rolled back", f"{report.pending_committed}/{report.pending_rolled_back}")
-    row("deferred splits (request-rounds)", f"{report.deferred_splits} ({report.deferred_requests})")
-    row("backups skipped, host full", report.backups_skipped_host_full)
-    row("writing_check all-reduces/rank", report.writing_check_all_reduces[0])
+        lambda s: f"{report.prefill_chunks}/{report.aborted_requests}/{report.retracted_requests}",
+        main_only=True)  # fmt: skip
+    row("backups committed / rolled back",
+        lambda s: f"{report.pending_committed}/{report.pending_rolled_back}", main_only=True)  # fmt: skip
+    row("deferred splits (request-rounds)",
+        lambda s: f"{report.deferred_splits} ({report.deferred_requests})", main_only=True)  # fmt: skip
+    row("backups skipped, host full", lambda s: report.backups_skipped_host_full, main_only=True)
+    row("writing_check all-reduces/rank", lambda s: report.writing_check_all_reduces[0], main_only=True)
+    if report.native_column_note:
+        lines.append(f"native column n/a: {report.native_column_note}")
     return lines
 
 
 def _rank_rows(report: SimReport) -> List[str]:
-    widths = (4, 16, 19, 13, 16, 13, 16)
-    titles = ("rank", "host peak phys", "host peak logical", "D2H", "D2H replicated", "H2D",
-              "H2D replicated")  # fmt: skip
+    """Per-rank bytes of the main column against the replicated figures, then each other
+    column's per-rank bytes."""
+    widths = (9, 5, 16, 19, 13, 16, 13, 16)
+    titles = ("column", "rank", "host peak phys", "host peak logical", "D2H", "D2H replicated",
+              "H2D", "H2D replicated")  # fmt: skip
 
     def line(cells) -> str:
         return "".join(f"{cell:>{width}}" for cell, width in zip(cells, widths))
 
+    main = report.config["shard_impl"]
     lines = [line(titles)]
     per_rank = zip(report.host_bytes_per_rank, report.d2h_bytes_per_rank, report.h2d_bytes_per_rank)
     for rank, (host, d2h, h2d) in enumerate(per_rank):
         lines.append(
             line(
-                (rank, _mib(host), _mib(report.logical_host_bytes), _mib(d2h),
+                (main, rank, _mib(host), _mib(report.logical_host_bytes), _mib(d2h),
                  _mib(report.replicated_d2h_bytes), _mib(h2d), _mib(report.replicated_h2d_bytes))
             )  # fmt: skip
         )
-    b = report.baseline
-    if b is not None:
-        lines.append(line(("base", _mib(b.host_peak_bytes), "", _mib(b.d2h_bytes), "",
-                           _mib(b.h2d_bytes), "")))  # fmt: skip
+    for name, summary in report.columns.items():
+        if name == main:
+            continue
+        per_rank = zip(summary.host_bytes_per_rank, summary.d2h_bytes_per_rank, summary.h2d_bytes_per_rank)
+        for rank, (host, d2h, h2d) in enumerate(per_rank):
+            label = "base" if name == "upstream" else name
+            lines.append(line((label, rank, _mib(host), "", _mib(d2h), "", _mib(h2d), "")))
     if report.draft:
         lines.append("MTP draft KV (same host slots, included in no column above): host peak / D2H / H2D")
         draft = zip(report.draft_host_bytes_per_rank, report.draft_d2h_bytes_per_rank,
                     report.draft_h2d_bytes_per_rank)  # fmt: skip
         for rank, (host, d2h, h2d) in enumerate(draft):
-            lines.append(line((rank, _mib(host), "", _mib(d2h), "", _mib(h2d), "")))
+            lines.append(line(("draft", rank, _mib(host), "", _mib(d2h), "", _mib(h2d), "")))
     return lines
 
 

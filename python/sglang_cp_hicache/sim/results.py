@@ -36,6 +36,13 @@ class RankCounters:
     pending_rolled_back: int = 0  # reservations freed without a commit (CP; flush included)
     deferred_splits: int = 0  # matches that stopped above a pending backup (CP)
     backups_skipped_host_full: int = 0  # no host room on a short lane after the retry (CP)
+    # Inserts the tree refused (0.5.23 under sharding: the key would join two rotation
+    # runs; the request keeps its own pages, freed at release), and the hits they cost:
+    # later prompt tokens a refused key would have matched beyond the real match (an upper
+    # bound: the refused KV could have been evicted since). 0 on 0.5.12.post1.
+    rejected_inserts: int = 0
+    rejected_insert_tokens: int = 0
+    rejected_insert_hit_tokens: int = 0
     # Per rank (not replicated): the owned shard of every hit was checked.
     kv_checked_tokens: int = 0  # owned tokens of hits compared with the pattern
     kv_mismatches: int = 0

@@ -199,6 +199,17 @@ def test_draft_only_loss_is_a_draft_mismatch_not_a_hit() -> None:
         SimConfig(fault="drop_last_rank_draft_loads")
 
 
+def test_native_sharding_is_refused_on_this_line(cp2_report: SimReport) -> None:
+    """0.5.12.post1 ships no KV sharding: a native main column is refused before any rank
+    starts, and a plugin run's native column reads n/a, saying why."""
+    with pytest.raises(ValueError, match="has no native KV sharding"):
+        run_simulation(SimConfig(shard_impl="native"))
+    assert cp2_report.sglang_release == "0.5.12.post1"
+    assert list(cp2_report.columns) == ["plugin", "upstream"]
+    assert "no native KV sharding" in cp2_report.native_column_note
+    assert cp2_report.columns["plugin"].rejected_insert_tokens == 0 and cp2_report.columns["plugin"].passed
+
+
 def test_every_fault_has_a_test() -> None:
     tested = {"roll_load_owners", "drop_last_rank_loads", "hot_path_barrier"}
     tested |= {"diverge_last_rank", "leak_tail", "shift_mirror", "drop_last_rank_draft_loads"}

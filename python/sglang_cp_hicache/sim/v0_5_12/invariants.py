@@ -11,7 +11,7 @@ from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tupl
 
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-from sglang_cp_hicache.sim.checks import TreeSummary
+from sglang_cp_hicache.sim.engine import TreeSummary
 from sglang_cp_hicache.testing.v0_5_12.nsa_stack import RankStack
 
 

@@ -8,12 +8,12 @@ which CP shared KV keeps replicated by design. Physical state is never hashed.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import Any, Tuple
 
 import numpy as np
 import torch
 
+from sglang_cp_hicache.sim.engine import TreeSummary
 from sglang_cp_hicache.testing.v0_5_12.nsa_stack import (
     RankStack,
     _index_byte_offsets,
@@ -26,14 +26,6 @@ from sglang_cp_hicache.testing.v0_5_12.nsa_stack import (
 # pattern is a shifted arange, never a constant byte.
 _POISON_KV = 127.0
 _POISON_INDEX_BYTE = 0xEE
-
-
-@dataclass(frozen=True)
-class TreeSummary:
-    digest: str
-    nodes: int
-    device_tokens: int  # tokens with a device value (evictable + protected)
-    host_tokens: int  # logical tokens with a host value
 
 
 def _ints(values: Any) -> bytes:

@@ -24,13 +24,9 @@ All ranks make identical calls, so the decision log (hashed per step) must agree
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import logging
-import time
-from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import (
@@ -40,34 +36,31 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sglang_cp_hicache.sim.checks import poison_owned, tree_summary, verify_hit
 from sglang_cp_hicache.sim.collectives import CollectiveCounter
 from sglang_cp_hicache.sim.config import SchedulerFeatures
-from sglang_cp_hicache.sim.faults import FaultHooks
-from sglang_cp_hicache.sim.invariants import PoolLedger
-from sglang_cp_hicache.sim.observed_cache import CacheObserver
-from sglang_cp_hicache.sim.results import (
-    OPS,
-    LaneUsage,
-    RankCounters,
-    RankResult,
-    SeriesPoint,
+from sglang_cp_hicache.sim.engine import (
+    DecisionLog,
+    OpTimer,
+    SimulationError,
+    Violations,
+    drain_schedule,
 )
+from sglang_cp_hicache.sim.results import LaneUsage, RankCounters, RankResult, SeriesPoint
+from sglang_cp_hicache.sim.v0_5_12.checks import poison_owned, tree_summary, verify_hit
+from sglang_cp_hicache.sim.v0_5_12.faults import FaultHooks
+from sglang_cp_hicache.sim.v0_5_12.invariants import PoolLedger
+from sglang_cp_hicache.sim.v0_5_12.observed_cache import CacheObserver
 from sglang_cp_hicache.sim.workload import Request
-from sglang_cp_hicache.v0_5_12.mem_cache import cp_layer_backup
 from sglang_cp_hicache.testing import device_module
 from sglang_cp_hicache.testing.v0_5_12 import scheduler_batch
-from sglang_cp_hicache.testing.v0_5_12.nsa_stack import RankStack, device_run_mismatches, write_prefill_kv
+from sglang_cp_hicache.testing.v0_5_12.nsa_stack import (
+    RankStack,
+    device_run_mismatches,
+    write_prefill_kv,
+)
+from sglang_cp_hicache.v0_5_12.mem_cache import cp_layer_backup
 
 logger = logging.getLogger(__name__)
-
-_MAX_VIOLATIONS = 50
-_MAX_DRAIN_STEPS = 10_000  # steps after the trace for deferred, re-queued and chunked work
-
-
-class SimulationError(RuntimeError):
-    """The replay cannot continue (e.g. the scheduler would be out of memory)."""
-
 
 @dataclass(eq=False)
 class SimReq:
@@ -169,14 +162,11 @@ class RankDriver:
         self.draft_host_peak = 0
 
         self.counters = RankCounters()
-        self.samples: Dict[str, List[float]] = {op: [] for op in OPS}
-        self.wall_samples: Dict[str, List[float]] = {op: [] for op in OPS}
-        self._pending: Dict[str, float] = defaultdict(float)
-        self._pending_wall: Dict[str, float] = defaultdict(float)
-        self._open_ops: List[List[int]] = []  # [cpu ns, wall ns] spent in nested timed ops
-        self.violations: List[str] = []
+        self.timer = OpTimer(counter)
+        self._op = self.timer.op  # a cache call on the scheduler path (engine.OpTimer)
+        self._violation = Violations(rank)
         self.series: List[SeriesPoint] = []
-        self.decision_hash = hashlib.blake2b(b"cp-hicache-sim", digest_size=8).digest()
+        self.decisions = DecisionLog()
         self.step_index = 0
 
         self.ledger = PoolLedger(
@@ -200,58 +190,16 @@ class RankDriver:
         self.cache.observer = observer
         return observer
 
-    @contextlib.contextmanager
-    def _op(self, op: Optional[str]) -> Iterator[None]:
-        """A cache call on the scheduler path: collectives counted, time added to ``op``.
-
-        CPU time of this (the scheduler) thread is the figure of merit: N ranks share few
-        cores here, and wall time would mostly measure who got the core. Wall time is
-        kept too; it includes waiting in the allowed all-reduce.
-        """
-        with self.counter.counting():
-            nested = [0, 0]
-            self._open_ops.append(nested)
-            start_cpu, start_wall = time.thread_time_ns(), time.perf_counter_ns()
-            try:
-                yield
-            finally:
-                cpu = time.thread_time_ns() - start_cpu
-                wall = time.perf_counter_ns() - start_wall
-                self._open_ops.pop()
-                if op is not None:
-                    # A nested timed op (evict) owns its time; the caller keeps the rest.
-                    self._pending[op] += (cpu - nested[0]) / 1000.0
-                    self._pending_wall[op] += (wall - nested[1]) / 1000.0
-                    nested = [cpu, wall]
-                if self._open_ops:
-                    self._open_ops[-1][0] += nested[0]
-                    self._open_ops[-1][1] += nested[1]
-
-    def _violation(self, message: str) -> None:
-        if len(self.violations) < _MAX_VIOLATIONS:
-            self.violations.append(f"rank {self.rank} step {self.step_index}: {message}")
-
     # ----------------------------------------------------------------- steps
-    def _schedule(self, steps: Sequence[Sequence[Request]]) -> Iterator[List[Request]]:
-        """The trace's steps, then empty steps until deferred, re-queued and chunked
-        requests are done (each rank drains alike: their state is replicated)."""
-        yield from steps
-        for _ in range(_MAX_DRAIN_STEPS):
-            if not (self._waiting or self._chunked):
-                return
-            yield []
-        self._violation(
-            f"requests {[r.rid for r in self._waiting + self._chunked]} still waiting after "
-            "the drain steps"
-        )
-
     def run(self, steps: Sequence[Sequence[Request]], progress: Any = None) -> RankResult:
         with scheduler_batch.cpu_scheduler_server_args(self.page_size):
             return self._run(steps, progress)
 
     def _run(self, steps: Sequence[Sequence[Request]], progress: Any) -> RankResult:
         stopped: Optional[str] = None
-        for self.step_index, requests in enumerate(self._schedule(steps)):
+        schedule = drain_schedule(steps, self._waiting_rids, self._violation)
+        for step_index, requests in enumerate(schedule):
+            self.step_index = self._violation.step = step_index
             try:
                 records = self._step([SimReq(r) for r in requests])
             except SimulationError as exc:
@@ -259,11 +207,11 @@ class RankDriver:
                 stopped = str(exc)
                 self._violation(stopped)
                 break
-            self._fold(records)
+            self.decisions.fold(records)
             if self.hooks.extra_eviction_at_step == self.step_index:
                 self.cache.evict(EvictParams(num_tokens=1))
-                self._fold([("fault_extra_eviction",)])
-            if not self.agree(int.from_bytes(self.decision_hash, "little", signed=True)):
+                self.decisions.fold([("fault_extra_eviction",)])
+            if not self.agree(self.decisions.as_int()):
                 # Stop before the next step: diverged ranks could disagree on whether
                 # writing_check all-reduces, and hang.
                 stopped = f"decision logs diverged across ranks at step {self.step_index}"
@@ -271,9 +219,13 @@ class RankDriver:
                 break
             if progress is not None and self.step_index < len(steps):
                 progress.update(1)
-        self.step_index += 1
+        self.step_index = self._violation.step = self.step_index + 1
         self._land_writes(keep=0)  # every transfer lands before the final checks
         return self._finish_run(stopped)
+
+    def _waiting_rids(self) -> List[str]:
+        """Deferred, re-queued and mid-chunk requests: the drain runs until none is left."""
+        return [r.rid for r in self._waiting + self._chunked]
 
     def _land_writes(self, keep: int) -> None:
         """Complete the write transfers submitted ``keep`` or more steps ago."""
@@ -338,11 +290,7 @@ class RankDriver:
             # What the planners read for each device node must be its device locs.
             for problem in device_run_mismatches(self.cache):
                 self._violation(problem)
-        for op, micros in self._pending.items():
-            self.samples[op].append(micros)
-            self.wall_samples[op].append(self._pending_wall[op])
-        self._pending.clear()
-        self._pending_wall.clear()
+        self.timer.end_step()
         self._sample_series()
         records.append(self._state_record())
         return records
@@ -568,11 +516,6 @@ class RankDriver:
             record += (summary.digest,)
         return record
 
-    def _fold(self, records: List[tuple]) -> None:
-        self.decision_hash = hashlib.blake2b(
-            self.decision_hash + repr(records).encode(), digest_size=8
-        ).digest()
-
     def _sample_series(self) -> None:
         physical = self.ledger.host_used_physical_tokens() * self.bytes_per_token
         logical = self.ledger.host_used_logical_tokens() * self.bytes_per_token
@@ -622,12 +565,12 @@ class RankDriver:
             rank=self.rank,
             shared_kv=self.shared_kv,
             counters=self.counters,
-            op_samples_us=self.samples,
-            op_wall_samples_us=self.wall_samples,
-            decision_hash=self.decision_hash.hex(),
+            op_samples_us=self.timer.samples,
+            op_wall_samples_us=self.timer.wall_samples,
+            decision_hash=self.decisions.hex(),
             tree_digest=summary.digest,
             tree_nodes=summary.nodes,
-            violations=self.violations,
+            violations=self._violation.messages,
             hot_path_collectives=dict(self.counter.hot_path),
             allowed_collectives=self.counter.allowed,
             bytes_per_token=self.bytes_per_token,

@@ -1,0 +1,167 @@
+"""What every line's rank driver shares: timing of scheduler-path calls, the decision log,
+violations, the drain schedule and the rank process set-up.
+
+A line's driver (``sim/<line>/driver.py``) owns the SGLang calls; this module imports no
+SGLang, so the parent process and both lines can use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+from sglang_cp_hicache.sim.config import SimConfig
+from sglang_cp_hicache.sim.results import OPS
+from sglang_cp_hicache.sim.workload import Request
+
+if TYPE_CHECKING:  # torch loads only in the rank processes
+    from sglang_cp_hicache.sim.collectives import CollectiveCounter
+
+MAX_VIOLATIONS = 50
+MAX_DRAIN_STEPS = 10_000  # steps after the trace for deferred, re-queued and chunked work
+
+
+class SimulationError(RuntimeError):
+    """The replay cannot continue (e.g. the scheduler would be out of memory)."""
+
+
+@dataclass(frozen=True)
+class TreeSummary:
+    """A radix tree's rank-independent digest and token counts (logical state only)."""
+
+    digest: str
+    nodes: int
+    device_tokens: int  # tokens with a device value (evictable + protected)
+    host_tokens: int  # logical tokens with a host value
+
+
+class OpTimer:
+    """Times cache calls on the scheduler path, per operation and step, and counts the
+    collectives they issue.
+
+    Scheduler-thread CPU time is the figure of merit (N ranks share few cores, so wall
+    time mostly measures who got the core); wall time is kept too. A timed call nested in
+    another (``evict`` inside ``alloc``) owns its time: the caller keeps only the rest.
+    """
+
+    def __init__(self, counter: CollectiveCounter) -> None:
+        self.counter = counter
+        self.samples: Dict[str, List[float]] = {op: [] for op in OPS}
+        self.wall_samples: Dict[str, List[float]] = {op: [] for op in OPS}
+        self._pending: Dict[str, float] = defaultdict(float)
+        self._pending_wall: Dict[str, float] = defaultdict(float)
+        self._open: List[List[int]] = []  # [cpu ns, wall ns] spent in nested timed ops
+
+    @contextlib.contextmanager
+    def op(self, name: Optional[str]) -> Iterator[None]:
+        """One cache call: collectives counted; its time added to ``name`` (None: not
+        timed, e.g. lock calls, but still counted)."""
+        with self.counter.counting():
+            nested = [0, 0]
+            self._open.append(nested)
+            start_cpu, start_wall = time.thread_time_ns(), time.perf_counter_ns()
+            try:
+                yield
+            finally:
+                cpu = time.thread_time_ns() - start_cpu
+                wall = time.perf_counter_ns() - start_wall
+                self._open.pop()
+                if name is not None:
+                    self._pending[name] += (cpu - nested[0]) / 1000.0
+                    self._pending_wall[name] += (wall - nested[1]) / 1000.0
+                    nested = [cpu, wall]
+                if self._open:
+                    self._open[-1][0] += nested[0]
+                    self._open[-1][1] += nested[1]
+
+    def end_step(self) -> None:
+        """One sample per operation that ran in this step."""
+        for name, micros in self._pending.items():
+            self.samples[name].append(micros)
+            self.wall_samples[name].append(self._pending_wall[name])
+        self._pending.clear()
+        self._pending_wall.clear()
+
+
+@dataclass
+class DecisionLog:
+    """A running hash of the replicated decisions; equal on every rank or the run stops."""
+
+    digest: bytes = field(
+        default_factory=lambda: hashlib.blake2b(b"cp-hicache-sim", digest_size=8).digest()
+    )
+
+    def fold(self, records: List[tuple]) -> None:
+        self.digest = hashlib.blake2b(self.digest + repr(records).encode(), digest_size=8).digest()
+
+    def as_int(self) -> int:
+        return int.from_bytes(self.digest, "little", signed=True)
+
+    def hex(self) -> str:
+        return self.digest.hex()
+
+
+@dataclass
+class Violations:
+    """A rank's invariant violations, each naming the rank and step (bounded)."""
+
+    rank: int
+    step: int = 0
+    messages: List[str] = field(default_factory=list)
+
+    def __call__(self, message: str) -> None:
+        if len(self.messages) < MAX_VIOLATIONS:
+            self.messages.append(f"rank {self.rank} step {self.step}: {message}")
+
+
+def drain_schedule(
+    steps: Sequence[Sequence[Request]],
+    waiting: Callable[[], List[str]],
+    violation: Callable[[str], None],
+) -> Iterator[Sequence[Request]]:
+    """The trace's steps, then empty steps while ``waiting()`` names requests (deferred,
+    re-queued or mid-chunk; replicated, so every rank drains alike)."""
+    yield from steps
+    for _ in range(MAX_DRAIN_STEPS):
+        if not waiting():
+            return
+        yield []
+    violation(f"requests {waiting()} still waiting after the drain steps")
+
+
+def setup_rank_process(cfg: SimConfig, label: str) -> None:
+    """Logging with the rank's label; one intra-op thread (N ranks share the cores)."""
+    import torch
+
+    logging.basicConfig(
+        level=cfg.log_level.upper(),
+        stream=sys.stderr,
+        format=f"%(asctime)s [{label}] %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+    torch.set_num_threads(1)
+
+
+def max_context_len(steps: Sequence[Sequence[Request]], page_size: int) -> int:
+    """Room for the longest prompt plus a spare page, page-aligned."""
+    longest = max(len(r.token_ids) for step in steps for r in step)
+    return (longest // page_size + 2) * page_size
+
+
+def run_with_progress(run: Callable[[Any], Any], enabled: bool, total: int, desc: str) -> Any:
+    """``run(bar)`` with a tqdm bar on stderr when ``enabled`` (else ``run(None)``)."""
+    if not enabled:
+        return run(None)
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="batch", file=sys.stderr, leave=False)
+    try:
+        return run(bar)
+    finally:
+        bar.close()

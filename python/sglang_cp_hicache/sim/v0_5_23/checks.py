@@ -1,0 +1,192 @@
+"""Checks of one 0.5.23 rank, run outside the timed path: the KV pattern the "forward"
+writes, hit verification and load poisoning on this rank's owned physical rows, the radix
+tree digest, and the rotation invariant of the sharded tree.
+
+The tree digest hashes what must be identical on every rank of a shard group: structure
+(keys, node ids), residency, the *logical* device and host locs, lock refs and rotation
+bases. Physical state is never hashed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, List, Tuple
+
+import numpy as np
+import torch
+
+from sglang_cp_hicache.sim.engine import TreeSummary
+from sglang_cp_hicache.testing.v0_5_23.stack import RankStack
+
+# The DSA indexer's paged buffer: per page, ``page_size`` keys of 128 B, then as many
+# 4-byte scales (the layout ``DSATokenToKVPool.index_k_with_scale_buffer`` stores).
+INDEX_HEAD_DIM = 128
+INDEX_SCALE_BYTES = 4
+INDEX_BYTES_PER_TOKEN = INDEX_HEAD_DIM + INDEX_SCALE_BYTES
+# Never produced by the pattern: KV values are in [-125, 125]; an index row of the
+# pattern is a shifted arange, never a constant byte.
+_POISON_KV = 127.0
+_POISON_INDEX_BYTE = 0xEE
+
+
+def expected_kv_rows(
+    token_ids: torch.Tensor, positions: torch.Tensor, layer: int, dim: int
+) -> torch.Tensor:
+    """MLA latent rows ``[n, 1, dim]`` (bf16-exact small integers) of the given tokens."""
+    base = (token_ids.to(torch.int64) * 31 + positions.to(torch.int64) * 17 + layer * 7) % 97
+    values = (base.unsqueeze(1) + torch.arange(dim)) % 251 - 125
+    return values.to(torch.bfloat16).unsqueeze(1)
+
+
+def expected_index_bytes(
+    token_ids: torch.Tensor, positions: torch.Tensor, layer: int
+) -> torch.Tensor:
+    """Indexer K + scale bytes per token, uint8 ``[n, 132]``."""
+    base = (token_ids.to(torch.int64) * 13 + positions.to(torch.int64) * 7 + layer * 3) % 256
+    return ((base.unsqueeze(1) + torch.arange(INDEX_BYTES_PER_TOKEN)) % 256).to(torch.uint8)
+
+
+def _index_byte_offsets(
+    physical_rows: torch.Tensor, page_size: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(page, [132 byte offsets]) of each row in the paged index-K buffer."""
+    pages = physical_rows // page_size
+    offsets = physical_rows % page_size
+    k_cols = offsets.unsqueeze(1) * INDEX_HEAD_DIM + torch.arange(INDEX_HEAD_DIM)
+    scale_base = page_size * INDEX_HEAD_DIM + offsets.unsqueeze(1) * INDEX_SCALE_BYTES
+    scale_cols = scale_base + torch.arange(INDEX_SCALE_BYTES)
+    return pages, torch.cat([k_cols, scale_cols], dim=1)
+
+
+def owned_rows(stack: RankStack, logical_locs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(positions into ``logical_locs`` this rank stores, their physical rows)."""
+    locs = logical_locs.to(torch.int64)
+    positions = torch.nonzero(stack.owned_mask(locs)).squeeze(1)
+    return positions, stack.physical_rows(locs)
+
+
+def write_prefill_kv(
+    stack: RankStack, logical_locs: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """What the forward stores on this rank: its owned rows' MLA KV and indexer K/scale."""
+    owned, rows = owned_rows(stack, logical_locs)
+    if len(owned) == 0:
+        return
+    pool = stack.kv_pool
+    pages, cols = _index_byte_offsets(rows, pool.page_size)
+    dim = stack.config.kv_cache_dim
+    for layer in range(pool.layer_num):
+        tokens, at = token_ids[owned], positions[owned]
+        pool.kv_buffer[layer][rows] = expected_kv_rows(tokens, at, layer, dim)
+        pool.index_k_with_scale_buffer[layer][pages.unsqueeze(1), cols] = expected_index_bytes(tokens, at, layer)
+
+
+def poison_owned(stack: RankStack, logical_locs: torch.Tensor) -> None:
+    """Overwrite this rank's owned rows of ``logical_locs`` (KV and indexer bytes, every
+    layer), so only a real host-to-device copy restores them."""
+    owned, rows = owned_rows(stack, logical_locs)
+    if len(owned) == 0:
+        return
+    pool = stack.kv_pool
+    pages, cols = _index_byte_offsets(rows, pool.page_size)
+    for layer in range(pool.layer_num):
+        pool.kv_buffer[layer][rows] = _POISON_KV
+        pool.index_k_with_scale_buffer[layer][pages.unsqueeze(1), cols] = _POISON_INDEX_BYTE
+
+
+def verify_hit(
+    stack: RankStack, logical_locs: torch.Tensor, token_ids: torch.Tensor
+) -> Tuple[int, int]:
+    """(mismatched owned tokens, owned tokens checked) of a prefix hit at positions 0..n-1."""
+    if len(logical_locs) == 0:
+        return 0, 0
+    positions = torch.arange(len(logical_locs))
+    owned, rows = owned_rows(stack, logical_locs)
+    if len(owned) == 0:
+        return 0, 0
+    pool = stack.kv_pool
+    pages, cols = _index_byte_offsets(rows, pool.page_size)
+    dim = stack.config.kv_cache_dim
+    bad = torch.zeros(len(owned), dtype=torch.bool)
+    for layer in range(pool.layer_num):
+        tokens, at = token_ids[owned], positions[owned]
+        kv = pool.kv_buffer[layer][rows]
+        bad |= (kv != expected_kv_rows(tokens, at, layer, dim)).reshape(len(owned), -1).any(dim=1)
+        index_bytes = pool.index_k_with_scale_buffer[layer][pages.unsqueeze(1), cols]
+        bad |= (index_bytes != expected_index_bytes(tokens, at, layer)).any(dim=1)
+    return int(bad.sum()), len(owned)
+
+
+# ----------------------------------------------------------------------- the tree
+def _ints(values: Any) -> bytes:
+    if isinstance(values, torch.Tensor):
+        return values.detach().to("cpu", torch.int64).numpy().tobytes()
+    return np.asarray(values, dtype=np.int64).tobytes()
+
+
+def _walk(cache: Any):
+    """(node, depth in tokens) of every node, children in a rank-independent order."""
+    root = cache.tree_core.root_node
+    stack = [(root, 0)]
+    while stack:
+        node, depth = stack.pop()
+        yield node, depth
+        length = 0 if node.key is None else len(node.key)
+        children = sorted(node.children.items(), key=lambda item: repr(item[0]))
+        for _, child in reversed(children):
+            stack.append((child, depth + length))
+
+
+def tree_summary(cache: Any) -> TreeSummary:
+    """Digest of the logical tree (keys, ids, residency, logical locs, lock refs,
+    rotation bases), and its device and host token counts."""
+    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+
+    digest = hashlib.sha256()
+    nodes = device_tokens = host_tokens = 0
+    root = cache.tree_core.root_node
+    for node, depth in _walk(cache):
+        nodes += 1
+        full = node.component_data[ComponentType.FULL]
+        key_ids = [] if node.key is None else list(node.key.raw_token_ids())
+        has_value, has_host = full.value is not None, full.host_value is not None
+        digest.update(
+            repr(
+                (node.id, depth, len(key_ids), has_value, has_host, full.lock_ref,
+                 full.host_lock_ref, node.rotation_base)
+            ).encode()  # fmt: skip
+        )
+        digest.update(_ints(key_ids))
+        if has_value and node is not root:
+            digest.update(b"v" + _ints(full.value))
+            device_tokens += len(full.value)
+        if has_host:
+            digest.update(b"h" + _ints(full.host_value))
+            host_tokens += len(full.host_value)
+    return TreeSummary(digest.hexdigest()[:32], nodes, device_tokens, host_tokens)
+
+
+def rotation_problems(cache: Any, shard_size: int, page_size: int) -> List[str]:
+    """Sharded trees: every device node's page owners continue its chain's rotation,
+    owner(position-page P) == (rotation_base + P) % N, the contract the prefix gather and
+    the scratch translation rely on (``allocator/page_interleave.py``)."""
+    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+
+    problems: List[str] = []
+    root = cache.tree_core.root_node
+    for node, depth in _walk(cache):
+        value = node.component_data[ComponentType.FULL].value
+        if node is root or value is None or len(value) == 0:
+            continue
+        if node.rotation_base is None:
+            problems.append(f"node {node.id}: device KV without a rotation base")
+            continue
+        owners = (value[::page_size].to(torch.int64) // page_size) % shard_size
+        first = depth // page_size
+        expected = (node.rotation_base + first + torch.arange(len(owners))) % shard_size
+        if not torch.equal(owners, expected):
+            problems.append(
+                f"node {node.id}: page owners {owners.tolist()} break rotation base "
+                f"{node.rotation_base} from position-page {first}"
+            )
+    return problems

@@ -1,0 +1,549 @@
+"""Drives one rank's real SGLang 0.5.23 cache stack the way a PD-prefill scheduler does,
+one prefill batch per step.
+
+Per step (``Scheduler.get_next_batch_to_run`` -> ``_get_new_batch_prefill_raw`` ->
+``prepare_for_extend`` -> forward -> ``process_batch_result_disagg_prefill``):
+
+1. ``check_hicache_events`` (upstream's MIN all-reduce of ready acks, then the write and
+   load acks);
+2. a real ``PrefillAdder``: the chunked request's next chunk (``add_chunked_req``), then
+   the waiting queue in order, each ``Req.init_next_round_input(tree_cache)``
+   (``match_prefix``) then ``add_one_req`` (the temporary lock, the budget and sharded
+   scratch checks, ``init_load_back`` on a host hit, the request's lock), stopping at the
+   first request that does not fit, as upstream does;
+3. ``ready_to_load_host_cache`` (starts the H2D copies; this rank's owned rows of every
+   loaded page are poisoned first, so only a real copy passes the hit check);
+4. SGLang's own ``alloc_for_extend`` on a ``ScheduleBatch`` (req slots,
+   ``alloc_paged_token_slots_extend`` with its eviction and, sharded, the rotation bases,
+   the ``req_to_token`` rows);
+5. "forward": the hit's bytes checked on this rank's owned rows, the pattern KV and
+   indexer bytes of the new tokens written into them;
+6. a middle chunk: ``checkpoint_kv_cache``; the last chunk: ``checkpoint_kv_cache``, then
+   (the KV transfer done) ``release_kv_cache(checkpoint=True)`` and ``finish``; a
+   retraction: ``release_kv_cache(checkpoint=False)``, the request re-queued.
+
+Requests are real ``Req`` objects. Only cache calls are timed, with collectives counted;
+checks, KV writes and the cross-rank agreement check run outside. All ranks make identical
+calls, so the decision log (hashed per step) must agree.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from sglang_cp_hicache.sim.collectives import CollectiveCounter
+from sglang_cp_hicache.sim.config import SchedulerFeatures
+from sglang_cp_hicache.sim.engine import (
+    DecisionLog,
+    OpTimer,
+    SimulationError,
+    Violations,
+    drain_schedule,
+)
+from sglang_cp_hicache.sim.results import LaneUsage, RankCounters, RankResult, SeriesPoint
+from sglang_cp_hicache.sim.v0_5_23.checks import (
+    poison_owned,
+    rotation_problems,
+    tree_summary,
+    verify_hit,
+    write_prefill_kv,
+)
+from sglang_cp_hicache.sim.v0_5_23.faults import FaultHooks
+from sglang_cp_hicache.sim.v0_5_23.invariants import PoolLedger
+from sglang_cp_hicache.sim.v0_5_23.observed_cache import CacheObserver, DeclinedInsert
+from sglang_cp_hicache.sim.workload import Request
+from sglang_cp_hicache.testing import device_module
+from sglang_cp_hicache.testing.v0_5_23.stack import RankStack
+
+logger = logging.getLogger(__name__)
+
+#: ``--max-prefill-tokens``' default: the input tokens one prefill batch may carry.
+MAX_PREFILL_TOKENS = 16384
+_OUTPUT_TOKEN = 0  # the one token a PD prefill server generates (never cached)
+
+
+@dataclass(eq=False)
+class SimReq:
+    """One trace request and its real ``Req`` (one per attempt: a retraction re-queues a
+    fresh one), with what the driver records of its first chunk."""
+
+    request: Request
+    attempt: int = 0
+    req: Any = None  # sglang.srt.managers.schedule_batch.Req
+    started: bool = False  # its first chunk ran (counters and the hit check are done)
+    device_hit: int = 0
+    host_hit: int = 0
+
+    def __post_init__(self) -> None:
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        if self.req is None:
+            self.req = Req(
+                rid=self.rid,
+                origin_input_text="",
+                origin_input_ids=array("q", self.request.token_ids),
+                sampling_params=SamplingParams(temperature=0, max_new_tokens=1),
+            )
+
+    @property
+    def rid(self) -> str:
+        return f"{self.request.index}:{self.attempt}"
+
+    @property
+    def prompt(self) -> Sequence[int]:
+        return self.request.token_ids
+
+    @property
+    def last_chunk(self) -> bool:
+        return self.req.extend_end == len(self.prompt)
+
+
+@dataclass
+class RejectedKeys:
+    """Keys of inserts the tree declined, to price the hits they cost: the page-aligned
+    prompt prefix a later request shares with a declined key, beyond what it matched.
+    Indexed by first page (only keys with the same first page can share a prefix)."""
+
+    page_size: int
+    by_first_page: Dict[Tuple[int, ...], List[np.ndarray]] = field(default_factory=dict)
+
+    def add(self, declined: DeclinedInsert) -> None:
+        key = np.asarray(declined.token_ids, dtype=np.int64)
+        if len(key) >= self.page_size:
+            self.by_first_page.setdefault(tuple(key[: self.page_size]), []).append(key)
+
+    def potential_match(self, prompt: Sequence[int]) -> int:
+        """The longest page-aligned prefix of ``prompt[:-1]`` any declined key holds."""
+        tokens = np.asarray(prompt[: len(prompt) - 1], dtype=np.int64)
+        best = 0
+        for key in self.by_first_page.get(tuple(tokens[: self.page_size]), ()):
+            n = min(len(key), len(tokens))
+            differ = np.nonzero(key[:n] != tokens[:n])[0]
+            common = int(differ[0]) if len(differ) else n
+            best = max(best, common // self.page_size * self.page_size)
+        return best
+
+
+class RankDriver:
+    """The scheduler loop of one rank over its :class:`RankStack` (sharded or cp 1)."""
+
+    def __init__(
+        self,
+        stack: RankStack,
+        counter: CollectiveCounter,
+        agree: Callable[[int], bool],
+        hooks: FaultHooks,
+        tree_digest_every: int,
+        features: SchedulerFeatures,
+    ) -> None:
+        self.stack = stack
+        self.cache = stack.cache
+        self.allocator = stack.allocator
+        self.req_pool = stack.req_to_token_pool
+        self.rank = stack.shard_rank
+        self.page_size = stack.config.page_size
+        self.counter = counter
+        self.agree = agree
+        self.hooks = hooks
+        self.tree_digest_every = tree_digest_every
+        self.features = features
+        self.chunk_size = features.chunked_prefill_size or None  # PrefillAdder's rem_chunk_tokens
+        self._waiting: List[SimReq] = []  # deferred or re-queued, ahead of new requests
+        self._chunked: Optional[SimReq] = None  # mid-prefill: its next chunk runs next step
+        self._in_flight: List[tuple] = []  # (step, event hold) of the writes in flight
+        host_pools = stack.host_pool_group.entry_map.values()  # KV anchor + DSA indexer
+        self.bytes_per_token = sum(e.host_pool.size_per_token for e in host_pools)
+
+        self.counters = RankCounters()
+        self.timer = OpTimer(counter)
+        self._op = self.timer.op
+        self._violation = Violations(self.rank)
+        self.decisions = DecisionLog()
+        self.series: List[SeriesPoint] = []
+        self.step_index = 0
+        self.rejected = RejectedKeys(self.page_size)
+        in_flight = features.inflight_steps > 0
+        self.ledger = PoolLedger(stack, self._violation, writes_in_flight=in_flight)
+        self.host_peak_physical = 0
+        self.host_peak_logical = 0
+        self.lane_usage = LaneUsage.empty(stack.shard_size) if stack.sharded else None
+        self.observer = CacheObserver(
+            counters=self.counters,
+            timed_op=self._op,
+            allowed_collective=counter.in_writing_check_scope,
+            before_load=lambda locs: poison_owned(stack, locs),
+        )
+        self.observer.attach(stack)
+
+    # ----------------------------------------------------------------- steps
+    def run(self, steps: Sequence[Sequence[Request]], progress: Any = None) -> RankResult:
+        stopped: Optional[str] = None
+        schedule = drain_schedule(steps, self._waiting_rids, self._violation)
+        for step_index, requests in enumerate(schedule):
+            self.step_index = self._violation.step = step_index
+            try:
+                records = self._step([SimReq(r) for r in requests])
+            except SimulationError as exc:
+                # Replicated decisions: every rank stops at this same step.
+                stopped = str(exc)
+                self._violation(stopped)
+                break
+            self.decisions.fold(records)
+            if self.hooks.extra_eviction_at_step == self.step_index:
+                from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+                self.cache.evict(EvictParams(num_tokens=self.page_size))
+                self.decisions.fold([("fault_extra_eviction",)])
+            if not self.agree(self.decisions.as_int()):
+                # Stop before the next step: diverged ranks could disagree on their
+                # all-reduces and hang.
+                stopped = f"decision logs diverged across ranks at step {self.step_index}"
+                self._violation(stopped)
+                break
+            if progress is not None and self.step_index < len(steps):
+                progress.update(1)
+        self.step_index = self._violation.step = self.step_index + 1
+        self._land_writes(keep=0)  # every transfer lands before the final checks
+        return self._finish_run(stopped)
+
+    def _waiting_rids(self) -> List[str]:
+        chunked = [self._chunked] if self._chunked is not None else []
+        return [r.rid for r in self._waiting + chunked]
+
+    def _running(self) -> List[Any]:
+        """Requests that hold a row between steps (the chunked one)."""
+        return [self._chunked.req] if self._chunked is not None else []
+
+    def _land_writes(self, keep: int) -> None:
+        """Complete the write transfers submitted ``keep`` or more steps ago."""
+        while self._in_flight and self._in_flight[0][0] <= self.step_index - keep:
+            self._in_flight.pop(0)[1].release()
+
+    def _step(self, new_reqs: List[SimReq]) -> List[tuple]:
+        self._land_writes(keep=self.features.inflight_steps)
+        with self._op("check_events"):
+            self.cache.check_hicache_events()
+        self.ledger.check_idle(self._running())
+        records: List[tuple] = []
+        batch, loads = self._admit(new_reqs, records)
+        if not (batch or new_reqs or self._in_flight or self.cache.ongoing_write_through):
+            # An idle pool with requests left: every later step would be this one.
+            raise SimulationError(
+                f"requests {self._waiting_rids()} cannot be admitted on an idle pool (free "
+                f"pages per owner lane {self.ledger.device_lane_free()}, evictable "
+                f"{self.cache.evictable_size()})"
+            )
+        with self._op("load_back" if loads else None):
+            self.cache.ready_to_load_host_cache()
+        if batch:
+            records.append(self._alloc(batch))
+            hold = device_module().hold_events() if self.features.inflight_steps else None
+            try:
+                self._forward(batch)
+                records += [self._finish(sreq) for sreq in batch]
+            finally:
+                if hold is not None:
+                    hold.seal()  # this step's writes stay in flight, later events do not
+                    self._in_flight.append((self.step_index, hold))
+        self.timer.end_step()
+        self._sample()
+        records.append(self._state_record())
+        return records
+
+    # ------------------------------------------------------------- admission
+    def _admit(self, new_reqs: List[SimReq], records: List[tuple]) -> Tuple[List[SimReq], int]:
+        """``_get_new_batch_prefill_raw`` on a PD prefill worker with no decode batch."""
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
+        by_req: Dict[int, SimReq] = {}
+        with self._op(None):
+            adder = PrefillAdder(
+                self.page_size,
+                self.cache,
+                self.allocator,
+                ScheduleBatch(reqs=[], batch_is_full=False),  # no running decode batch
+                0.0,  # new_token_ratio: no decode to reserve for
+                MAX_PREFILL_TOKENS,
+                self.chunk_size,
+            )
+        if self._chunked is not None:
+            chunked, by_req[id(self._chunked.req)] = self._chunked, self._chunked
+            chunked.req.init_next_round_input()  # no tree: its prefix is its own KV
+            with self._op(None):
+                still = self._guard(lambda: adder.add_chunked_req(chunked.req))
+            self._chunked = chunked if still is not None else None
+            if not adder.can_run_list:
+                records.append(("chunk_waits", chunked.rid))
+        waiting, self._waiting = self._waiting + new_reqs, []
+        loads, stop = 0, False
+        for sreq in waiting:
+            if stop or adder.budget_state() == AddReqResult.OTHER or not self._slot_for(adder):
+                stop = True
+                self._waiting.append(sreq)
+                continue
+            self._match(sreq)
+            req = sreq.req
+            with self._op(None):
+                has_chunked = self._chunked is not None
+                result = self._guard(
+                    lambda: adder.add_one_req(req, has_chunked_req=has_chunked, truncation_align_size=None)
+                )
+            admitted = bool(adder.can_run_list) and adder.can_run_list[-1] is req
+            stop = result != AddReqResult.CONTINUE
+            if not admitted:
+                self._waiting.append(sreq)
+                records.append(("waits", sreq.rid, str(result)))
+                continue
+            by_req[id(req)] = sreq
+            loads += int(req.host_loaded_length > 0)
+            abort = self.features.draw("abort", sreq.request.index, sreq.attempt)
+            if abort < self.features.abort_prob:
+                self._abort(adder, sreq)
+                records.append(("aborted", sreq.rid))
+        if adder.new_chunked_req is not None:
+            if self._chunked is not None:
+                raise SimulationError("a second chunked request was admitted while one is running")
+            self._chunked = by_req[id(adder.new_chunked_req)]
+        return [by_req[id(req)] for req in adder.can_run_list], loads
+
+    def _guard(self, call: Callable[[], Any]) -> Any:
+        """An admission call; SGLang's refusals (e.g. a request that cannot fit the sharded
+        scratch even in an empty batch) stop the run on every rank alike."""
+        try:
+            return call()
+        except RuntimeError as exc:
+            raise SimulationError(f"admission refused: {str(exc).splitlines()[0]}") from None
+
+    def _slot_for(self, adder: Any) -> bool:
+        """Upstream's running-request limit: one more request needs a free req slot."""
+        new_rows = sum(1 for req in adder.can_run_list if not req.kv.holds_kv)
+        return new_rows < self.req_pool.available_size()
+
+    def _match(self, sreq: SimReq) -> None:
+        """``Req.init_next_round_input(tree_cache)``: refreshes the fill ids and matches
+        ``input[:-1]`` (SGLang's max prefix), recording the hit of the first chunk."""
+        with self._op("match_prefix"):
+            sreq.req.init_next_round_input(self.cache)
+        sreq.device_hit = sreq.req.prefix_len
+        sreq.host_hit = sreq.req.host_hit_length
+
+    def _abort(self, adder: Any, sreq: SimReq) -> None:
+        """Aborted after admission, before its forward: its lock released, its row never
+        allocated (its load-back, if any, still lands into the tree)."""
+        req = sreq.req
+        adder.can_run_list.remove(req)
+        if adder.new_chunked_req is req:
+            adder.new_chunked_req = None
+        with self._op(None):
+            self.cache.unlock(req.lock)
+        req.lock = None
+        self.counters.aborted_requests += 1
+
+    # ------------------------------------------------------------ allocation
+    def _alloc(self, batch: List[SimReq]) -> tuple:
+        """SGLang's ``alloc_for_extend`` on a ``ScheduleBatch`` with the fields
+        ``prepare_for_extend`` sets before it."""
+        from types import SimpleNamespace
+
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.mem_cache.allocation import alloc_for_extend
+
+        reqs = [sreq.req for sreq in batch]
+        schedule_batch = ScheduleBatch(
+            reqs=reqs,
+            req_to_token_pool=self.req_pool,
+            token_to_kv_pool_allocator=self.allocator,
+            tree_cache=self.cache,
+            model_config=SimpleNamespace(is_encoder_decoder=False),
+            device="cpu",
+        )
+        schedule_batch.prefix_lens = [req.prefix_len for req in reqs]
+        schedule_batch.extend_lens = [req.extend_len for req in reqs]
+        seq_lens = [req.extend_end for req in reqs]
+        schedule_batch.seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int64)
+        schedule_batch.seq_lens = schedule_batch.seq_lens_cpu.clone()
+        schedule_batch.extend_num_tokens = sum(schedule_batch.extend_lens)
+        available_before = self.allocator.available_size()
+        with self._op("alloc"):
+            try:
+                alloc_for_extend(schedule_batch)
+            except RuntimeError as exc:  # SGLang's "Prefill out of memory" / no req slots
+                raise SimulationError(
+                    f"prefill out of memory (prefix lens {schedule_batch.prefix_lens}, extend lens "
+                    f"{schedule_batch.extend_lens}, free pages per owner lane "
+                    f"{self.ledger.device_lane_free()}, evictable {self.cache.evictable_size()}): "
+                    f"{str(exc).splitlines()[0]}"
+                ) from None
+        return ("alloc", available_before, self.allocator.available_size())
+
+    # --------------------------------------------------------------- forward
+    def _forward(self, batch: List[SimReq]) -> None:
+        """What the model does with the batch: read the hit, write the new tokens' KV."""
+        rows = self.req_pool.req_to_token
+        for sreq in batch:
+            req = sreq.req
+            locs = rows[req.kv.req_pool_idx, : req.extend_end].to(torch.int64)
+            tokens = torch.tensor(sreq.prompt[: req.extend_end], dtype=torch.int64)
+            prefix_len = req.prefix_len
+            if not sreq.started:
+                mismatches, checked = verify_hit(self.stack, locs[:prefix_len], tokens[:prefix_len])
+                if mismatches:
+                    self._violation(
+                        f"request {sreq.request.index}: {mismatches} of {checked} owned hit "
+                        "tokens have wrong KV/indexer bytes"
+                    )
+                self._count_first_chunk(sreq, mismatches, checked)
+            positions = torch.arange(prefix_len, req.extend_end)
+            write_prefill_kv(self.stack, locs[prefix_len:], tokens[prefix_len:], positions)
+
+    def _count_first_chunk(self, sreq: SimReq, mismatches: int, checked: int) -> None:
+        sreq.started = True
+        loaded = sreq.req.host_loaded_length
+        c = self.counters
+        c.kv_mismatches += mismatches
+        c.kv_checked_tokens += checked
+        c.requests += 1
+        c.prompt_tokens += len(sreq.prompt)
+        c.device_hit_tokens += sreq.device_hit
+        c.host_matched_tokens += sreq.host_hit
+        c.host_hit_tokens += loaded
+        c.load_backs += int(loaded > 0)
+        c.load_back_failures += int(sreq.host_hit > 0 and loaded == 0)
+        offered = sreq.device_hit + sreq.host_hit
+        c.rejected_insert_hit_tokens += max(0, self.rejected.potential_match(sreq.prompt) - offered)
+
+    def _finish(self, sreq: SimReq) -> tuple:
+        """After the forward: a retraction, a middle chunk's checkpoint, or the last
+        chunk's checkpoint then (KV sent) ``release_kv_cache`` and ``finish``."""
+        from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
+        from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+
+        req = sreq.req
+        draw = self.features.draw(f"retract@{req.extend_end}", sreq.request.index, sreq.attempt)
+        retract = draw < self.features.retract_prob
+        last = sreq.last_chunk
+        with self._op("insert"):
+            if retract:
+                release_kv_cache(req, self.cache, checkpoint=False)
+            elif not last:
+                checkpoint_kv_cache(req, self.cache)
+            else:
+                req.output_ids.append(_OUTPUT_TOKEN)
+                checkpoint_kv_cache(req, self.cache)
+                req.finished_reason = FINISH_LENGTH(length=0)
+                release_kv_cache(req, self.cache, checkpoint=True)
+                self.cache.finish(req.cache_request_handle, CacheRequestOutcome.SUCCESS)
+        rejected = self._take_rejected()
+        if retract:
+            self.counters.retracted_requests += 1
+            if self._chunked is sreq:
+                self._chunked = None
+            self._waiting.append(SimReq(sreq.request, attempt=sreq.attempt + 1))
+        elif not last:
+            self.counters.prefill_chunks += 1
+        return (
+            sreq.rid, req.extend_end, sreq.device_hit, sreq.host_hit, req.host_loaded_length,
+            req.kv.cache_protected_len, retract, rejected,
+        )  # fmt: skip
+
+    def _take_rejected(self) -> int:
+        """The request's declined inserts (its checkpoints insert the same key again):
+        counted once, at the largest, and remembered to price later misses."""
+        declined = self.observer.take_declined()
+        if not declined:
+            return 0
+        worst = max(declined, key=lambda d: d.rejected_tokens)
+        self.rejected.add(worst)
+        self.counters.rejected_inserts += 1
+        self.counters.rejected_insert_tokens += worst.rejected_tokens
+        return worst.rejected_tokens
+
+    # -------------------------------------------------------- invariants / log
+    def _state_record(self) -> tuple:
+        """Replicated state after a step; a full tree digest every few steps."""
+        record = (
+            "state",
+            tuple(self.ledger.device_lane_free()),
+            tuple(self.ledger.host_lane_free()),
+            self.cache.evictable_size(),
+            self.cache.protected_size(),
+            len(self.cache.ongoing_write_through),
+            len(self.cache.ongoing_load_back),
+            self.counters.device_evicted_tokens,
+            self.counters.host_evicted_tokens,
+        )
+        if self.step_index % self.tree_digest_every == 0:
+            summary = self._check_tree()
+            record += (summary.digest,)
+        return record
+
+    def _check_tree(self):
+        summary = tree_summary(self.cache)
+        if not self._writes_in_flight():
+            self.ledger.check_tree(summary)
+        if self.stack.sharded:
+            for problem in rotation_problems(self.cache, self.stack.shard_size, self.page_size):
+                self._violation(problem)
+        return summary
+
+    def _writes_in_flight(self) -> bool:
+        """Backups submitted but not acked hold host slots the tree does not show yet."""
+        return bool(self.cache.ongoing_write_through)
+
+    def _sample(self) -> None:
+        physical = self.ledger.host_used_physical_tokens() * self.bytes_per_token
+        logical = self.ledger.host_used_logical_tokens() * self.bytes_per_token
+        self.host_peak_physical = max(self.host_peak_physical, physical)
+        self.host_peak_logical = max(self.host_peak_logical, logical)
+        c = self.counters
+        hits = c.device_hit_tokens + c.host_hit_tokens
+        self.series.append(SeriesPoint(c.requests, c.prompt_tokens, hits, physical, logical))
+        if self.lane_usage is not None:
+            self.lane_usage.sample(self.ledger.device_lane_used(), self.ledger.host_lane_used())
+
+    def _finish_run(self, stopped: Optional[str]) -> RankResult:
+        leaked_device = leaked_host = leaked_req = 0
+        if stopped is None:
+            with self._op(None):
+                self.cache.check_hicache_events()
+            self.ledger.check_idle()
+            summary = self._check_tree()
+            leaked_device, leaked_host, leaked_req = self.ledger.flush(lambda: self._op(None))
+        else:
+            # No flush: locks of the interrupted batch are held, and diverged ranks could
+            # disagree on whether they all-reduce (a hang).
+            summary = tree_summary(self.cache)
+        return RankResult(
+            rank=self.rank,
+            shared_kv=self.stack.sharded,
+            counters=self.counters,
+            op_samples_us=self.timer.samples,
+            op_wall_samples_us=self.timer.wall_samples,
+            decision_hash=self.decisions.hex(),
+            tree_digest=summary.digest,
+            tree_nodes=summary.nodes,
+            violations=self._violation.messages,
+            hot_path_collectives=dict(self.counter.hot_path),
+            allowed_collectives=self.counter.allowed,
+            bytes_per_token=self.bytes_per_token,
+            d2h_bytes=self.observer.d2h_tokens * self.bytes_per_token,
+            h2d_bytes=self.observer.h2d_tokens * self.bytes_per_token,
+            host_peak_physical_bytes=self.host_peak_physical,
+            host_peak_logical_bytes=self.host_peak_logical,
+            leaked_device_slots=leaked_device,
+            leaked_host_slots=leaked_host,
+            leaked_req_slots=leaked_req,
+            steps_run=self.step_index,
+            series=self.series,
+            lane_usage=self.lane_usage,
+            stopped_early=stopped,
+        )

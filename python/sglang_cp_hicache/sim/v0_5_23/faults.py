@@ -1,0 +1,89 @@
+"""Planted bugs (``SimConfig.fault``) on the 0.5.23 line: each one must make a checker fail.
+
+They patch this rank's process and stack only (each rank is its own process), and only on
+the sharded columns. :data:`SUPPORTED` lists the faults this line plants; the others
+(``shift_mirror``, ``drop_last_rank_draft_loads``) are 0.5.12.post1 seams and refused here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from sglang_cp_hicache.testing.v0_5_23.stack import RankStack
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED = frozenset(
+    ("roll_load_owners", "drop_last_rank_loads", "hot_path_barrier", "diverge_last_rank", "leak_tail")
+)
+
+
+@dataclass
+class FaultHooks:
+    """Points inside the driver where a fault acts (off by default)."""
+
+    extra_eviction_at_step: Optional[int] = None
+
+
+def apply_fault(name: Optional[str], stack: RankStack, cp_group: Any, num_steps: int) -> FaultHooks:
+    hooks = FaultHooks()
+    if name is None:
+        return hooks
+    if name not in SUPPORTED:  # LINE.check refuses it before any rank starts
+        raise ValueError(f"fault {name!r} is not planted on the 0.5.23 line")
+    logger.warning("rank %d: planted fault %r is active", stack.shard_rank, name)
+    last_rank = stack.shard_rank == stack.shard_size - 1
+    if name == "roll_load_owners":
+        _roll_load_owners(stack)
+    elif name == "drop_last_rank_loads" and last_rank:
+        # The copies vanish but the load still acks: the device rows keep their poison.
+        for entry in stack.host_pool_group.entry_map.values():
+            entry.host_pool.load_to_device_per_layer_physical = lambda *a, **k: None
+    elif name == "hot_path_barrier":
+        match_prefix = stack.cache.match_prefix
+
+        def match_prefix_with_barrier(params):
+            dist.barrier(group=cp_group)
+            return match_prefix(params)
+
+        stack.cache.match_prefix = match_prefix_with_barrier
+    elif name == "diverge_last_rank" and last_rank:
+        hooks.extra_eviction_at_step = num_steps // 2
+    elif name == "leak_tail":
+        _drop_partial_page_frees(stack)
+    return hooks
+
+
+def _roll_load_owners(stack: RankStack) -> None:
+    """Load-backs allocate their device pages one owner class late.
+
+    The controller keeps a loaded page's owner by starting the device chain at the host
+    copy's class (``hybrid_cache_controller.py:1035-1040``); rolling it pairs each host page
+    with a device page of the next rank, so every rank copies its host rows into rows it
+    does not own, and the owners' rows keep their poison.
+    """
+    allocator = stack.allocator
+    alloc_cyclic = allocator.alloc_cyclic
+
+    def rolled(start_class: int, need_size: int):
+        return alloc_cyclic(start_class=start_class + 1, need_size=need_size)
+
+    allocator.alloc_cyclic = rolled
+
+
+def _drop_partial_page_frees(stack: RankStack) -> None:
+    """Frees shorter than a page (the unaligned tail ``release_kv_cache`` gives back after
+    the page-aligned insert) are lost; whole-page frees pass."""
+    allocator = stack.allocator
+    free = allocator.free
+
+    def free_whole_pages_only(indices):
+        if 0 < len(indices) < allocator.page_size:
+            return None
+        return free(indices)
+
+    allocator.free = free_whole_pages_only

@@ -1,0 +1,147 @@
+"""The simulator's view into one 0.5.23 rank's real cache stack: wrappers that observe,
+never decide.
+
+``testing.v0_5_23.stack`` builds ``UnifiedRadixCache`` itself (no cache class to pass), so
+the observation points are instance wrappers of the stack's own seams; each calls the
+wrapped method unchanged, before or after counting:
+
+* ``evict`` / ``evict_for_alloc`` / ``evict_host``: timed as the scheduler op ``evict``
+  wherever the scheduler path calls them; ``init_load_back`` timed as ``load_back``;
+* ``_sync_hicache_ready_counts`` / ``writing_check`` / ``loading_check``: upstream's own MIN
+  all-reduces of ready acks, the only collectives allowed on the scheduler path;
+* ``insert``: inserts the tree declines (``rotation_tail_declined``: the key would join two
+  rotation runs, ``unified_tree_core.py:1158-1229``);
+* the tree core's KV-event recorder (``record_remove``, called on every device and host
+  eviction whether or not events are published): evicted nodes and tokens;
+* the controller's ``start_writing`` / ``start_loading``: logical tokens of every D2H and
+  H2D operation, and (loads) the owned rows poisoned before the copy runs;
+* the L2 engine's ``submit_device_to_host`` / ``submit_host_to_device``: this rank's
+  physical rows of the KV anchor pool, i.e. what it really moves.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, List, Tuple
+
+import torch
+
+from sglang_cp_hicache.sim.results import RankCounters
+
+
+@dataclass(frozen=True)
+class DeclinedInsert:
+    """One insert the tree refused: its key's tokens and the prefix it matched."""
+
+    token_ids: Tuple[int, ...]
+    matched_len: int
+
+    @property
+    def rejected_tokens(self) -> int:
+        return len(self.token_ids) - self.matched_len
+
+
+@dataclass
+class CacheObserver:
+    """Where one rank's observations go. ``attach`` installs the wrappers on ``stack``."""
+
+    counters: RankCounters
+    timed_op: Callable[[str], ContextManager]  # the driver's timer of scheduler ops
+    allowed_collective: Callable[[], ContextManager]  # marks upstream's MIN all-reduces
+    before_load: Callable[[torch.Tensor], None]  # logical device locs about to be loaded
+    d2h_tokens: int = 0  # physical rows this rank backed up (KV anchor pool)
+    h2d_tokens: int = 0
+    declined: List[DeclinedInsert] = field(default_factory=list)
+
+    def attach(self, stack: Any) -> None:
+        cache, controller = stack.cache, stack.controller
+        for name in ("evict", "evict_for_alloc", "evict_host"):
+            _wrap(cache, name, self._timed("evict"))
+        _wrap(cache, "init_load_back", self._timed("load_back"))
+        for name in ("_sync_hicache_ready_counts", "writing_check", "loading_check"):
+            _wrap(cache, name, self._allowed)
+        _wrap(cache, "insert", self._insert)
+        _wrap(cache.tree_core.kv_events, "record_remove", self._record_remove)
+        _wrap(controller, "start_writing", self._start_writing)
+        _wrap(controller, "start_loading", self._start_loading)
+        anchor = stack.host_pool_group.anchor_entry.host_pool
+        engine = controller.l2_transfer_engine
+        _wrap(engine, "submit_device_to_host", self._physical("d2h_tokens", anchor))
+        _wrap(engine, "submit_host_to_device", self._physical("h2d_tokens", anchor))
+
+    def take_declined(self) -> List[DeclinedInsert]:
+        taken, self.declined = self.declined, []
+        return taken
+
+    # ------------------------------------------------------------------ wrappers
+    def _timed(self, op: str) -> Callable:
+        def around(original: Callable, *args, **kwargs):
+            with self.timed_op(op):
+                return original(*args, **kwargs)
+
+        return around
+
+    def _allowed(self, original: Callable, *args, **kwargs):
+        with self.allowed_collective():
+            return original(*args, **kwargs)
+
+    def _insert(self, original: Callable, params, *args, **kwargs):
+        result = original(params, *args, **kwargs)
+        if getattr(result, "rotation_tail_declined", False):
+            tokens = tuple(int(t) for t in params.key.raw_token_ids())
+            self.declined.append(DeclinedInsert(tokens, int(result.prefix_len)))
+        return result
+
+    def _record_remove(self, original: Callable, node, medium=None):
+        from sglang.srt.disaggregation.kv_events import StorageMedium
+        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+
+        counters = self.counters
+        full = node.component_data[ComponentType.FULL]
+        tokens = len(node.key)
+        if medium == StorageMedium.CPU:
+            counters.host_evicted_nodes += 1
+            counters.host_evicted_tokens += tokens
+        else:  # demoted to host-only, or dropped (never backed up)
+            counters.device_evicted_nodes += 1
+            counters.device_evicted_tokens += tokens
+            if full.host_value is None:
+                counters.device_dropped_tokens += tokens
+        return original(node, medium=medium)
+
+    def _start_writing(self, original: Callable, *args, **kwargs):
+        controller = original.__self__
+        queued = sum(len(op.device_indices) for op in controller.write_queue)
+        self.counters.logical_written_tokens += queued
+        return original(*args, **kwargs)
+
+    def _start_loading(self, original: Callable, *args, **kwargs):
+        controller = original.__self__
+        for op in controller.load_queue:
+            self.counters.logical_loaded_tokens += len(op.device_indices)
+            self.before_load(op.device_indices)
+        return original(*args, **kwargs)
+
+    def _physical(self, attr: str, anchor: Any) -> Callable:
+        def around(original: Callable, transfers, *args, **kwargs):
+            ours = (t for t in transfers if t.host_pool is anchor and not t.is_draft)
+            rows = sum(len(t.host_indices) for t in ours)
+            setattr(self, attr, getattr(self, attr) + rows)
+            return original(transfers, *args, **kwargs)
+
+        return around
+
+
+def _wrap(owner: Any, name: str, around: Callable) -> None:
+    """Replace ``owner.name`` on the instance by ``around(original, *args, **kwargs)``."""
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def wrapped(*args, **kwargs):
+        return around(original, *args, **kwargs)
+
+    setattr(owner, name, wrapped)
+
+
+__all__ = ["CacheObserver", "DeclinedInsert"]

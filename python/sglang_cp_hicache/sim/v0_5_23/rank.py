@@ -1,0 +1,176 @@
+"""The 0.5.23 line's rank entry points (run in each simulated scheduler process via
+``testing.dist.run_ranks``) and its :class:`~sglang_cp_hicache.sim.lines.LineSim`.
+
+Columns on this line, all on the real 0.5.23 cache stack (``testing.v0_5_23.stack``):
+
+* ``native``: upstream's KV sharding alone (``--enable-kv-cache-sharding``:
+  ``PageInterleaveDSATokenToKVPool``, ``PageInterleavePoolAllocator``, ``UnifiedRadixCache``
+  with ``PageInterleaveHostPool``), no plugin hooks;
+* ``plugin``: the same stack in a process where the plugin's 0.5.23 hooks are applied the
+  way ``load_plugins`` applies them (refused if one is missing). The line's hooks today are
+  the flag and its validation only, none on the scheduler path, so this column equals
+  ``native`` by construction until the plugin's deltas (lane-aware eviction, per-layer
+  backup) land. The flag itself is not set on the stack's server args: it must be set
+  before the record is resolved (``v0_5_23.server_args.set_cp_shared_kv_enabled``), and
+  ``testing.v0_5_23.stack`` builds and resolves its record itself;
+* ``upstream``: the unsharded stack on one rank with the same per-rank memory.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+from sglang_cp_hicache.sim.collectives import CollectiveCounter, all_ranks_equal
+from sglang_cp_hicache.sim.config import SimConfig
+from sglang_cp_hicache.sim.engine import max_context_len, run_with_progress, setup_rank_process
+from sglang_cp_hicache.sim.lines import LineSim
+from sglang_cp_hicache.sim.results import RankResult
+from sglang_cp_hicache.sim.v0_5_23.faults import SUPPORTED as SUPPORTED_FAULTS
+from sglang_cp_hicache.sim.workload import Request
+from sglang_cp_hicache.testing.dist import RankContext
+
+RELEASE = "0.5.23"
+# Upstream's sharded DSA HiCache needs kernel I/O with layer_first or page_first
+# (arg_groups/kv_shard_hook.py:185-193); the DSA indexer needs 64-token pages.
+IO_BACKEND = "kernel"
+MEM_LAYOUTS = ("layer_first", "page_first")
+PAGE_SIZE = 64
+
+
+def _apply_plugin_hooks() -> None:
+    """Patch SGLang in this rank as ``load_plugins`` patches a scheduler process (the
+    plugin's ``register()`` then ``HookRegistry.apply_hooks()``); refuse to run with any
+    hook or resolution step missing."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_cp_hicache.plugin import register
+    from sglang_cp_hicache.v0_5_23.hooks import missing_hooks
+
+    register()
+    HookRegistry.apply_hooks()
+    missing = missing_hooks()
+    if missing:
+        raise RuntimeError(f"plugin hooks not installed in the simulated rank: {missing}")
+
+
+def stack_config(cfg: SimConfig, steps: List[List[Request]]):
+    """One rank's ``testing.v0_5_23.stack.StackConfig``: the same per-rank device pool and
+    host ratio for every column. The sharded scratch's chunk region is the scheduler's
+    chunk budget (``--chunked-prefill-size``) or, without chunking, a full batch."""
+    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig
+
+    context_len = max_context_len(steps, cfg.page_size)
+    chunk = cfg.chunked_prefill_size or cfg.batch_size * context_len
+    return StackConfig(
+        page_size=cfg.page_size,
+        layer_num=cfg.layer_num,
+        device_pages_per_rank=cfg.physical_tokens // cfg.page_size,
+        host_to_device_ratio=cfg.hicache_ratio,
+        io_backend=cfg.io_backend or IO_BACKEND,
+        mem_layout=cfg.mem_layout,
+        context_len=context_len,
+        chunk_tokens=-(-chunk // cfg.page_size) * cfg.page_size,
+        max_num_reqs=max(8, 2 * cfg.batch_size),
+    )
+
+
+def _agrees_alone(decision_hash: int) -> bool:
+    """The cp-1 replay's agreement check: one rank agrees with itself."""
+    return True
+
+
+def _drive(
+    stack, cfg: SimConfig, steps, counter, agree, hooks, show: bool, desc: str
+) -> RankResult:
+    from sglang_cp_hicache.sim.v0_5_23.driver import RankDriver
+
+    driver = RankDriver(
+        stack,
+        counter=counter,
+        agree=agree,
+        hooks=hooks,
+        tree_digest_every=cfg.tree_digest_every,
+        features=cfg.scheduler_features(LINE.resolved_per_layer_backup(cfg)),
+    )
+    return run_with_progress(lambda bar: driver.run(steps, bar), show, len(steps), desc)
+
+
+def sharded_rank_main(
+    ctx: RankContext, cfg: SimConfig, steps: List[List[Request]], shard_impl: str
+) -> RankResult:
+    """One shard rank (the CP group is the shard group): upstream's sharded stack, with
+    (``plugin``) or without (``native``) the plugin's hooks."""
+    from sglang_cp_hicache.sim.v0_5_23.faults import apply_fault
+    from sglang_cp_hicache.testing.v0_5_23.stack import build_sharded_stack
+
+    setup_rank_process(cfg, f"{shard_impl} rank {ctx.rank}")
+    if shard_impl == "plugin":
+        _apply_plugin_hooks()
+    stack = build_sharded_stack(ctx, stack_config(cfg, steps))
+    try:
+        hooks = apply_fault(cfg.fault, stack, ctx.cp_group, len(steps))
+        counter = CollectiveCounter()
+        counter.install()
+        try:
+            show = cfg.progress and ctx.rank == 0
+            return _drive(
+                stack, cfg, steps, counter, lambda value: all_ranks_equal(value, ctx.cp_group),
+                hooks, show, f"cp={cfg.cp_size} {shard_impl}",
+            )  # fmt: skip
+        finally:
+            counter.uninstall()
+    finally:
+        stack.close()
+
+
+def upstream_rank_main(ctx: RankContext, cfg: SimConfig, steps: List[List[Request]]) -> RankResult:
+    """Upstream's unsharded cache (cp 1) with the same per-rank pools. No plugin hooks:
+    SGLang as shipped."""
+    from sglang_cp_hicache.sim.v0_5_23.faults import FaultHooks
+    from sglang_cp_hicache.testing.v0_5_23.stack import build_unsharded_stack
+
+    setup_rank_process(cfg, "upstream")
+    stack = build_unsharded_stack(ctx.attn_tp_group, stack_config(cfg, steps))
+    try:
+        counter = CollectiveCounter()
+        counter.install()
+        try:
+            return _drive(
+                stack, cfg, steps, counter, _agrees_alone, FaultHooks(), cfg.progress, "upstream cp=1"
+            )
+        finally:
+            counter.uninstall()
+    finally:
+        stack.close()
+
+
+class _Line023(LineSim):
+    """0.5.23's limits on top of :class:`LineSim`'s: what this line's stack cannot run."""
+
+    def check(self, cfg: SimConfig) -> None:
+        super().check(cfg)
+        problems = []
+        if cfg.cp_size < 2:
+            problems.append("cp_size must be >= 2 (upstream's sharding needs a shard group)")
+        if cfg.page_size != PAGE_SIZE:
+            problems.append(f"page_size must be {PAGE_SIZE} (the DSA indexer's page)")
+        if cfg.io_backend not in (None, IO_BACKEND):
+            problems.append(f"io_backend must be {IO_BACKEND!r} (kv_shard_hook.py:185-193)")
+        if cfg.mem_layout not in MEM_LAYOUTS:
+            layouts = list(MEM_LAYOUTS)
+            problems.append(f"mem_layout must be one of {layouts} (kv_shard_hook.py:185-193)")
+        if cfg.draft:
+            problems.append("draft=True: the MTP draft column is on the 0.5.12.post1 line only")
+        if cfg.fault is not None and cfg.fault not in SUPPORTED_FAULTS:
+            problems.append(f"fault {cfg.fault!r} is planted on the 0.5.12.post1 line only")
+        if problems:
+            raise ValueError(f"SGLang {RELEASE} line: " + "; ".join(problems))
+
+
+LINE = _Line023(
+    release=RELEASE,
+    native_sharding=True,
+    per_layer_backup=None,  # upstream backs up all layers at once (l2_transfer.py:132-143)
+    sharded_main=sharded_rank_main,
+    upstream_main=upstream_rank_main,
+)
