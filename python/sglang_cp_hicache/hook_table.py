@@ -22,6 +22,7 @@ our hook for every spec and names each one that does not.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import logging
 import pkgutil
@@ -219,3 +220,36 @@ def missing_hooks(specs: Iterable[HookSpec], *, import_targets: bool = True) -> 
         if why is not None:
             missing.append(f"{spec.dotted_target} ({why})")
     return missing
+
+
+def raise_if_missing(missing: List[str], release: str) -> None:
+    """Raise :class:`PluginNotInstalledError` naming every entry of ``missing`` (a line's
+    ``missing_hooks()``); ``release`` is the SGLang release that line targets."""
+    if missing:
+        raise PluginNotInstalledError(
+            "--enable-nsa-prefill-cp-shared-kv: the sglang-cp-hicache plugin is not fully "
+            "installed in this process; these hooks are missing: "
+            + ", ".join(missing)
+            + f". Check that the package is pip-installed next to sglang=={release}, that "
+            "SGLANG_PLUGINS (if set) includes 'cp_hicache', and the log lines "
+            "'Failed to apply hooks to ...' above."
+        )
+
+
+def verified_flag_action(verify: Callable[..., None]) -> type:
+    """An argparse ``store_true`` action that first runs ``verify(import_targets=False)``.
+
+    Parsing the plugin's flag thereby proves every hook whose target is already imported is
+    in place, importing nothing: hooks on modules not imported yet must be waiting for them
+    (the full check runs where the line's pools are built).
+    """
+
+    class VerifiedFlagAction(argparse.Action):
+        def __init__(self, option_strings, dest, **kwargs):
+            super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
+
+        def __call__(self, parser, namespace, values, option_string=None):
+            verify(import_targets=False)
+            setattr(namespace, self.dest, True)
+
+    return VerifiedFlagAction

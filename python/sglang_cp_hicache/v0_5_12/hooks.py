@@ -165,16 +165,7 @@ def missing_hooks(
 
 def verify_hooks_installed(*, import_targets: bool = True) -> None:
     """Raise :class:`PluginNotInstalledError` naming every hook not in place."""
-    missing = missing_hooks(import_targets=import_targets)
-    if missing:
-        raise PluginNotInstalledError(
-            "--enable-nsa-prefill-cp-shared-kv: the sglang-cp-hicache plugin is not fully "
-            "installed in this process; these hooks are missing: "
-            + ", ".join(missing)
-            + f". Check that the package is pip-installed next to sglang=={RELEASE}, that "
-            "SGLANG_PLUGINS (if set) includes 'cp_hicache', and the log lines "
-            "'Failed to apply hooks to ...' above."
-        )
+    hook_table.raise_if_missing(missing_hooks(import_targets=import_targets), RELEASE)
 
 
 __all__ = [

@@ -21,6 +21,7 @@ import contextvars
 import os
 from typing import Any, Callable, List
 
+from sglang_cp_hicache import hook_table
 from sglang_cp_hicache.v0_5_12.hooks import verify_hooks_installed
 from sglang_cp_hicache.v0_5_12.mem_cache.cp_layer_backup import per_layer_backup_problem
 
@@ -48,19 +49,7 @@ def is_cp_shared_kv_enabled(server_args: Any) -> bool:
     return getattr(server_args, FLAG, False) is True
 
 
-class _EnableAction(argparse.Action):
-    """``store_true`` that first proves every hook whose target is imported is in place.
-
-    Imports nothing heavy: hooks on modules not imported yet (cache, model, attention) are
-    checked to be waiting for that import; the full check runs at pool initialisation.
-    """
-
-    def __init__(self, option_strings, dest, **kwargs):
-        super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        verify_hooks_installed(import_targets=False)
-        setattr(namespace, self.dest, True)
+_EnableAction = hook_table.verified_flag_action(verify_hooks_installed)
 
 
 def add_cli_args_after(result: Any, parser: argparse.ArgumentParser) -> None:

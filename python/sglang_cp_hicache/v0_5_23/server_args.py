@@ -60,6 +60,7 @@ import argparse
 import logging
 from typing import Any, Callable, List, MutableMapping, Set
 
+from sglang_cp_hicache import hook_table
 from sglang_cp_hicache.v0_5_23.hooks import PluginNotInstalledError, verify_hooks_installed
 
 logger = logging.getLogger(__name__)
@@ -113,16 +114,7 @@ def set_cp_shared_kv_enabled(server_args: Any, enabled: bool) -> None:
 
 
 # ------------------------------------------------------------------------ the CLI
-class _EnableAction(argparse.Action):
-    """``store_true`` that first proves every hook whose target is imported is in place
-    (imports nothing: hooks on modules not imported yet must be waiting for them)."""
-
-    def __init__(self, option_strings, dest, **kwargs):
-        super().__init__(option_strings, dest, nargs=0, default=False, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        verify_hooks_installed(import_targets=False)
-        setattr(namespace, self.dest, True)
+_EnableAction = hook_table.verified_flag_action(verify_hooks_installed)
 
 
 def add_cli_args_after(result: Any, parser: argparse.ArgumentParser) -> None:
