@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from sglang_cp_hicache.sim.config import SimConfig
-from sglang_cp_hicache.sim.results import OPS
+from sglang_cp_hicache.sim.results import OPS, RankResult, SeriesPoint
 from sglang_cp_hicache.sim.workload import Request
 
 if TYPE_CHECKING:  # torch loads only in the rank processes
@@ -165,3 +165,130 @@ def run_with_progress(run: Callable[[Any], Any], enabled: bool, total: int, desc
         return run(bar)
     finally:
         bar.close()
+
+
+@dataclass
+class FaultHooks:
+    """Points inside the driver where a planted fault acts (off by default)."""
+
+    extra_eviction_at_step: Optional[int] = None
+
+
+def plant_match_prefix_barrier(cache: Any, cp_group: Any) -> None:
+    """The ``hot_path_barrier`` fault: a CP barrier before every ``match_prefix``."""
+    import torch.distributed as dist
+
+    match_prefix = cache.match_prefix
+
+    def match_prefix_with_barrier(params):
+        dist.barrier(group=cp_group)
+        return match_prefix(params)
+
+    cache.match_prefix = match_prefix_with_barrier
+
+
+class StepLoop:
+    """The replay loop and bookkeeping both lines' ``RankDriver`` share.
+
+    The driver sets ``step_index``, ``_violation`` (:class:`Violations`), ``decisions``
+    (:class:`DecisionLog`), ``agree``, ``hooks`` (:class:`FaultHooks`), ``timer``, ``_op``,
+    ``counter``, ``counters``, ``series``, ``ledger``, ``lane_usage``, ``observer``,
+    ``bytes_per_token``, ``host_peak_physical``/``host_peak_logical`` and ``_in_flight``
+    (``(step, event hold)`` of the writes in flight), and defines the line's calls:
+    ``_step(requests)``, ``_waiting_rids()``, ``_extra_eviction()``, ``_tree_summary()``,
+    ``_check_tree()`` (a summary, checked) and ``_finish_run(stopped)``.
+    """
+
+    def _replay(
+        self, steps: Sequence[Sequence[Request]], progress: Any, new_req: Callable[[Request], Any]
+    ) -> Any:
+        """Every step of the trace and the drain, then the final checks (``_finish_run``)."""
+        stopped: Optional[str] = None
+        schedule = drain_schedule(steps, self._waiting_rids, self._violation)
+        for step_index, requests in enumerate(schedule):
+            self.step_index = self._violation.step = step_index
+            try:
+                records = self._step([new_req(r) for r in requests])
+            except SimulationError as exc:
+                # Replicated decisions: every rank stops at this same step.
+                stopped = str(exc)
+                self._violation(stopped)
+                break
+            self.decisions.fold(records)
+            if self.hooks.extra_eviction_at_step == self.step_index:
+                self._extra_eviction()
+                self.decisions.fold([("fault_extra_eviction",)])
+            if not self.agree(self.decisions.as_int()):
+                # Stop before the next step: diverged ranks could disagree on their
+                # all-reduces (writing_check's, the ready acks') and hang.
+                stopped = f"decision logs diverged across ranks at step {self.step_index}"
+                self._violation(stopped)
+                break
+            if progress is not None and self.step_index < len(steps):
+                progress.update(1)
+        self.step_index = self._violation.step = self.step_index + 1
+        self._land_writes(keep=0)  # every transfer lands before the final checks
+        return self._finish_run(stopped)
+
+    def _land_writes(self, keep: int) -> None:
+        """Complete the write transfers submitted ``keep`` or more steps ago."""
+        while self._in_flight and self._in_flight[0][0] <= self.step_index - keep:
+            self._in_flight.pop(0)[1].release()
+
+    def _sample_host_usage(self) -> None:
+        """One series point and the host peaks (bytes) after a step; per-lane usage when
+        sharded."""
+        physical = self.ledger.host_used_physical_tokens() * self.bytes_per_token
+        logical = self.ledger.host_used_logical_tokens() * self.bytes_per_token
+        self.host_peak_physical = max(self.host_peak_physical, physical)
+        self.host_peak_logical = max(self.host_peak_logical, logical)
+        c = self.counters
+        hits = c.device_hit_tokens + c.host_hit_tokens
+        self.series.append(SeriesPoint(c.requests, c.prompt_tokens, hits, physical, logical))
+        if self.lane_usage is not None:
+            self.lane_usage.sample(self.ledger.device_lane_used(), self.ledger.host_lane_used())
+
+    def _final_checks(self, stopped: Optional[str]) -> tuple:
+        """The last events, idle and tree checks and the flush: ``(summary, (leaked device,
+        host, req slots))``. After an early stop only the summary (no flush: locks of the
+        interrupted batch are held, and diverged ranks could disagree on whether they
+        all-reduce, a hang)."""
+        if stopped is not None:
+            return self._tree_summary(), (0, 0, 0)
+        with self._op(None):
+            self.cache.check_hicache_events()
+        self.ledger.check_idle()
+        summary = self._check_tree()
+        return summary, self.ledger.flush(lambda: self._op(None))
+
+    def _rank_result(
+        self, stopped: Optional[str], summary: TreeSummary, leaks: tuple, shared_kv: bool, **extra: Any
+    ) -> RankResult:
+        """The rank's :class:`RankResult` (``extra``: the line's own fields)."""
+        leaked_device, leaked_host, leaked_req = leaks
+        return RankResult(
+            rank=self.rank,
+            shared_kv=shared_kv,
+            counters=self.counters,
+            op_samples_us=self.timer.samples,
+            op_wall_samples_us=self.timer.wall_samples,
+            decision_hash=self.decisions.hex(),
+            tree_digest=summary.digest,
+            tree_nodes=summary.nodes,
+            violations=self._violation.messages,
+            hot_path_collectives=dict(self.counter.hot_path),
+            allowed_collectives=self.counter.allowed,
+            bytes_per_token=self.bytes_per_token,
+            d2h_bytes=self.observer.d2h_tokens * self.bytes_per_token,
+            h2d_bytes=self.observer.h2d_tokens * self.bytes_per_token,
+            host_peak_physical_bytes=self.host_peak_physical,
+            host_peak_logical_bytes=self.host_peak_logical,
+            leaked_device_slots=leaked_device,
+            leaked_host_slots=leaked_host,
+            leaked_req_slots=leaked_req,
+            steps_run=self.step_index,
+            series=self.series,
+            lane_usage=self.lane_usage,
+            stopped_early=stopped,
+            **extra,
+        )

@@ -40,14 +40,15 @@ from sglang_cp_hicache.sim.collectives import CollectiveCounter
 from sglang_cp_hicache.sim.config import SchedulerFeatures
 from sglang_cp_hicache.sim.engine import (
     DecisionLog,
+    FaultHooks,
     OpTimer,
     SimulationError,
+    StepLoop,
+    TreeSummary,
     Violations,
-    drain_schedule,
 )
 from sglang_cp_hicache.sim.results import LaneUsage, RankCounters, RankResult, SeriesPoint
 from sglang_cp_hicache.sim.v0_5_12.checks import poison_owned, tree_summary, verify_hit
-from sglang_cp_hicache.sim.v0_5_12.faults import FaultHooks
 from sglang_cp_hicache.sim.v0_5_12.invariants import PoolLedger
 from sglang_cp_hicache.sim.v0_5_12.observed_cache import CacheObserver
 from sglang_cp_hicache.sim.workload import Request
@@ -123,7 +124,7 @@ class SimReq:
         return self.kv_committed_len
 
 
-class RankDriver:
+class RankDriver(StepLoop):
     def __init__(
         self,
         stack: RankStack,
@@ -196,41 +197,15 @@ class RankDriver:
             return self._run(steps, progress)
 
     def _run(self, steps: Sequence[Sequence[Request]], progress: Any) -> RankResult:
-        stopped: Optional[str] = None
-        schedule = drain_schedule(steps, self._waiting_rids, self._violation)
-        for step_index, requests in enumerate(schedule):
-            self.step_index = self._violation.step = step_index
-            try:
-                records = self._step([SimReq(r) for r in requests])
-            except SimulationError as exc:
-                # Replicated decisions: every rank stops at this same step.
-                stopped = str(exc)
-                self._violation(stopped)
-                break
-            self.decisions.fold(records)
-            if self.hooks.extra_eviction_at_step == self.step_index:
-                self.cache.evict(EvictParams(num_tokens=1))
-                self.decisions.fold([("fault_extra_eviction",)])
-            if not self.agree(self.decisions.as_int()):
-                # Stop before the next step: diverged ranks could disagree on whether
-                # writing_check all-reduces, and hang.
-                stopped = f"decision logs diverged across ranks at step {self.step_index}"
-                self._violation(stopped)
-                break
-            if progress is not None and self.step_index < len(steps):
-                progress.update(1)
-        self.step_index = self._violation.step = self.step_index + 1
-        self._land_writes(keep=0)  # every transfer lands before the final checks
-        return self._finish_run(stopped)
+        return self._replay(steps, progress, SimReq)
+
+    def _extra_eviction(self) -> None:
+        """The ``diverge_last_rank`` fault's eviction (this rank only)."""
+        self.cache.evict(EvictParams(num_tokens=1))
 
     def _waiting_rids(self) -> List[str]:
         """Deferred, re-queued and mid-chunk requests: the drain runs until none is left."""
         return [r.rid for r in self._waiting + self._chunked]
-
-    def _land_writes(self, keep: int) -> None:
-        """Complete the write transfers submitted ``keep`` or more steps ago."""
-        while self._in_flight and self._in_flight[0][0] <= self.step_index - keep:
-            self._in_flight.pop(0)[1].release()
 
     def _step(self, new_reqs: List[SimReq]) -> List[tuple]:
         self._land_writes(keep=self.features.inflight_steps)
@@ -511,23 +486,21 @@ class RankDriver:
             self.counters.host_evicted_tokens,
         )
         if self.step_index % self.tree_digest_every == 0:
-            summary = tree_summary(self.cache)
-            self.ledger.check_tree(summary)
-            record += (summary.digest,)
+            record += (self._check_tree().digest,)
         return record
 
+    def _tree_summary(self) -> TreeSummary:
+        return tree_summary(self.cache)
+
+    def _check_tree(self) -> TreeSummary:
+        summary = tree_summary(self.cache)
+        self.ledger.check_tree(summary)
+        return summary
+
     def _sample_series(self) -> None:
-        physical = self.ledger.host_used_physical_tokens() * self.bytes_per_token
-        logical = self.ledger.host_used_logical_tokens() * self.bytes_per_token
         draft = self.ledger.host_used_physical_tokens() * self.draft_bytes_per_token
         self.draft_host_peak = max(self.draft_host_peak, draft)
-        self.host_peak_physical = max(self.host_peak_physical, physical)
-        self.host_peak_logical = max(self.host_peak_logical, logical)
-        c = self.counters
-        hits = c.device_hit_tokens + c.host_hit_tokens
-        self.series.append(SeriesPoint(c.requests, c.prompt_tokens, hits, physical, logical))
-        if self.lane_usage is not None:
-            self.lane_usage.sample(self.ledger.device_lane_used(), self.ledger.host_lane_used())
+        self._sample_host_usage()
 
     def _read_backup_stats(self) -> None:
         """The pending-backup state machine's counts (CP cache only; replicated)."""
@@ -541,50 +514,18 @@ class RankDriver:
         c.backups_skipped_host_full = self.cache.capacity_refusals.host_writes
 
     def _finish_run(self, stopped: Optional[str]) -> RankResult:
-        leaked_device = leaked_host = leaked_req = 0
-        if stopped is None:
-            with self._op(None):
-                self.cache.check_hicache_events()
-            self.ledger.check_idle()
-            summary = tree_summary(self.cache)
-            self.ledger.check_tree(summary)
-            leaked_device, leaked_host, leaked_req = self.ledger.flush(lambda: self._op(None))
-        else:
-            # No flush: locks of the interrupted batch are held, and diverged ranks could
-            # disagree on whether writing_check all-reduces (a hang).
-            summary = tree_summary(self.cache)
+        summary, leaks = self._final_checks(stopped)
         self._read_backup_stats()
         if self.shared_kv and self.cache.device_value_reads:
             self._violation(
                 f"{self.cache.device_value_reads} node runs were read back from node.value "
                 "instead of coming from host state"
             )
-        d2h = self.observer.d2h_tokens * self.bytes_per_token
-        h2d = self.observer.h2d_tokens * self.bytes_per_token
-        return RankResult(
-            rank=self.rank,
-            shared_kv=self.shared_kv,
-            counters=self.counters,
-            op_samples_us=self.timer.samples,
-            op_wall_samples_us=self.timer.wall_samples,
-            decision_hash=self.decisions.hex(),
-            tree_digest=summary.digest,
-            tree_nodes=summary.nodes,
-            violations=self._violation.messages,
-            hot_path_collectives=dict(self.counter.hot_path),
-            allowed_collectives=self.counter.allowed,
-            bytes_per_token=self.bytes_per_token,
-            d2h_bytes=d2h,
-            h2d_bytes=h2d,
-            host_peak_physical_bytes=self.host_peak_physical,
-            host_peak_logical_bytes=self.host_peak_logical,
-            leaked_device_slots=leaked_device,
-            leaked_host_slots=leaked_host,
-            leaked_req_slots=leaked_req,
-            steps_run=self.step_index,
-            series=self.series,
-            lane_usage=self.lane_usage,
-            stopped_early=stopped,
+        return self._rank_result(
+            stopped,
+            summary,
+            leaks,
+            self.shared_kv,
             draft_bytes_per_token=self.draft_bytes_per_token,
             draft_d2h_bytes=self.observer.d2h_tokens * self.draft_bytes_per_token,
             draft_h2d_bytes=self.observer.h2d_tokens * self.draft_bytes_per_token,

@@ -7,22 +7,14 @@ into other runs.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
-import torch.distributed as dist
 
+from sglang_cp_hicache.sim.engine import FaultHooks, plant_match_prefix_barrier
 from sglang_cp_hicache.testing.v0_5_12.nsa_stack import RankStack
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class FaultHooks:
-    """Points inside the driver where a fault acts (off by default)."""
-
-    extra_eviction_at_step: Optional[int] = None
 
 
 def apply_fault(
@@ -44,13 +36,7 @@ def apply_fault(
         # The copies vanish but start_loading still acks: device pages keep their poison.
         stack.cache.cache_controller.mem_pool_host.load_to_device_per_layer = lambda *a, **k: None
     elif name == "hot_path_barrier":
-        match_prefix = stack.cache.match_prefix
-
-        def match_prefix_with_barrier(params):
-            dist.barrier(group=cp_group)
-            return match_prefix(params)
-
-        stack.cache.match_prefix = match_prefix_with_barrier
+        plant_match_prefix_barrier(stack.cache, cp_group)
     elif name == "diverge_last_rank" and last_rank:
         hooks.extra_eviction_at_step = num_steps // 2
     elif name == "leak_tail":

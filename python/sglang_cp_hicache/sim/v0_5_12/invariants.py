@@ -11,6 +11,7 @@ from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tupl
 
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
+from sglang_cp_hicache.sim.common_checks import check_lock_refs, pending_io
 from sglang_cp_hicache.sim.engine import TreeSummary
 from sglang_cp_hicache.testing.v0_5_12.nsa_stack import RankStack
 
@@ -80,11 +81,7 @@ class PoolLedger:
         every pool adds up."""
         cache = self.cache
         writes = 0 if self.writes_in_flight else len(cache.ongoing_write_through)
-        if writes or cache.ongoing_load_back:
-            self.violation(
-                f"{writes} writes / {len(cache.ongoing_load_back)} "
-                f"loads still pending after check_hicache_events"
-            )
+        if pending_io(writes, len(cache.ongoing_load_back), self.violation):
             return
         self._check_locks(running)
         tails = sum(len(req.prefix_indices) - req.cache_protected_len for req in running)
@@ -125,21 +122,7 @@ class PoolLedger:
             if cache.protected_size_ != 0:
                 self.violation(f"{cache.protected_size_} tokens still locked between batches")
             return
-        order, stack = [], [cache.root_node]
-        while stack:
-            node = stack.pop()
-            order.append(node)
-            stack.extend(node.children.values())
-        below = {}
-        for node in reversed(order):  # children before parents
-            count = holders[node.id] + sum(below[c.id] for c in node.children.values())
-            below[node.id] = count
-            if node is not cache.root_node and node.lock_ref != count:
-                self.violation(
-                    f"node {node.id}: lock_ref {node.lock_ref} between batches, {count} "
-                    "locks of writes in flight and running requests at or below it"
-                )
-                return
+        check_lock_refs(cache.root_node, holders, lambda node: node.lock_ref, self.violation)
 
     def reserved_host_tokens(self) -> int:
         """Logical host tokens reserved by backups not yet committed (not in the tree)."""

@@ -41,10 +41,12 @@ from sglang_cp_hicache.sim.collectives import CollectiveCounter
 from sglang_cp_hicache.sim.config import SchedulerFeatures
 from sglang_cp_hicache.sim.engine import (
     DecisionLog,
+    FaultHooks,
     OpTimer,
     SimulationError,
+    StepLoop,
+    TreeSummary,
     Violations,
-    drain_schedule,
 )
 from sglang_cp_hicache.sim.results import LaneUsage, RankCounters, RankResult, SeriesPoint
 from sglang_cp_hicache.sim.v0_5_23.checks import (
@@ -54,7 +56,6 @@ from sglang_cp_hicache.sim.v0_5_23.checks import (
     verify_hit,
     write_prefill_kv,
 )
-from sglang_cp_hicache.sim.v0_5_23.faults import FaultHooks
 from sglang_cp_hicache.sim.v0_5_23.invariants import PoolLedger
 from sglang_cp_hicache.sim.v0_5_23.observed_cache import CacheObserver, DeclinedInsert
 from sglang_cp_hicache.sim.workload import Request
@@ -131,7 +132,7 @@ class RejectedKeys:
         return best
 
 
-class RankDriver:
+class RankDriver(StepLoop):
     """The scheduler loop of one rank over its :class:`RankStack` (sharded or cp 1)."""
 
     def __init__(
@@ -184,34 +185,13 @@ class RankDriver:
 
     # ----------------------------------------------------------------- steps
     def run(self, steps: Sequence[Sequence[Request]], progress: Any = None) -> RankResult:
-        stopped: Optional[str] = None
-        schedule = drain_schedule(steps, self._waiting_rids, self._violation)
-        for step_index, requests in enumerate(schedule):
-            self.step_index = self._violation.step = step_index
-            try:
-                records = self._step([SimReq(r) for r in requests])
-            except SimulationError as exc:
-                # Replicated decisions: every rank stops at this same step.
-                stopped = str(exc)
-                self._violation(stopped)
-                break
-            self.decisions.fold(records)
-            if self.hooks.extra_eviction_at_step == self.step_index:
-                from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+        return self._replay(steps, progress, SimReq)
 
-                self.cache.evict(EvictParams(num_tokens=self.page_size))
-                self.decisions.fold([("fault_extra_eviction",)])
-            if not self.agree(self.decisions.as_int()):
-                # Stop before the next step: diverged ranks could disagree on their
-                # all-reduces and hang.
-                stopped = f"decision logs diverged across ranks at step {self.step_index}"
-                self._violation(stopped)
-                break
-            if progress is not None and self.step_index < len(steps):
-                progress.update(1)
-        self.step_index = self._violation.step = self.step_index + 1
-        self._land_writes(keep=0)  # every transfer lands before the final checks
-        return self._finish_run(stopped)
+    def _extra_eviction(self) -> None:
+        """The ``diverge_last_rank`` fault's eviction (this rank only)."""
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        self.cache.evict(EvictParams(num_tokens=self.page_size))
 
     def _waiting_rids(self) -> List[str]:
         chunked = [self._chunked] if self._chunked is not None else []
@@ -220,11 +200,6 @@ class RankDriver:
     def _running(self) -> List[Any]:
         """Requests that hold a row between steps (the chunked one)."""
         return [self._chunked.req] if self._chunked is not None else []
-
-    def _land_writes(self, keep: int) -> None:
-        """Complete the write transfers submitted ``keep`` or more steps ago."""
-        while self._in_flight and self._in_flight[0][0] <= self.step_index - keep:
-            self._in_flight.pop(0)[1].release()
 
     def _step(self, new_reqs: List[SimReq]) -> List[tuple]:
         self._land_writes(keep=self.features.inflight_steps)
@@ -253,7 +228,7 @@ class RankDriver:
                     hold.seal()  # this step's writes stay in flight, later events do not
                     self._in_flight.append((self.step_index, hold))
         self.timer.end_step()
-        self._sample()
+        self._sample_host_usage()
         records.append(self._state_record())
         return records
 
@@ -486,7 +461,10 @@ class RankDriver:
             record += (summary.digest,)
         return record
 
-    def _check_tree(self):
+    def _tree_summary(self) -> TreeSummary:
+        return tree_summary(self.cache)
+
+    def _check_tree(self) -> TreeSummary:
         summary = tree_summary(self.cache)
         if not self._writes_in_flight():
             self.ledger.check_tree(summary)
@@ -499,51 +477,6 @@ class RankDriver:
         """Backups submitted but not acked hold host slots the tree does not show yet."""
         return bool(self.cache.ongoing_write_through)
 
-    def _sample(self) -> None:
-        physical = self.ledger.host_used_physical_tokens() * self.bytes_per_token
-        logical = self.ledger.host_used_logical_tokens() * self.bytes_per_token
-        self.host_peak_physical = max(self.host_peak_physical, physical)
-        self.host_peak_logical = max(self.host_peak_logical, logical)
-        c = self.counters
-        hits = c.device_hit_tokens + c.host_hit_tokens
-        self.series.append(SeriesPoint(c.requests, c.prompt_tokens, hits, physical, logical))
-        if self.lane_usage is not None:
-            self.lane_usage.sample(self.ledger.device_lane_used(), self.ledger.host_lane_used())
-
     def _finish_run(self, stopped: Optional[str]) -> RankResult:
-        leaked_device = leaked_host = leaked_req = 0
-        if stopped is None:
-            with self._op(None):
-                self.cache.check_hicache_events()
-            self.ledger.check_idle()
-            summary = self._check_tree()
-            leaked_device, leaked_host, leaked_req = self.ledger.flush(lambda: self._op(None))
-        else:
-            # No flush: locks of the interrupted batch are held, and diverged ranks could
-            # disagree on whether they all-reduce (a hang).
-            summary = tree_summary(self.cache)
-        return RankResult(
-            rank=self.rank,
-            shared_kv=self.stack.sharded,
-            counters=self.counters,
-            op_samples_us=self.timer.samples,
-            op_wall_samples_us=self.timer.wall_samples,
-            decision_hash=self.decisions.hex(),
-            tree_digest=summary.digest,
-            tree_nodes=summary.nodes,
-            violations=self._violation.messages,
-            hot_path_collectives=dict(self.counter.hot_path),
-            allowed_collectives=self.counter.allowed,
-            bytes_per_token=self.bytes_per_token,
-            d2h_bytes=self.observer.d2h_tokens * self.bytes_per_token,
-            h2d_bytes=self.observer.h2d_tokens * self.bytes_per_token,
-            host_peak_physical_bytes=self.host_peak_physical,
-            host_peak_logical_bytes=self.host_peak_logical,
-            leaked_device_slots=leaked_device,
-            leaked_host_slots=leaked_host,
-            leaked_req_slots=leaked_req,
-            steps_run=self.step_index,
-            series=self.series,
-            lane_usage=self.lane_usage,
-            stopped_early=stopped,
-        )
+        summary, leaks = self._final_checks(stopped)
+        return self._rank_result(stopped, summary, leaks, self.stack.sharded)

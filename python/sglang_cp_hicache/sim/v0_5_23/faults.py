@@ -8,11 +8,9 @@ the sharded columns. :data:`SUPPORTED` lists the faults this line plants; the ot
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch.distributed as dist
-
+from sglang_cp_hicache.sim.engine import FaultHooks, plant_match_prefix_barrier
 from sglang_cp_hicache.testing.v0_5_23.stack import RankStack
 
 logger = logging.getLogger(__name__)
@@ -20,13 +18,6 @@ logger = logging.getLogger(__name__)
 SUPPORTED = frozenset(
     ("roll_load_owners", "drop_last_rank_loads", "hot_path_barrier", "diverge_last_rank", "leak_tail")
 )
-
-
-@dataclass
-class FaultHooks:
-    """Points inside the driver where a fault acts (off by default)."""
-
-    extra_eviction_at_step: Optional[int] = None
 
 
 def apply_fault(name: Optional[str], stack: RankStack, cp_group: Any, num_steps: int) -> FaultHooks:
@@ -44,13 +35,7 @@ def apply_fault(name: Optional[str], stack: RankStack, cp_group: Any, num_steps:
         for entry in stack.host_pool_group.entry_map.values():
             entry.host_pool.load_to_device_per_layer_physical = lambda *a, **k: None
     elif name == "hot_path_barrier":
-        match_prefix = stack.cache.match_prefix
-
-        def match_prefix_with_barrier(params):
-            dist.barrier(group=cp_group)
-            return match_prefix(params)
-
-        stack.cache.match_prefix = match_prefix_with_barrier
+        plant_match_prefix_barrier(stack.cache, cp_group)
     elif name == "diverge_last_rank" and last_rank:
         hooks.extra_eviction_at_step = num_steps // 2
     elif name == "leak_tail":

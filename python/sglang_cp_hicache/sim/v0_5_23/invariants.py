@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Callable, ContextManager, List, Sequence, Tuple
 
+from sglang_cp_hicache.sim.common_checks import check_lock_refs, pending_io
 from sglang_cp_hicache.sim.engine import TreeSummary
 from sglang_cp_hicache.testing.v0_5_23.stack import RankStack
 
@@ -77,11 +78,7 @@ class PoolLedger:
         every pool adds up."""
         cache = self.cache
         writes = 0 if self.writes_in_flight else len(cache.ongoing_write_through)
-        if writes or cache.ongoing_load_back:
-            self.violation(
-                f"{writes} writes / {len(cache.ongoing_load_back)} loads still pending "
-                "after check_hicache_events"
-            )
+        if pending_io(writes, len(cache.ongoing_load_back), self.violation):
             return
         self._check_locks(running)
         ps = self.page_size
@@ -108,23 +105,12 @@ class PoolLedger:
         writes = cache.ongoing_write_through.values()
         holders = Counter(w.node_id for w in writes if w.lock_params is not None)
         holders.update(req.lock.node for req in running if req.lock is not None)
-        root = cache.tree_core.root_node
-        order, stack = [], [root]
-        while stack:
-            node = stack.pop()
-            order.append(node)
-            stack.extend(node.children.values())
-        below = {}
-        for node in reversed(order):  # children before parents
-            count = holders[node.id] + sum(below[c.id] for c in node.children.values())
-            below[node.id] = count
-            lock_ref = node.component_data[ComponentType.FULL].lock_ref
-            if node is not root and lock_ref != count:
-                self.violation(
-                    f"node {node.id}: lock_ref {lock_ref} between batches, {count} locks of "
-                    "writes in flight and running requests at or below it"
-                )
-                return
+        check_lock_refs(
+            cache.tree_core.root_node,
+            holders,
+            lambda node: node.component_data[ComponentType.FULL].lock_ref,
+            self.violation,
+        )
 
     def check_tree(self, summary: TreeSummary) -> None:
         """The tree's device and host tokens match the pools' accounting."""
