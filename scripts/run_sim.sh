@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # README's main job on a CPU machine: set-up, then the multi-rank CP HiCache simulator.
-#   bash scripts/run_sim.sh [--sglang 0.5.12.post1] [simulator options, see --help]
-# The simulator runs on the 0.5.12.post1 line (.venv) until the 0.5.23 line's simulator lands.
+#   bash scripts/run_sim.sh [--sglang 0.5.23|0.5.12.post1] [simulator options, see --help]
+# Runs the 0.5.23 line (.venv-sglang-0.5.23) by default: its columns are the plugin, upstream's
+# native sharding alone and upstream unsharded at cp 1; --sglang 0.5.12.post1 runs the older line.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-RELEASE="0.5.12.post1"
+RELEASE="0.5.23"
 args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
