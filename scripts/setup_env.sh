@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds one SGLang line's venv at the repository root for CPU development, the simulator and
 # CI: torch 2.14.1 (from this machine's local wheels), sglang without its GPU dependencies,
-# that line's pinned import-time list, test tools, and this package (editable).
+# that line's pinned import-time list (with Mooncake's CPU transfer engine), test tools, and this
+# package (editable); as root, also the libibverbs1 system package that engine loads.
 #
 #   bash scripts/setup_env.sh                       # .venv                 (sglang 0.5.12.post1)
 #   bash scripts/setup_env.sh --sglang 0.5.23       # .venv-sglang-0.5.23   (sglang 0.5.23)
@@ -45,6 +46,23 @@ quiet_pip() {
   rm -f "$log"
 }
 
+ensure_libibverbs() {
+  # Mooncake's transfer engine links libibverbs.so.1 even over TCP (no RDMA device needed).
+  if dpkg -s libibverbs1 >/dev/null 2>&1; then
+    return 0
+  fi
+  if [[ "$(id -u)" != 0 ]]; then
+    echo "setup_env: libibverbs1 is missing and this is not root: run" \
+      "'apt-get install -y --no-install-recommends libibverbs1' as root, or the PD" \
+      "transfer tests fail to import mooncake.engine" >&2
+    return 0
+  fi
+  echo "setup_env: installing libibverbs1 (Mooncake's transfer engine needs libibverbs.so.1)"
+  apt-get update -q >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends libibverbs1 >/dev/null
+}
+ensure_libibverbs
+
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
   quiet_pip install -q --no-deps --no-build-isolation -e "$ROOT"
   exit 0
@@ -59,5 +77,8 @@ quiet_pip "${PIP[@]}" -r "$REQ" -r "$ROOT/scripts/requirements-test.txt"
 quiet_pip "${PIP[@]}" --no-deps --no-build-isolation -e "$ROOT"
 # Fails here, not in the tests, when the line's CPU runtime cannot bring up its cache stack.
 "$VENV/bin/python" -c "from sglang_cp_hicache.testing import install, warm_import; install(); warm_import()"
+if dpkg -s libibverbs1 >/dev/null 2>&1; then
+  "$VENV/bin/python" -c "import mooncake.engine"  # the PD transfer tests' engine
+fi
 echo "$want" > "$STAMP"
 echo "setup_env: $(basename "$VENV") (sglang $RELEASE) ready in $(( $(date +%s) - start )) s"
