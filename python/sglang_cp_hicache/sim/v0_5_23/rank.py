@@ -7,17 +7,15 @@ Columns on this line, all on the real 0.5.23 cache stack (``testing.v0_5_23.stac
   ``PageInterleaveDSATokenToKVPool``, ``PageInterleavePoolAllocator``, ``UnifiedRadixCache``
   with ``PageInterleaveHostPool``), no plugin hooks;
 * ``plugin``: the same stack in a process where the plugin's 0.5.23 hooks are applied the
-  way ``load_plugins`` applies them (refused if one is missing). The line's hooks today are
-  the flag and its validation only, none on the scheduler path, so this column equals
-  ``native`` by construction until the plugin's deltas (lane-aware eviction, per-layer
-  backup) land. The flag itself is not set on the stack's server args: it must be set
-  before the record is resolved (``v0_5_23.server_args.set_cp_shared_kv_enabled``), and
-  ``testing.v0_5_23.stack`` builds and resolves its record itself;
+  way ``load_plugins`` applies them (refused if one is missing), and the plugin's flag on
+  the stack's record (``StackConfig.cp_shared_kv``, marked before the record is resolved):
+  lane-aware device eviction. Per-layer backup is not on this line yet;
 * ``upstream``: the unsharded stack on one rank with the same per-rank memory.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import List
 
 from sglang_cp_hicache.sim.collectives import CollectiveCounter, all_ranks_equal
@@ -106,7 +104,10 @@ def sharded_rank_main(
     setup_rank_process(cfg, f"{shard_impl} rank {ctx.rank}")
     if shard_impl == "plugin":
         _apply_plugin_hooks()
-    stack = build_sharded_stack(ctx, stack_config(cfg, steps))
+    config = stack_config(cfg, steps)
+    if shard_impl == "plugin":
+        config = dataclasses.replace(config, cp_shared_kv=True)
+    stack = build_sharded_stack(ctx, config)
     try:
         hooks = apply_fault(cfg.fault, stack, ctx.cp_group, len(steps))
         counter = CollectiveCounter()

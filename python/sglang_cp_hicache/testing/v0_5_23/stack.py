@@ -63,6 +63,10 @@ class StackConfig:
     chunk_tokens: int = 1024
     max_num_reqs: int = 8
     max_prefix_tokens: Optional[int] = None  # scratch prefix rows; None: 8 contexts
+    # The plugin's flag on the stack's record (sharded stacks only): marked before the
+    # record is resolved, with what the flag requires of it (prefill CP interleave on a
+    # PD prefill worker), as a launch with --enable-nsa-prefill-cp-shared-kv builds it.
+    cp_shared_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_tokens % self.page_size:
@@ -271,6 +275,11 @@ def _publish_server_args(config: StackConfig, sharded: bool) -> Any:
     """The process's ServerArgs, published the way the cache reads its config."""
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
+    flag_fields = (
+        dict(enable_prefill_cp=True, cp_strategy="interleave", disaggregation_mode="prefill")
+        if config.cp_shared_kv
+        else {}
+    )
     server_args = ServerArgs(
         model_path="dummy",
         page_size=config.page_size,
@@ -282,7 +291,14 @@ def _publish_server_args(config: StackConfig, sharded: bool) -> Any:
         hicache_write_policy=config.write_policy,
         hicache_host_memory_mode="cache",
         enable_kv_cache_sharding=sharded,
+        **flag_fields,
     )
+    if config.cp_shared_kv:
+        if not sharded:
+            raise ValueError("StackConfig.cp_shared_kv needs a sharded stack")
+        from sglang_cp_hicache.v0_5_23.server_args import set_cp_shared_kv_enabled
+
+        set_cp_shared_kv_enabled(server_args, True)  # publishing resolves the record
     set_global_server_args_for_scheduler(server_args)
     return server_args
 
