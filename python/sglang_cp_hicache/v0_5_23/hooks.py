@@ -6,8 +6,7 @@ them):
 
 * :data:`HOOKS`, ``HookRegistry`` hooks (``module:qualname`` targets), handed over by
   :mod:`sglang_cp_hicache.hook_table`: the flag on the CLI and on ``Engine(**kwargs)``,
-  the DSA backend rule inside upstream's sharding gate (the Hopper formats), and the
-  device-eviction path (lane-aware eviction).
+  and the DSA backend rule inside upstream's sharding gate (the Hopper formats).
 * :data:`RESOLUTION_STEPS`, wrappers of named steps of SGLang's resolution pipeline
   (``sglang.srt.arg_groups.resolution_hooks.register_resolution_hook``). 0.5.23 resolves
   server args there, not in ``ServerArgs.__post_init__``, so the flag's validation and its
@@ -38,7 +37,6 @@ RELEASE = "0.5.23"
 
 _SERVER_ARGS = "sglang.srt.server_args:ServerArgs"
 _OURS_ARGS = "sglang_cp_hicache.v0_5_23.server_args"
-_LANE_EVICTION = "sglang_cp_hicache.v0_5_23.mem_cache.lane_eviction"
 
 HOOKS: Tuple[HookSpec, ...] = (
     # The flag on the command line. from_cli_args copies only record fields, so the parsed
@@ -58,25 +56,6 @@ HOOKS: Tuple[HookSpec, ...] = (
     HookSpec(
         "sglang.srt.arg_groups.kv_shard_hook:validate_kv_shard_attention_backend",
         "sglang_cp_hicache.v0_5_23.arg_groups.kv_shard_hook:validate_dsa_backend_around",
-        "AROUND",
-    ),
-    # Lane-aware device eviction (v0_5_23/mem_cache/lane_eviction.py): under the flag and
-    # the sharded allocator, room is made only from victims on a short owner lane. The
-    # extend's exact draws first, then the load-back's (and any caller's) evict_for_alloc,
-    # and upstream's extra plain-LRU floor loop skipped; flag off: upstream's functions.
-    HookSpec(
-        "sglang.srt.mem_cache.allocation:alloc_paged_token_slots_extend",
-        f"{_LANE_EVICTION}:alloc_paged_token_slots_extend_around",
-        "AROUND",
-    ),
-    HookSpec(
-        "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache.evict_for_alloc",
-        f"{_LANE_EVICTION}:evict_for_alloc_around",
-        "AROUND",
-    ),
-    HookSpec(
-        "sglang.srt.mem_cache.common:_evict_until_allocatable",
-        f"{_LANE_EVICTION}:evict_until_allocatable_around",
         "AROUND",
     ),
 )

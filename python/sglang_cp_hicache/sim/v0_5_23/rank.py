@@ -8,8 +8,10 @@ Columns on this line, all on the real 0.5.23 cache stack (``testing.v0_5_23.stac
   with ``PageInterleaveHostPool``), no plugin hooks;
 * ``plugin``: the same stack in a process where the plugin's 0.5.23 hooks are applied the
   way ``load_plugins`` applies them (refused if one is missing), and the plugin's flag on
-  the stack's record (``StackConfig.cp_shared_kv``, marked before the record is resolved):
-  lane-aware device eviction. Per-layer backup is not on this line yet;
+  the stack's record (``StackConfig.cp_shared_kv``, marked before the record is resolved).
+  The line's hooks today are the flag, its validation and the Hopper admission, none on the
+  scheduler path, so this column equals ``native`` until the plugin's deltas (lane-aware
+  eviction, per-layer backup) land;
 * ``upstream``: the unsharded stack on one rank with the same per-rank memory.
 """
 
