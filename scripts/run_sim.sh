@@ -14,10 +14,8 @@ while [[ $# -gt 0 ]]; do
     *) args+=("$1"); shift ;;
   esac
 done
-case "$RELEASE" in
-  0.5.12.post1) VENV="$ROOT/.venv" ;;
-  *) VENV="$ROOT/.venv-sglang-$RELEASE" ;;
-esac
+source "$ROOT/scripts/lines.sh"
+VENV="$(venv_for_release "$ROOT" "$RELEASE")" || exit 2
 bash "$ROOT/scripts/setup_env.sh" --sglang "$RELEASE"
 cd "$ROOT"
 exec "$VENV/bin/python" -W ignore -m sglang_cp_hicache.sim "${args[@]}"

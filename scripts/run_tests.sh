@@ -12,7 +12,8 @@
 # even when the first fails; the exit status is non-zero when either failed.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-LINES=(0.5.23 0.5.12.post1)
+source "$ROOT/scripts/lines.sh"
+LINES=("${SUPPORTED_LINES[@]}")
 args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -21,13 +22,6 @@ while [[ $# -gt 0 ]]; do
     *) args+=("$1"); shift ;;
   esac
 done
-
-venv_of() {
-  case "$1" in
-    0.5.12.post1) echo "$ROOT/.venv" ;;
-    *) echo "$ROOT/.venv-sglang-$1" ;;
-  esac
-}
 
 cd "$ROOT"
 status=0
@@ -41,7 +35,7 @@ for release in "${LINES[@]}"; do
   fi
   echo "run_tests: sglang $release, test order ${seed[*]:-as given: ${args[*]:-}}"
   start=$(date +%s)
-  "$(venv_of "$release")/bin/python" -m pytest test/registered -q "${seed[@]}" "${args[@]}"
+  "$(venv_for_release "$ROOT" "$release")/bin/python" -m pytest test/registered -q "${seed[@]}" "${args[@]}"
   rc=$?
   summary+=("sglang $release: pytest exit $rc in $(( $(date +%s) - start )) s ${seed[*]:-}")
   [[ $rc -eq 0 ]] || status=1

@@ -19,11 +19,8 @@ while [[ $# -gt 0 ]]; do
     *) echo "setup_env: unknown option $1 (use --sglang 0.5.12.post1|0.5.23)" >&2; exit 2 ;;
   esac
 done
-case "$RELEASE" in
-  0.5.12.post1) DEFAULT_VENV="$ROOT/.venv" ;;
-  0.5.23) DEFAULT_VENV="$ROOT/.venv-sglang-$RELEASE" ;;
-  *) echo "setup_env: sglang $RELEASE is not a supported line (0.5.12.post1, 0.5.23)" >&2; exit 2 ;;
-esac
+source "$ROOT/scripts/lines.sh"
+DEFAULT_VENV="$(venv_for_release "$ROOT" "$RELEASE")" || exit 2
 VENV="${VENV:-$DEFAULT_VENV}"
 REQ="$ROOT/scripts/requirements-cpu-sglang-$RELEASE.txt"
 CONSTRAINTS="$ROOT/scripts/constraints-cpu-sglang-$RELEASE.txt"
@@ -31,7 +28,7 @@ PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 STAMP="$VENV/.sglang-cp-hicache-stamp"
 want="$(cat "$REQ" "$CONSTRAINTS" "$ROOT/scripts/requirements-test.txt" \
-  "$ROOT/scripts/setup_env.sh" | sha256sum | cut -d' ' -f1)"
+  "$ROOT/scripts/setup_env.sh" "$ROOT/scripts/lines.sh" | sha256sum | cut -d' ' -f1)"
 
 quiet_pip() {
   # sglang's GPU dependencies are left out on purpose; drop pip's complaints about them.

@@ -345,6 +345,15 @@ def _build_cache(
     return cache, params
 
 
+def _req_to_token_pool(config: StackConfig) -> Any:
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    return ReqToTokenPool(
+        size=config.max_num_reqs, max_context_len=config.context_len, device="cpu",
+        enable_memory_saver=False,
+    )  # fmt: skip
+
+
 def build_sharded_stack(ctx: RankContext, config: StackConfig = StackConfig()) -> RankStack:
     """Rank ``ctx.rank``'s sharded stack; every rank of ``ctx.cp_group`` must call it.
 
@@ -352,7 +361,6 @@ def build_sharded_stack(ctx: RankContext, config: StackConfig = StackConfig()) -
     the pool's gather communicator is gloo (the runtime rebinds ``PyNcclCommunicator``).
     """
     from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.mem_cache.page_interleave import PageInterleavePlacement, PageShardSpec
     from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveDSATokenToKVPool
 
@@ -383,12 +391,7 @@ def build_sharded_stack(ctx: RankContext, config: StackConfig = StackConfig()) -
         need_sort=True,  # PD prefill workers sort (kv_cache_configurator need_sort)
         shard_spec=spec,
     )
-    req_to_token_pool = ReqToTokenPool(
-        size=config.max_num_reqs,
-        max_context_len=config.context_len,
-        device="cpu",
-        enable_memory_saver=False,
-    )
+    req_to_token_pool = _req_to_token_pool(config)
     groups = dict(
         tp_cache_group=ctx.attn_tp_group,
         attn_cp_cache_group=ctx.cp_group,
@@ -416,7 +419,7 @@ def build_unsharded_stack(tp_group: Any, config: StackConfig = StackConfig()) ->
     """The replicated reference: one rank holding every page (``tp_group``: its cache's
     TP group, e.g. :func:`~sglang_cp_hicache.testing.dist.single_rank_world`)."""
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 
     server_args = _publish_server_args(config, sharded=False)
     kv_pool = DSATokenToKVPool(config.device_rows_per_rank, **_dsa_pool_kwargs(config))
@@ -428,12 +431,7 @@ def build_unsharded_stack(tp_group: Any, config: StackConfig = StackConfig()) ->
         kvcache=kv_pool,
         need_sort=True,
     )
-    req_to_token_pool = ReqToTokenPool(
-        size=config.max_num_reqs,
-        max_context_len=config.context_len,
-        device="cpu",
-        enable_memory_saver=False,
-    )
+    req_to_token_pool = _req_to_token_pool(config)
     cache, params = _build_cache(
         config, server_args, allocator, req_to_token_pool, dict(tp_cache_group=tp_group)
     )
