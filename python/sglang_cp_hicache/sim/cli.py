@@ -62,6 +62,11 @@ def _parser(d: SimConfig) -> argparse.ArgumentParser:
                       help="skip the native-sharding column beside a plugin run (it runs only "
                       "on lines with native sharding: 0.5.23)")  # fmt: skip
     cols.add_argument("--no-baseline", action="store_true", help="skip the cp-1 upstream replay")
+    cols.add_argument("--pd", action="store_true", default=d.pd,
+                      help="PD disaggregation: every finished prefill of the main column is sent "
+                      "from its ranks over a real Mooncake engine (loopback TCP) to one decode "
+                      "process with a full pool and checked there byte for byte; slower, so off "
+                      "by default")  # fmt: skip
 
     work = p.add_argument_group("workload")
     _workload_arg(work, d.workload)
@@ -149,6 +154,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         shard_impl=args.shard_impl,
         native_column=not args.no_native_column,
         baseline=not args.no_baseline,
+        pd=args.pd,
         progress=not args.no_progress,
         timeout_s=args.timeout_s,
         log_level=args.log_level,

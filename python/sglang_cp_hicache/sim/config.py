@@ -20,6 +20,8 @@ FAULTS = {
     "position late, so node runs (what backups and evictions plan from) are wrong",
     "drop_last_rank_draft_loads": "the last rank's load-backs copy the target's KV but not "
     "the MTP draft's (needs draft=True): a draft-only loss behind a target hit",
+    "pd_wrong_owner": "each prefill rank's PD owner filter sends the next rank's lane from "
+    "its own slots (needs pd=True): both sides report Success, decode holds wrong KV",
 }
 
 # Which sharding the main column runs (``SimConfig.shard_impl``): the plugin's (upstream's
@@ -112,6 +114,11 @@ class SimConfig:
     # column) where the line has it (0.5.23); 0.5.12.post1 has none, its column reads n/a.
     native_column: bool = True
     baseline: bool = True  # replay through upstream's unsharded cache (cp 1, same pool)
+    # ---- PD disaggregation: every finished prefill of the main column is transferred from
+    # its prefill ranks to one decode process (a full, unsharded pool) over a real Mooncake
+    # transfer engine on loopback TCP and checked there byte for byte (sim/pd.py). Off by
+    # default: it adds the decode and bootstrap processes and one transfer per request.
+    pd: bool = False
     # ---- run
     tree_digest_every: int = 8  # steps between full radix-tree digests in the decision log
     progress: bool = False  # tqdm on rank 0 (stderr)
@@ -152,6 +159,12 @@ class SimConfig:
             bad(f"fault must be one of {sorted(FAULTS)}, got {self.fault!r}")
         if self.fault == "drop_last_rank_draft_loads" and not self.draft:
             bad("fault 'drop_last_rank_draft_loads' needs draft=True")
+        if self.fault == "pd_wrong_owner" and not self.pd:
+            bad("fault 'pd_wrong_owner' needs pd=True")
+        if self.pd and self.cp_size < 2:
+            bad("pd=True needs cp_size >= 2 (the prefill ranks shard the KV they send)")
+        if self.pd and self.page_size != 64:
+            bad(f"pd=True runs the PD harness's page size 64, got page_size={self.page_size}")
         if self.chunked_prefill_size < 0 or self.chunked_prefill_size % self.page_size:
             bad(
                 f"chunked_prefill_size ({self.chunked_prefill_size}) must be 0 or a "

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from sglang_cp_hicache.sim.config import SimConfig
-from sglang_cp_hicache.sim.results import OPS, LaneUsage, RankCounters, RankResult
+from sglang_cp_hicache.sim.results import OPS, LaneUsage, PDDecodeStats, RankCounters, RankResult
 
 if TYPE_CHECKING:
     from sglang_cp_hicache.sim.lines import Column, LineSim
@@ -130,6 +130,81 @@ def _lane_balance(results: List[RankResult]) -> LaneBalance:
 
 
 @dataclass
+class PDSummary:
+    """``SimConfig.pd``: the main column's finished prefills, sent by its ranks over Mooncake
+    to one decode process (a full cp-1 pool) and checked there byte for byte."""
+
+    transferred_requests: int
+    transferred_tokens: int
+    kv_mismatches: int  # decode-side tokens with wrong target KV / indexer or draft bytes
+    draft_kv_mismatches: int  # of those, the MTP draft's
+    aux_mismatches: int  # requests whose first token (MTP: hidden state) arrived wrong
+    off_grant_pages_changed: int
+    decode_leaked_tokens: int
+    failed_transfers: int  # failures seen by decode plus those seen by the prefill ranks
+    logical_bytes: int  # pages transferred x bytes per logical page (what cp 1 would send)
+    sent_bytes_per_rank: List[int]
+    sent_bytes_vs_logical: float  # max-rank / (logical / cp)
+    transfer_ms: Dict[str, float]  # prefill side: last chunk sent -> CP-wide Success
+    decode_transfer_ms: Dict[str, float]  # decode side: preallocated -> transferred
+    engine_ms_per_request: float  # the busiest rank's time inside the engine's writes
+    problems: List[str]
+
+
+def _ms_stats(seconds: Sequence[float]) -> Dict[str, float]:
+    if not seconds:
+        return {"p50": 0.0, "p90": 0.0, "mean": 0.0}
+    ms = np.array(seconds, dtype=float) * 1000.0
+    return {"p50": float(np.percentile(ms, 50)), "p90": float(np.percentile(ms, 90)), "mean": float(ms.mean())}
+
+
+def _pd_summary(results: List[RankResult], decode: PDDecodeStats) -> PDSummary:
+    """The decode side's checks and the ranks' send figures; ``problems`` fail the run."""
+    ranks = [r.pd for r in results]
+    first, c = ranks[0], results[0].counters
+    logical = first.pages * first.page_bytes
+    sent = [s.sent_bytes for s in ranks]
+    failures = decode.failures + [f"rank {r.rank}: {f}" for r, s in zip(results, ranks) for f in s.failures]
+    problems = [f"PD transfer failed: {f}" for f in failures[:10]]
+    if decode.kv_mismatches or decode.draft_kv_mismatches:
+        problems.append(
+            f"PD: decode holds wrong bytes for {decode.kv_mismatches} tokens' KV/indexer and "
+            f"{decode.draft_kv_mismatches} tokens' draft KV of {decode.tokens} received"
+        )
+    if decode.aux_mismatches:
+        problems.append(f"PD: {decode.aux_mismatches} requests' first token / hidden state arrived wrong")
+    if decode.off_grant_pages_changed:
+        problems.append(f"PD: {decode.off_grant_pages_changed} decode pages never granted were written")
+    if decode.leaked_tokens:
+        problems.append(f"PD: {decode.leaked_tokens} decode KV slots not back after the releases")
+    finished = c.requests - c.retracted_requests
+    counts = {"finished prefills": finished, "decode": decode.requests}
+    counts.update({f"rank {r.rank}": s.requests for r, s in zip(results, ranks)})
+    if len(set(counts.values())) > 1:
+        problems.append(f"PD: transfers do not match the finished prefills: {counts}")
+    if not failures and sum(sent) != logical:
+        # Every logical page is sent once, by its owner.
+        problems.append(f"PD: bytes sent over ranks {sum(sent)} != logical {logical}")
+    return PDSummary(
+        transferred_requests=decode.requests,
+        transferred_tokens=decode.tokens,
+        kv_mismatches=decode.kv_mismatches + decode.draft_kv_mismatches,
+        draft_kv_mismatches=decode.draft_kv_mismatches,
+        aux_mismatches=decode.aux_mismatches,
+        off_grant_pages_changed=decode.off_grant_pages_changed,
+        decode_leaked_tokens=decode.leaked_tokens,
+        failed_transfers=len(failures),
+        logical_bytes=logical,
+        sent_bytes_per_rank=sent,
+        sent_bytes_vs_logical=_vs_logical(sent, logical),
+        transfer_ms=_ms_stats([t for s in ranks for t in s.transfer_s]),
+        decode_transfer_ms=_ms_stats(decode.transfer_s),
+        engine_ms_per_request=max(s.engine_s for s in ranks) * 1000.0 / max(1, first.requests),
+        problems=problems,
+    )
+
+
+@dataclass
 class SimReport:
     config: Dict[str, Any]
     requests: int
@@ -201,11 +276,18 @@ class SimReport:
     # plugin run where the line has it, then "upstream"): the same figures for each.
     columns: Dict[str, ColumnSummary] = field(default_factory=dict)
     native_column_note: Optional[str] = None  # why a native column was asked for and not run
+    # ---- PD (SimConfig.pd): the main column's transfers to the decode process
+    pd: bool = False
+    pd_transferred_tokens: int = 0
+    pd_kv_mismatches: int = 0  # decode-side, tokens (target KV/indexer or draft)
+    pd_sent_bytes_per_rank: List[int] = field(default_factory=list)
+    pd_summary: Optional[PDSummary] = None
 
     @property
     def passed(self) -> bool:
         return (
             self.kv_mismatches == 0
+            and self.pd_kv_mismatches == 0
             and self.draft_kv_mismatches == 0
             and not self.invariant_violations
             and self.hot_path_collectives == 0
@@ -369,12 +451,18 @@ def build_report(
     num_requests: int,
     num_steps: int,
     wall_s: float,
+    pd_decode: Optional[PDDecodeStats] = None,
 ) -> SimReport:
     """The report of one run: the main column (``columns[0]``) in the top-level fields,
-    every column in ``columns`` (and the cp-1 replay also in ``baseline``)."""
+    every column in ``columns`` (and the cp-1 replay also in ``baseline``); with
+    ``pd_decode`` (``SimConfig.pd``) the main column's PD transfers, whose problems are
+    violations of the run."""
     main = columns[0]
     results = results_by_column[main.name]
     violations = [v for r in results for v in r.violations] + _cross_rank_checks(results)
+    pd = _pd_summary(results, pd_decode) if pd_decode is not None else None
+    if pd is not None:
+        violations += pd.problems
     summaries: Dict[str, ColumnSummary] = {}
     series: Dict[str, Any] = {"columns": {}}
     for column in columns:
@@ -480,6 +568,11 @@ def build_report(
         rejected_insert_hit_tokens=c.rejected_insert_hit_tokens,
         columns=summaries,
         native_column_note=native_note,
+        pd=pd is not None,
+        pd_transferred_tokens=pd.transferred_tokens if pd else 0,
+        pd_kv_mismatches=pd.kv_mismatches if pd else 0,
+        pd_sent_bytes_per_rank=pd.sent_bytes_per_rank if pd else [],
+        pd_summary=pd,
     )
 
 
@@ -497,6 +590,7 @@ def _headline(report: SimReport) -> List[str]:
         if report.draft
         else ""
     )
+    pd = f"pd_kv_mismatches={report.pd_kv_mismatches} (decode side)  " if report.pd else ""
     others = [
         f"{s.name} {'PASS' if s.passed else 'FAIL'}"
         for name, s in report.columns.items()
@@ -510,7 +604,7 @@ def _headline(report: SimReport) -> List[str]:
         + (f"; {', '.join(others)}" if others else "")
         + ")  "
         f"kv_mismatches={report.kv_mismatches} (checked {report.kv_checked_tokens} hit tokens)  "
-        f"{draft}"
+        f"{draft}{pd}"
         f"violations={len(report.invariant_violations)}  "
         f"hot_path_collectives={report.hot_path_collectives}  "
         f"leaked device/host slots={report.leaked_device_slots}/{report.leaked_host_slots}  "
@@ -667,9 +761,30 @@ def _op_rows(report: SimReport) -> List[str]:
     return lines
 
 
+def _pd_rows(report: SimReport) -> List[str]:
+    """The main column's PD transfers, as the decode process checked them."""
+    pd = report.pd_summary
+    t, d = pd.transfer_ms, pd.decode_transfer_ms
+    sent = ", ".join(_mib(b) for b in pd.sent_bytes_per_rank)
+    return [
+        f"PD to one decode process over Mooncake (loopback TCP): {pd.transferred_requests} "
+        f"requests, {pd.transferred_tokens} tokens; failed {pd.failed_transfers}",
+        f"  decode-side checks: pd_kv_mismatches={pd.kv_mismatches} (draft {pd.draft_kv_mismatches})"
+        f"  aux wrong={pd.aux_mismatches}  off-grant pages written={pd.off_grant_pages_changed}"
+        f"  decode slots leaked={pd.decode_leaked_tokens}",
+        f"  sent per rank: {sent}  (logical {_mib(pd.logical_bytes)}; max-rank / (logical/cp) "
+        f"{pd.sent_bytes_vs_logical:.3f}x)",
+        f"  per request: last chunk -> Success p50 {t['p50']:.1f} ms, p90 {t['p90']:.1f} ms; "
+        f"decode prealloc -> transferred p50 {d['p50']:.1f} ms; in the engine "
+        f"{pd.engine_ms_per_request:.1f} ms (busiest rank, mean)",
+    ]
+
+
 def format_table(report: SimReport) -> str:
     """The human-readable report (stdout of the CLI)."""
     lines = _headline(report) + [""] + _cache_rows(report) + [""] + _rank_rows(report)
+    if report.pd_summary is not None:
+        lines += [""] + _pd_rows(report)
     lines += [""] + _balance_rows(report)
     lines += [""] + _op_rows(report)
     if report.invariant_violations:

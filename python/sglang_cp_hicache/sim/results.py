@@ -83,6 +83,37 @@ class LaneUsage:
 
 
 @dataclass
+class PDRankStats:
+    """One prefill rank's side of the PD transfers (``SimConfig.pd``): every finished
+    request it sent to the decode process, in finish order (replicated on every rank)."""
+
+    requests: int = 0
+    tokens: int = 0  # prompt tokens of the requests transferred
+    pages: int = 0  # logical pages of those requests
+    owned_pages: int = 0  # of those, pages this rank owns (and so sends)
+    page_bytes: int = 0  # bytes of one logical page over every pool sent (KV, indexer, draft)
+    sent_bytes: int = 0  # KV and state bytes this rank handed to its transfer engine (no aux)
+    transfer_s: List[float] = field(default_factory=list)  # last chunk sent -> CP-wide Success
+    engine_s: float = 0.0  # inside the engine's batch writes, all requests
+    failures: List[str] = field(default_factory=list)
+
+
+@dataclass
+class PDDecodeStats:
+    """The decode process's checks of every transfer, on its own full (cp 1) pool."""
+
+    requests: int = 0
+    tokens: int = 0  # prompt tokens received and checked
+    kv_mismatches: int = 0  # tokens whose target KV or indexer bytes differ from the pattern
+    draft_kv_mismatches: int = 0  # tokens whose MTP draft KV or indexer bytes differ
+    aux_mismatches: int = 0  # requests whose first token (MTP: hidden state) differs
+    off_grant_pages_changed: int = 0  # pages never granted to a request whose bytes changed
+    leaked_tokens: int = 0  # KV slots not back after every request was released
+    failures: List[str] = field(default_factory=list)
+    transfer_s: List[float] = field(default_factory=list)  # preallocated -> transferred
+
+
+@dataclass
 class RankResult:
     rank: int
     shared_kv: bool
@@ -113,3 +144,4 @@ class RankResult:
     draft_d2h_bytes: int = 0
     draft_h2d_bytes: int = 0
     draft_host_peak_bytes: int = 0
+    pd: Optional[PDRankStats] = None  # SimConfig.pd: this rank's transfers to decode

@@ -18,6 +18,7 @@ and ends with ``os._exit``. A watchdog ends it after its lifetime even if no one
 
 from __future__ import annotations
 
+import logging
 import multiprocessing.connection
 import os
 import sys
@@ -25,7 +26,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import requests
 
@@ -313,17 +314,160 @@ def serve_bootstrap(channel: RoleChannel, host: str, port: int, lifetime_s: floa
     channel.wait("stop", timeout_s=lifetime_s)
 
 
+# ------------------------------------------------------------------ scenario steps and outcomes
+SENTINEL_BYTE = 0xA5  # a decode pool's bytes before any transfer
+
+
+@dataclass(frozen=True)
+class PDRequest:
+    """One request, served by every prefill rank and the decode server in scenario order.
+
+    ``chunk_tokens`` splits the prefill into forwards the way SGLang's chunked prefill
+    does (the first chunk ends on a page boundary). ``bootstrap_port`` (decode only)
+    overrides the cluster's: a port nobody serves makes the bootstrap unreachable.
+    """
+
+    rid: str
+    token_ids: Tuple[int, ...]
+    room: int
+    chunk_tokens: Optional[int] = None
+    bootstrap_port: Optional[int] = None
+
+    @property
+    def next_token(self) -> int:
+        """The first output token the prefill hands to decode as aux data."""
+        return (sum(self.token_ids) + len(self.token_ids)) % 50000 + 1
+
+
+@dataclass(frozen=True)
+class EvictDevice:
+    """Prefill step: back everything up, evict it from device and wipe the device bytes, so
+    a later hit on it can only come back through a real host load-back."""
+
+
+Step = Union[PDRequest, EvictDevice]
+
+
+@dataclass
+class PrefillOutcome:
+    """One prefill rank's view of one request.
+
+    ``payload_bytes``: KV and state bytes this rank handed to its transfer engine (aux
+    excluded); ``owned_pages``: pages of the request this rank owns.
+    """
+
+    rid: str
+    rank: int
+    success: bool
+    failure: str = ""
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    chunks: int = 0
+    transfer_s: float = 0.0  # last chunk sent -> CP-wide Success (or Failed) polled
+    engine_s: float = 0.0  # time inside the transfer engine's batch writes, all chunks
+    failure_detected_s: float = 0.0  # from the checkpoint's release to the Failed poll
+    payload_bytes: int = 0
+    owned_pages: int = 0
+    pools_unchanged: bool = True
+    leaked: List[str] = field(default_factory=list)
+
+
+@dataclass
+class DecodeOutcome:
+    """The decode server's view of one request, checked on its own pool."""
+
+    rid: str
+    success: bool
+    failure: str = ""
+    kv_mismatches: int = 0  # tokens whose target KV or indexer bytes differ from the reference
+    draft_mismatches: int = 0  # tokens whose draft KV or indexer bytes differ
+    aux_ok: bool = False  # first output token (and, with MTP, hidden state) as prefill set them
+    granted_pages: int = 0
+    granted_pages_touched: int = 0  # of a failed request: granted pages whose bytes changed
+    transfer_s: float = 0.0
+    errors_logged: List[str] = field(default_factory=list)
+
+
+@dataclass
+class DecodeReport:
+    """The decode role's result: per request, then the end-of-run checks over the pool."""
+
+    outcomes: List[DecodeOutcome]
+    final_kv_mismatches: int  # every successful request re-checked after all transfers
+    final_draft_mismatches: int
+    off_grant_pages_changed: int  # pages never granted to a request whose bytes changed
+
+
+# ------------------------------------------------------------------ engine and logs
+def init_transfer_engine() -> Any:
+    """This process's Mooncake transfer engine on loopback (TCP, ``MC_FORCE_TCP``)."""
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+        init_mooncake_transfer_engine,
+    )
+
+    return init_mooncake_transfer_engine(hostname=LOOPBACK, gpu_id=0)
+
+
+class SentBytesMeter:
+    """Counts the bytes each ``batch_transfer_sync`` hands to the engine (delegates).
+
+    Upstream calls the engine from its transfer thread pool, one call per layer at once
+    (``mooncake/conn.py``, ``executor.submit``): the counts are updated under a lock, or
+    concurrent ``+=`` would lose bytes.
+    """
+
+    def __init__(self, engine: Any):
+        self.total = 0
+        self.engine_s = 0.0
+        self._lock = threading.Lock()
+        original = engine.batch_transfer_sync
+
+        def counted(session_id, buffers, peer_buffer_addresses, lengths):
+            with self._lock:
+                self.total += int(sum(lengths))
+            start = time.monotonic()
+            try:
+                return original(session_id, buffers, peer_buffer_addresses, lengths)
+            finally:
+                with self._lock:
+                    self.engine_s += time.monotonic() - start
+
+        engine.batch_transfer_sync = counted
+
+
+class ErrorLog(logging.Handler):
+    """Collects the ERROR records of SGLang's disaggregation loggers."""
+
+    def __init__(self):
+        super().__init__(level=logging.ERROR)
+        self.messages: List[str] = []
+        logging.getLogger("sglang.srt.disaggregation").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 __all__ = [
     "ALL_CP_RANKS_TRANSFER_ENV",
     "BootstrapUnreachable",
+    "DecodeOutcome",
+    "DecodeReport",
+    "ErrorLog",
+    "EvictDevice",
     "LOOPBACK",
     "PDCluster",
     "PDEnv",
     "PDPorts",
+    "PDRequest",
+    "PrefillOutcome",
     "RoleChannel",
     "RoleFailed",
     "RoleProcess",
+    "SENTINEL_BYTE",
+    "SentBytesMeter",
+    "Step",
     "free_port",
+    "init_transfer_engine",
     "role_env",
     "serve_bootstrap",
     "wait_until_serving",

@@ -13,7 +13,9 @@ Per step (``Scheduler._get_new_batch_prefill_raw`` -> ``PrefillAdder`` ->
 5. "forward": pattern KV for the new tokens into owned slots (with the MTP draft: its
    pattern into the draft pool too, its layer reported after the target forward's end);
    the hit is verified, target and draft bytes;
-6. ``release_kv_cache``: the cache's own ``cache_finished_req`` (insert the page-aligned
+6. with ``SimConfig.pd``, a finished prefill goes to the decode process first (upstream's
+   PD prefill path over this stack, ``pd_link.PrefillLink``);
+7. ``release_kv_cache``: the cache's own ``cache_finished_req`` (insert the page-aligned
    key, free duplicates and the unaligned tail, unlock), then the req slot.
 
 Only the cache calls are timed, with collectives counted; checks, KV writes and the
@@ -48,6 +50,7 @@ from sglang_cp_hicache.sim.engine import (
     Violations,
 )
 from sglang_cp_hicache.sim.results import LaneUsage, RankCounters, RankResult, SeriesPoint
+from sglang_cp_hicache.sim.v0_5_12 import pd_link
 from sglang_cp_hicache.sim.v0_5_12.checks import poison_owned, tree_summary, verify_hit
 from sglang_cp_hicache.sim.v0_5_12.invariants import PoolLedger
 from sglang_cp_hicache.sim.v0_5_12.observed_cache import CacheObserver
@@ -177,6 +180,8 @@ class RankDriver(StepLoop):
         self.host_peak_logical = 0
         self.lane_usage = LaneUsage.empty(len(self.ledger.start_lanes)) if shared_kv else None
         self.observer = self._observe(counter)
+        # SimConfig.pd: every finished prefill goes to the decode process (prefill roles only).
+        self.pd = pd_link.attach(stack) if shared_kv else None
 
     # ------------------------------------------------------------- plumbing
     def _observe(self, counter: CollectiveCounter) -> CacheObserver:
@@ -451,6 +456,10 @@ class RankDriver(StepLoop):
         request's cache_unfinished_req, or release_kv_cache (cache_finished_req)."""
         draw = self.features.draw(f"retract@{req.fill_len}", req.request.index, req.attempt)
         retract = draw < self.features.retract_prob
+        if self.pd is not None and req.finished_prefill and not retract:
+            # As the PD prefill server: the KV goes to decode before the cache takes it back
+            # (not timed: upstream's transfer and its CP poll are not cache calls).
+            self.pd.transfer(req.rid, req.prompt, req.req_pool_idx)
         with self._op("insert"):
             if retract:
                 self.cache.cache_finished_req(req, is_insert=False)
@@ -530,4 +539,5 @@ class RankDriver(StepLoop):
             draft_d2h_bytes=self.observer.d2h_tokens * self.draft_bytes_per_token,
             draft_h2d_bytes=self.observer.h2d_tokens * self.draft_bytes_per_token,
             draft_host_peak_bytes=self.draft_host_peak,
+            pd=None if self.pd is None else self.pd.stats,
         )

@@ -25,53 +25,36 @@ ranks; the collectives run on the real gloo groups.
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from sglang_cp_hicache.testing.pd import LOOPBACK, PDPorts, RoleChannel
+from sglang_cp_hicache.testing.pd import (
+    LOOPBACK,
+    SENTINEL_BYTE,
+    DecodeOutcome,
+    DecodeReport,
+    ErrorLog,
+    EvictDevice,
+    PDPorts,
+    PDRequest,
+    PrefillOutcome,
+    RoleChannel,
+    SentBytesMeter,
+    Step,
+    init_transfer_engine,
+)
 
 PAGE_SIZE = 64
-SENTINEL_BYTE = 0xA5  # the decode pool's bytes before any transfer
 HIDDEN_SIZE = 64  # the metadata buffers' hidden state (MTP: carried to decode)
 _POLL_S = 0.01
 
 
 # ------------------------------------------------------------------ scenario
-@dataclass(frozen=True)
-class PDRequest:
-    """One request, served by every prefill rank and the decode server in scenario order.
-
-    ``chunk_tokens`` splits the prefill into forwards the way SGLang's chunked prefill
-    does (the first chunk ends on a page boundary). ``bootstrap_port`` (decode only)
-    overrides the cluster's: a port nobody serves makes the bootstrap unreachable.
-    """
-
-    rid: str
-    token_ids: Tuple[int, ...]
-    room: int
-    chunk_tokens: Optional[int] = None
-    bootstrap_port: Optional[int] = None
-
-    @property
-    def next_token(self) -> int:
-        """The first output token the prefill hands to decode as aux data."""
-        return (sum(self.token_ids) + len(self.token_ids)) % 50000 + 1
-
-
-@dataclass(frozen=True)
-class EvictDevice:
-    """Prefill step: back everything up, evict it from device and wipe the device bytes, so
-    a later hit on it can only come back through a real host load-back."""
-
-
-Step = Union[PDRequest, EvictDevice]
 PLANTS = ("wrong_owner", "rank_skips_send")
 
 
@@ -104,57 +87,6 @@ class PDScenario:
     @property
     def requests(self) -> List[PDRequest]:
         return [s for s in self.steps if isinstance(s, PDRequest)]
-
-
-# ------------------------------------------------------------------ outcomes
-@dataclass
-class PrefillOutcome:
-    """One prefill rank's view of one request.
-
-    ``payload_bytes``: KV and state bytes this rank handed to its transfer engine (aux
-    excluded); ``owned_pages``: pages of the request this rank owns.
-    """
-
-    rid: str
-    rank: int
-    success: bool
-    failure: str = ""
-    device_hit_tokens: int = 0
-    host_hit_tokens: int = 0
-    chunks: int = 0
-    transfer_s: float = 0.0  # last chunk sent -> CP-wide Success (or Failed) polled
-    engine_s: float = 0.0  # time inside the transfer engine's batch writes, all chunks
-    failure_detected_s: float = 0.0  # from the checkpoint's release to the Failed poll
-    payload_bytes: int = 0
-    owned_pages: int = 0
-    pools_unchanged: bool = True
-    leaked: List[str] = field(default_factory=list)
-
-
-@dataclass
-class DecodeOutcome:
-    """The decode server's view of one request, checked on its own pool."""
-
-    rid: str
-    success: bool
-    failure: str = ""
-    kv_mismatches: int = 0  # tokens whose target KV or indexer bytes differ from the reference
-    draft_mismatches: int = 0  # tokens whose draft KV or indexer bytes differ
-    aux_ok: bool = False  # first output token (and, with MTP, hidden state) as prefill set them
-    granted_pages: int = 0
-    granted_pages_touched: int = 0  # of a failed request: granted pages whose bytes changed
-    transfer_s: float = 0.0
-    errors_logged: List[str] = field(default_factory=list)
-
-
-@dataclass
-class DecodeReport:
-    """The decode role's result: per request, then the end-of-run checks over the pool."""
-
-    outcomes: List[DecodeOutcome]
-    final_kv_mismatches: int  # every successful request re-checked after all transfers
-    final_draft_mismatches: int
-    off_grant_pages_changed: int  # pages never granted to a request whose bytes changed
 
 
 # ------------------------------------------------------------------ SGLang stand-ins
@@ -215,42 +147,6 @@ def pd_server_args(mode: str, cp_size: int, bootstrap_port: int, draft: bool):
     )
 
 
-def init_transfer_engine() -> Any:
-    """This process's Mooncake transfer engine on loopback (TCP, ``MC_FORCE_TCP``)."""
-    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
-        init_mooncake_transfer_engine,
-    )
-
-    return init_mooncake_transfer_engine(hostname=LOOPBACK, gpu_id=0)
-
-
-class SentBytesMeter:
-    """Counts the bytes each ``batch_transfer_sync`` hands to the engine (delegates).
-
-    Upstream calls the engine from its transfer thread pool, one call per layer at once
-    (``mooncake/conn.py``, ``executor.submit``): the counts are updated under a lock, or
-    concurrent ``+=`` would lose bytes.
-    """
-
-    def __init__(self, engine: Any):
-        self.total = 0
-        self.engine_s = 0.0
-        self._lock = threading.Lock()
-        original = engine.batch_transfer_sync
-
-        def counted(session_id, buffers, peer_buffer_addresses, lengths):
-            with self._lock:
-                self.total += int(sum(lengths))
-            start = time.monotonic()
-            try:
-                return original(session_id, buffers, peer_buffer_addresses, lengths)
-            finally:
-                with self._lock:
-                    self.engine_s += time.monotonic() - start
-
-        engine.batch_transfer_sync = counted
-
-
 @dataclass
 class PrefillSchedulerFields:
     """The ``Scheduler`` fields upstream's ``PrefillBootstrapQueue`` and prefill mixin
@@ -296,18 +192,6 @@ class DecodeSchedulerFields:
 
     def stream_output(self, reqs, return_logprob=False, *args, **kwargs) -> None:
         """To the client: the harness reads each request's outcome from the request."""
-
-
-class ErrorLog(logging.Handler):
-    """Collects the ERROR records of SGLang's disaggregation loggers."""
-
-    def __init__(self):
-        super().__init__(level=logging.ERROR)
-        self.messages: List[str] = []
-        logging.getLogger("sglang.srt.disaggregation").addHandler(self)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 # ------------------------------------------------------------------ negative controls
@@ -371,7 +255,8 @@ def _page_rows(buffer: torch.Tensor, num_pages: int) -> torch.Tensor:
 class PrefillRank:
     """One prefill CP rank: the plugin's cache stack under upstream's PD prefill path."""
 
-    def __init__(self, ctx: Any, scenario: PDScenario, ports: PDPorts):
+    def __init__(self, ctx: Any, scenario: PDScenario, ports: PDPorts, stack: Any = None):
+        """``stack``: a rank stack another driver runs (the simulator's); None builds one."""
         from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
         from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator, TransferBackend
 
@@ -385,7 +270,9 @@ class PrefillRank:
             page_size=PAGE_SIZE,
             draft=scenario.draft,
         )
-        self.stack = nsa_stack.build_rank_stack(cfg, ctx.rank, ctx.cp_group, ctx.attn_tp_group)
+        if stack is None:
+            stack = nsa_stack.build_rank_stack(cfg, ctx.rank, ctx.cp_group, ctx.attn_tp_group)
+        self.stack = stack
         self.server_args = pd_server_args("prefill", scenario.cp_size, ports.bootstrap, scenario.draft)
         self.meter = SentBytesMeter(init_transfer_engine())
         self.metadata_allocator = ReqToMetadataIdxAllocator(8)
@@ -546,16 +433,20 @@ class PrefillRank:
         self._forward(req, ends[-1])
         return released_at
 
-    def _finish_prefill(self, req: Any, spec: PDRequest) -> None:
-        """What ``process_batch_result_disagg_prefill`` does before the last send: the
-        first output token (and, with MTP, the draft's state for decode) and the cache."""
-        from sglang.srt.mem_cache.common import maybe_cache_unfinished_req
-
+    def _set_first_token(self, req: Any, spec: PDRequest) -> None:
+        """The first output token (and, with MTP, the draft's state for decode)."""
         req.output_ids.append(spec.next_token)
         if self.scenario.draft:
             req.output_topk_p = torch.full((1,), 0.5)
             req.output_topk_index = torch.tensor([spec.next_token])
             req.hidden_states_tensor = expected_hidden_state(spec)
+
+    def _finish_prefill(self, req: Any, spec: PDRequest) -> None:
+        """What ``process_batch_result_disagg_prefill`` does before the last send: the
+        first output token and the cache."""
+        from sglang.srt.mem_cache.common import maybe_cache_unfinished_req
+
+        self._set_first_token(req, spec)
         maybe_cache_unfinished_req(req, self.stack.cache)
         self.stack.cache.check_hicache_events()
 
@@ -576,21 +467,66 @@ class PrefillRank:
         logical_pages = row[::PAGE_SIZE] // PAGE_SIZE
         return int((logical_pages % self.scenario.cp_size == self.ctx.rank).sum())
 
-    def serve(self, channel: RoleChannel, spec: PDRequest) -> PrefillOutcome:
-        """Serve ``spec`` as SGLang's disaggregated prefill does; report what this rank saw."""
-        from sglang.srt.disaggregation.base.conn import KVPoll
-        from sglang.srt.disaggregation.prefill import release_req_to_metadata_buffer
+    def _new_req(self, spec: PDRequest) -> Any:
+        """SGLang's ``Req`` of ``spec`` as the prefill server receives it."""
         from sglang.srt.managers.schedule_batch import Req
-        from sglang.srt.mem_cache.common import release_kv_cache
         from sglang.srt.sampling.sampling_params import SamplingParams
 
-        deadline = time.monotonic() + self.scenario.transfer_timeout_s
-        out = PrefillOutcome(spec.rid, self.ctx.rank, success=False)
-        req = Req(
+        return Req(
             rid=spec.rid, origin_input_text="", origin_input_ids=list(spec.token_ids),
             sampling_params=SamplingParams(max_new_tokens=1), bootstrap_host=LOOPBACK,
             bootstrap_room=spec.room,
         )  # fmt: skip
+
+    def _close_sender(self, req: Any, out: PrefillOutcome, poll: int) -> None:
+        """After the CP-wide poll: the sender cleared, or the recorded failure read."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        out.success = poll == KVPoll.Success
+        if out.success:
+            req.disagg_kv_sender.clear()
+            return
+        try:
+            req.disagg_kv_sender.failure_exception()
+        except Exception as error:  # upstream raises the recorded reason
+            out.failure = str(error)
+
+    def send_prefilled(self, spec: PDRequest, req_pool_idx: int) -> PrefillOutcome:
+        """Transfer a request another driver prefilled on this rank's stack (its locs in
+        ``req_to_token[req_pool_idx]``, every prompt token's KV stored): the bootstrap, the
+        whole prompt as the last chunk with its aux data, the CP-wide poll. The caller
+        keeps the KV and releases it (``cache_finished_req``) afterwards."""
+        from sglang.srt.disaggregation.prefill import release_req_to_metadata_buffer
+
+        deadline = time.monotonic() + self.scenario.transfer_timeout_s
+        out = PrefillOutcome(spec.rid, self.ctx.rank, success=False, chunks=1)
+        req = self._new_req(spec)
+        if not self._bootstrap(req, deadline):
+            out.failure = str(req.finished_reason.message)
+            release_req_to_metadata_buffer(req, self.metadata_allocator)
+            return out
+        req.req_pool_idx, req.fill_ids = req_pool_idx, list(spec.token_ids)
+        self._set_first_token(req, spec)
+        out.owned_pages = self._owned_pages(req)
+        bytes_before, engine_before = self.meter.total, self.meter.engine_s
+        sent_at = time.monotonic()
+        poll = self._send_last_chunk(req, deadline)
+        out.transfer_s, out.engine_s = time.monotonic() - sent_at, self.meter.engine_s - engine_before
+        self._close_sender(req, out, poll)
+        req.req_pool_idx = None  # the row stays the caller's
+        release_req_to_metadata_buffer(req, self.metadata_allocator)
+        aux_bytes = sum(self.kv_manager.kv_args.aux_item_lens) if out.success else 0
+        out.payload_bytes = self.meter.total - bytes_before - aux_bytes
+        return out
+
+    def serve(self, channel: RoleChannel, spec: PDRequest) -> PrefillOutcome:
+        """Serve ``spec`` as SGLang's disaggregated prefill does; report what this rank saw."""
+        from sglang.srt.disaggregation.prefill import release_req_to_metadata_buffer
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        deadline = time.monotonic() + self.scenario.transfer_timeout_s
+        out = PrefillOutcome(spec.rid, self.ctx.rank, success=False)
+        req = self._new_req(spec)
         if not self._bootstrap(req, deadline):
             out.failure = str(req.finished_reason.message)
             release_req_to_metadata_buffer(req, self.metadata_allocator)
@@ -606,14 +542,8 @@ class PrefillRank:
         done_at = time.monotonic()
         out.transfer_s, out.engine_s = done_at - sent_at, self.meter.engine_s - engine_before
         out.failure_detected_s = done_at - released_at if released_at is not None else 0.0
-        out.success, out.pools_unchanged = poll == KVPoll.Success, self._unchanged(snapshot)
-        if out.success:
-            req.disagg_kv_sender.clear()
-        else:
-            try:
-                req.disagg_kv_sender.failure_exception()
-            except Exception as error:  # upstream raises the recorded reason
-                out.failure = str(error)
+        out.pools_unchanged = self._unchanged(snapshot)
+        self._close_sender(req, out, poll)
         release_kv_cache(req, self.stack.cache)
         release_req_to_metadata_buffer(req, self.metadata_allocator)
         self.stack.cache.check_hicache_events()
@@ -710,7 +640,7 @@ class DecodeServer:
         )
         self.metadata_buffers = MetadataBuffers(8, HIDDEN_SIZE, torch.bfloat16)
         metadata_allocator = ReqToMetadataIdxAllocator(8)
-        tree_cache = ChunkCache(
+        self.tree_cache = tree_cache = ChunkCache(
             CacheInitParams(
                 disable=True, req_to_token_pool=stack.req_to_token_pool,
                 token_to_kv_pool_allocator=stack.allocator, page_size=PAGE_SIZE,
@@ -767,9 +697,15 @@ class DecodeServer:
             return True
         return torch.equal(req.hidden_states_tensor, expected_hidden_state(spec))
 
-    def serve(self, spec: PDRequest) -> DecodeOutcome:
-        """Receive ``spec`` through upstream's queues; check its bytes on this pool."""
+    def serve(self, spec: PDRequest, keep: bool = True) -> DecodeOutcome:
+        """Receive ``spec`` through upstream's queues; check its bytes on this pool.
+
+        ``keep=False``: once checked, the request's KV and slot go back (upstream's
+        ``release_kv_cache``, as a request that finished decoding) and the end-of-run
+        re-check skips it; its pages count as granted for the sentinel check.
+        """
         from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req
+        from sglang.srt.mem_cache.common import release_kv_cache
         from sglang.srt.sampling.sampling_params import SamplingParams
 
         # Later than the prefill ranks' deadline: a stuck transfer is reported by the side
@@ -812,7 +748,10 @@ class DecodeServer:
         out.success = True
         out.kv_mismatches, out.draft_mismatches = self._mismatches(spec, locs)
         out.aux_ok = self._aux_ok(spec, req)
-        self.served.append((spec, locs))
+        if keep:
+            self.served.append((spec, locs))
+        else:
+            release_kv_cache(req, self.tree_cache, is_insert=False)
         return out
 
     def report(self, outcomes: List[DecodeOutcome]) -> DecodeReport:

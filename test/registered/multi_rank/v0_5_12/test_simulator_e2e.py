@@ -213,6 +213,7 @@ def test_native_sharding_is_refused_on_this_line(cp2_report: SimReport) -> None:
 def test_every_fault_has_a_test() -> None:
     tested = {"roll_load_owners", "drop_last_rank_loads", "hot_path_barrier"}
     tested |= {"diverge_last_rank", "leak_tail", "shift_mirror", "drop_last_rank_draft_loads"}
+    tested |= {"pd_wrong_owner"}  # test_simulator_pd.py
     assert set(FAULTS) == tested
 
 

@@ -1,0 +1,72 @@
+"""The 0.5.12.post1 line's PD roles for the simulator (``SimConfig.pd``; see ``sim/pd.py``).
+
+A prefill role is one rank of the main column, exactly as ``rank.cp_rank_main`` runs it,
+with a :class:`~sglang_cp_hicache.sim.v0_5_12.pd_link.PrefillLink` attached to its driver.
+The decode role is the harness's ``DecodeServer`` (a full cp-1 pool under upstream's decode
+queues), checking every token's KV, indexer K/scale and draft KV against the pattern.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+from sglang_cp_hicache.sim.config import SimConfig
+from sglang_cp_hicache.sim.pd import DECODE_REQUEST, LinePD
+from sglang_cp_hicache.sim.results import PDDecodeStats, RankResult
+from sglang_cp_hicache.sim.v0_5_12 import pd_link
+from sglang_cp_hicache.sim.workload import Request
+
+MISSING = ""  # this line has PD roles
+_PD_FAULTS = {"pd_wrong_owner": "wrong_owner"}  # SimConfig.fault -> the harness's plant
+
+
+def prefill_role(
+    channel: Any, rank: int, cfg: SimConfig, steps: List[List[Request]], ports: Any, shard_impl: str
+) -> RankResult:
+    """Role: rank ``rank`` of the main column (``rank.cp_rank_main``) with its transfers."""
+    from sglang_cp_hicache.sim.v0_5_12.rank import cp_rank_main
+    from sglang_cp_hicache.testing.dist import init_rank_groups
+    from sglang_cp_hicache.testing.v0_5_12 import pd_harness
+
+    ctx = init_rank_groups(rank, cfg.cp_size, ports.gloo, timeout_s=cfg.timeout_s)
+    pd_harness.install_parallel_state(cfg.cp_size, rank)  # what upstream's PD managers read
+    pd_harness.plant_bug(_PD_FAULTS.get(cfg.fault), rank, cfg.cp_size)
+    pd_link.expect(channel, ctx, cfg, ports)  # the driver attaches it to the stack it runs
+    return cp_rank_main(ctx, cfg, steps, shard_impl)
+
+
+def decode_role(channel: Any, cfg: SimConfig, ports: Any, decode_pages: int) -> PDDecodeStats:
+    """Role: the decode server; receives and checks each relayed request, then releases
+    it, until the harness sends None; the stats cover every request."""
+    from sglang_cp_hicache.testing.v0_5_12 import pd_harness, scheduler_batch
+
+    pd_harness.load_plugins()  # installed beside SGLang on the decode server too (flag off)
+    pd_harness.install_parallel_state(1, 0)
+    scenario = pd_harness.PDScenario(
+        cp_size=1, steps=(), draft=cfg.draft, layer_num=cfg.layer_num,
+        decode_pages=decode_pages, seed=cfg.seed,
+    )  # fmt: skip
+    stats = PDDecodeStats()
+    with scheduler_batch.cpu_scheduler_server_args(cfg.page_size):
+        server = pd_harness.DecodeServer(scenario, ports)
+        free_before = server.stack.allocator.available_size()
+        channel.event("ready")
+        while (spec := channel.wait(DECODE_REQUEST, timeout_s=cfg.timeout_s)) is not None:
+            out = server.serve(spec, keep=False)
+            stats.requests += 1
+            stats.transfer_s.append(out.transfer_s)
+            if not out.success:
+                stats.failures.append(f"{spec.rid}: {out.failure}")
+                continue
+            stats.tokens += len(spec.token_ids)
+            stats.kv_mismatches += out.kv_mismatches
+            stats.draft_kv_mismatches += out.draft_mismatches
+            stats.aux_mismatches += int(not out.aux_ok)
+        stats.off_grant_pages_changed = server.report([]).off_grant_pages_changed
+        stats.leaked_tokens = free_before - server.stack.allocator.available_size()
+    return stats
+
+
+PD = LinePD(prefill_role=prefill_role, decode_role=decode_role)
+
+__all__ = ["MISSING", "PD", "decode_role", "prefill_role"]
