@@ -31,7 +31,8 @@ class WriteAckWatcher:
     Invariant: ``finished + len(pending) == tracked <= len(ack_write_queue)``, where
     ``tracked`` counts the queue's leading acks already handed over; ``finished`` of them
     are done, ``pending`` holds the finish events of the rest, oldest first. ``sync`` and
-    ``consume`` run on the scheduler thread only; the lock guards ``finished``/``pending``.
+    ``consume`` run on the scheduler thread only; while a thread runs, the lock guards
+    ``finished``/``pending`` (without one, the scheduler thread alone touches them).
     """
 
     def __init__(self, poll_s: float = 1e-3, linger_s: float = 1.0) -> None:
@@ -43,15 +44,23 @@ class WriteAckWatcher:
         self._finished = 0
         self._tracked = 0
         self._stopping = False
-        self._running = False  # a thread is polling or lingering (guarded by the lock)
+        # A thread is polling or lingering: written under the lock, read without it by the
+        # scheduler thread, which alone sets it (True, when starting one).
+        self._running = False
         self._thread: Optional[threading.Thread] = None  # the latest one started
 
     def sync(self, ack_queue: Sequence[Any]) -> int:
         """Take over acks appended since the last call; return the leading finished ones."""
-        new_acks = ack_queue[self._tracked :]
-        self._tracked = len(ack_queue)
+        start, self._tracked = self._tracked, len(ack_queue)
+        if not self._running and not self._pending:
+            # No thread (none started, or the last one cleared _running as its final step
+            # under the lock; only this thread starts one): the counters are this thread's
+            # alone, so the usual call, every new ack finished at hand-over, takes no lock.
+            start = self._count_finished_from(ack_queue, start)
+            if start == self._tracked:
+                return self._finished
         with self._cond:
-            self._pending.extend(ack.finish_event for ack in new_acks)
+            self._pending.extend(ack_queue[i].finish_event for i in range(start, self._tracked))
             self._count_finished_locked()
             if self._pending:
                 self._ensure_thread_locked()
@@ -60,6 +69,9 @@ class WriteAckWatcher:
     def consume(self, count: int) -> None:
         """The first ``count`` acks (all finished) left the queue."""
         self._tracked -= count
+        if not self._running:  # see sync: no thread, no lock
+            self._finished -= count
+            return
         with self._cond:
             self._finished -= count
 
@@ -79,6 +91,15 @@ class WriteAckWatcher:
         self._tracked = 0
 
     # ------------------------------------------------------------------ internals
+    def _count_finished_from(self, ack_queue: Sequence[Any], start: int) -> int:
+        """Count the leading finished acks of ``ack_queue[start:]`` (nothing pending, no
+        thread); return the index of the first unfinished one (the queue's length if none)."""
+        for index in range(start, self._tracked):
+            if not ack_queue[index].finish_event.query():
+                return index
+            self._finished += 1
+        return self._tracked
+
     def _count_finished_locked(self) -> None:
         # Write-stream events finish in order: stop at the first unfinished one.
         while self._pending and self._pending[0].query():

@@ -75,9 +75,15 @@ class EvictableLeafSet(set):
     def add(self, node: TreeNode) -> None:
         if node in self:
             return
-        super().add(node)
-        self._push(node)
-        if len(self._run) + len(self._heap) > 2 * len(self) + _COMPACT_SLACK:
+        set.add(self, node)
+        # _push, inlined: a leaf enters the set on every unlock of the ack and request paths.
+        entry = (self._priority(node), node.id, node)
+        run = self._run
+        if not run or not entry < run[-1]:
+            run.append(entry)
+        else:
+            heapq.heappush(self._heap, entry)
+        if len(run) + len(self._heap) > 2 * len(self) + _COMPACT_SLACK:
             self.rebuild()
 
     def clear(self) -> None:

@@ -431,7 +431,8 @@ class FastHiRadixCache(UPSTREAM["HiRadixCache"]):
     def check_hicache_events(self) -> None:
         # The scheduler calls this at the start of each prefill round: deferrals are per
         # round (a deferred request is matched again, after this round's acks).
-        self._split_deferrals.clear()
+        if self._split_deferrals:  # usually empty: no call
+            self._split_deferrals.clear()
         super().check_hicache_events()
 
     def shutdown(self) -> None:

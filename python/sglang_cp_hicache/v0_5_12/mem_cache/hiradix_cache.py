@@ -71,6 +71,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 from sglang_cp_hicache.v0_5_12.mem_cache.cp_hicache_metadata import (
     CpHiCacheMetadataError,
     CpHiCacheNodeMetadata,
+    HostLoadPlan,
     JoinedHostLoadPlan,
     LoadPlan,
     HostWritePlan,
@@ -404,10 +405,13 @@ class CpHiRadixCache(FastHiRadixCache):
                 self._set_host_plan(node)
         return new_node
 
-    def _set_host_plan(self, node: TreeNode) -> None:
+    def _set_host_plan(self, node: TreeNode, plan: Optional[HostLoadPlan] = None) -> None:
         """Plan the load of ``node``'s host value now: it stays fixed until a split, which
-        plans both halves again, so a load reads the plan instead of deriving it."""
-        plan = self.host_table.plan_load(host_int64(node.host_value), node.id)
+        plans both halves again, so a load reads the plan instead of deriving it.
+        ``plan``: the reservation's plan of a write that committed ``node.host_value`` whole
+        (:attr:`PendingHostWrite.load_plan`, made off the ack path)."""
+        if plan is None:
+            plan = self.host_table.plan_load(host_int64(node.host_value), node.id)
         node.cp_host_plan = plan
         node.cp_host_lanes = plan.lane_pages
         node.cp_host_plan_source = node.host_value  # the value planned, by identity
@@ -601,7 +605,11 @@ class CpHiRadixCache(FastHiRadixCache):
     def _commit_backup(self, record: PendingBackup) -> None:
         """The final ack landed on every rank: the node and every fragment split off it
         while pending take their slices of the reserved logical host locs."""
-        fragment_ids = {f.id for f in self._pending_fragments.get(record.node.id, ())}
+        fragments = self._pending_fragments.get(record.node.id)
+        if not fragments:
+            self._commit_unsplit(record)
+            return
+        fragment_ids = {f.id for f in fragments}
         chain = [record.node]  # splits keep fragments on the path above the node
         while chain[-1].parent.id in fragment_ids:
             chain.append(chain[-1].parent)
@@ -620,6 +628,23 @@ class CpHiRadixCache(FastHiRadixCache):
                 f"node {record.node.id} on CP rank {self.layout.cp_rank}: its pending backup "
                 f"reserved {len(locs)} host locs for {offset} tokens"
             )
+        self.pending_stats.committed += 1
+
+    def _commit_unsplit(self, record: PendingBackup) -> None:
+        """:meth:`_commit_backup` of a node nothing was split off while pending (the usual
+        case, on every step's ack path): the node takes the write's host locs whole and the
+        load plan its reservation made, so the ack asks the page table nothing."""
+        node, write = record.node, record.write
+        num_locs = len(write.load_plan.host_run.locs)
+        if num_locs != len(node.key):
+            raise CpHiCacheMetadataError(
+                f"node {node.id} on CP rank {self.layout.cp_rank}: its pending backup "
+                f"reserved {num_locs} host locs for {len(node.key)} tokens"
+            )
+        # No clone: the locs are the write's own array (commit_write made it), and the
+        # write dies with its record here.
+        node.host_value = write.logical_host_locs
+        self._set_host_plan(node, write.load_plan)
         self.pending_stats.committed += 1
 
     def _defers_split(self, node: TreeNode) -> bool:

@@ -79,14 +79,16 @@ class PendingHostWrite:
     """One logical backup between its reservation and its ack.
 
     ``logical_host_locs`` (identical on every rank) become the node's ``host_value`` only
-    when the write commits; ``operation`` is this rank's transfer of its owned pages
-    (None on a rank that owns none of them, which still acks once).
+    when the write commits, and ``load_plan`` (their :class:`HostLoadPlan`, made at the
+    reservation) its load plan when it commits whole; ``operation`` is this rank's transfer
+    of its owned pages (None on a rank that owns none of them, which still acks once).
     """
 
     node_id: int
     plan: HostWritePlan
     logical_host_locs: torch.Tensor
     operation: Optional[CacheOperation]
+    load_plan: HostLoadPlan
 
     def assign_node(self, node_id: int) -> None:
         """Name the node a reservation made before it existed belongs to (before submit:
@@ -300,8 +302,21 @@ class CpHybridCacheController(HybridCacheController):
             owned_physical_host_pages = host_int64(physical_host_locs[:: self.page_size]) // self.page_size
         else:
             owned_physical_host_pages = np.empty(0, dtype=np.int64)
-        logical_host_locs = torch.from_numpy(self.host_table.commit_write(plan, owned_physical_host_pages))
-        return PendingHostWrite(node_id, plan, logical_host_locs, operation)
+        host_locs = self.host_table.commit_write(plan, owned_physical_host_pages)
+        return PendingHostWrite(
+            node_id, plan, torch.from_numpy(host_locs), operation, self._reserved_load_plan(plan, host_locs)
+        )
+
+    def _reserved_load_plan(self, plan: HostWritePlan, host_locs: np.ndarray) -> HostLoadPlan:
+        """The load plan of the host pages just reserved for ``plan``. Made here, off the
+        ack path: ``commit_write`` recorded the write plan's owners for those pages, so a
+        whole-page run's plan is built from it without the table's gather and payload check
+        (``plan_load`` gives the same plan); any other run is planned by the table."""
+        if plan.device_run.page_of_loc is not None:
+            return self.host_table.plan_load(host_locs)
+        page = self.page_size
+        run = PageRun(host_locs, host_locs[::page] // page, None, page)
+        return HostLoadPlan(run, plan.page_owners, plan.lane_pages)
 
     def submit_write(self, pending: PendingHostWrite, per_layer: bool = False) -> None:
         """Queue the reserved backup's transfer and its one ack.
