@@ -23,6 +23,17 @@ Five checks, one ``PASS``/``FAIL`` line, a JSON report (``$OUT/device_check.json
 NCCL refuses two ranks on one GPU, so the CP ranks are ``--cp`` processes on the one
 device with a gloo CP group (gloo moves CUDA tensors through host staging). ``--device
 cpu`` runs the same checks with the CPU runtime's reference kernels.
+
+``--sglang 0.5.23`` (with ``--device cpu`` only: the offline GPU host cannot load 0.5.23's
+kernels) checks the 0.5.23 line instead, on ``--cp`` gloo ranks, for every KV format the
+plugin admits on Hopper (``flashmla_sparse`` over bf16, ``flashmla_kv`` over packed fp8):
+
+1. **self-test**: the startup self-test through its hook
+   (``v0_5_23/layers/attention/kv_shard_selftest.py``: gather, indexer, translation,
+   attention, sharded against replicated, with the CPU runtime's kernel set);
+2. **twin**: the read-path twin (``testing/v0_5_23/read_path.py``): one extend through
+   upstream's real sharded pool and ``DeepseekSparseAttnBackend`` against the unsharded
+   pool, every record bit for bit, owned rows only, the block table consistent.
 """
 
 from __future__ import annotations
@@ -440,6 +451,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> tuple[CheckOptions, bool]:
 
 
 def main(argv: Optional[Sequence[str]] = None, launch: Callable = spawn_ranks) -> int:
+    line, argv = _line_of(argv)
+    if line == LINE_0_5_23:
+        return main_0_5_23(argv)
     options, dry_run = parse_args(argv)
     if dry_run:
         print(describe(options))
@@ -505,6 +519,164 @@ def write_json(report: dict) -> Optional[str]:
         with open(path, "w") as f:
             json.dump(report, f, indent=1, default=str)
     return path
+
+
+# ----------------------------------------------------------------- the 0.5.23 line (CPU)
+LINE_0_5_12 = "0.5.12.post1"
+LINE_0_5_23 = "0.5.23"
+#: What the Hopper admission admits (``testing/v0_5_23/read_path.py`` ``KV_FORMATS``).
+FORMATS_0_5_23 = ("flashmla_sparse/bfloat16", "flashmla_kv/fp8_e4m3")
+_MODULE_NAME = "gpu_device_check"  # how the rank processes import this file
+
+
+def _line_of(argv: Optional[Sequence[str]]) -> tuple[str, List[str]]:
+    """``--sglang X`` taken off ``argv`` (default: the 0.5.12.post1 line, unchanged)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--sglang", choices=(LINE_0_5_12, LINE_0_5_23), default=LINE_0_5_12)
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    return args.sglang, rest
+
+
+def describe_0_5_23(options: CheckOptions) -> str:
+    return (
+        f"plan (sglang 0.5.23): {options.cp_size} processes, gloo CP group, device={options.device}, "
+        f"torch stand-in kernels; per admitted format {list(FORMATS_0_5_23)}: the startup self-test "
+        "through its hook (gather, indexer, translation, attention) and the read-path twin "
+        "(sharded vs replicated extend, owned rows, block table); identical bytes required"
+    )
+
+
+def _timed_call(fn: Callable[[], Any]) -> tuple[Any, float]:
+    import torch.distributed as dist
+
+    dist.barrier()  # every rank starts together: its seconds are its own work
+    start = time.perf_counter()
+    return fn(), time.perf_counter() - start
+
+
+def _selftest_entry(runner: Any) -> dict:
+    from sglang_cp_hicache.v0_5_23.layers.attention import kv_shard_selftest as selftest
+
+    try:
+        _, seconds = _timed_call(lambda: selftest.init_attention_backends_after(None, runner))
+    except selftest.KvShardSelfTestFailed as exc:
+        return {"ok": False, "stage": exc.stage, "error": str(exc)}
+    except Exception as exc:  # a kernel that would not run is a failure too
+        return {"ok": False, "stage": "exception", "error": f"{type(exc).__name__}: {exc}"}
+    report = getattr(runner, selftest.SELFTEST_ATTR)
+    return {"ok": True, "stages": report.stages, "backend": report.backend, "seconds": seconds}
+
+
+def _twin_entry(rank: Any) -> dict:
+    comparison, seconds = _timed_call(rank.compare_sharded_to_replicated)
+    return {
+        "identical": comparison.identical,
+        "table_translated": comparison.table_translated,
+        "pool_problems": list(comparison.pool_problems),
+        "block_table_problems": list(getattr(comparison, "block_table_problems", ())),
+        "seconds": seconds,
+    }
+
+
+def check_rank_0_5_23(ctx: Any, options: dict) -> dict:
+    """One rank: the self-test and the twin for every admitted format."""
+    from sglang_cp_hicache.testing.v0_5_23 import read_path
+    from sglang_cp_hicache.testing.v0_5_23.selftest_kernels import selftest_runner
+    from sglang_cp_hicache.testing.v0_5_23.shard_group import GlooShardGroup
+
+    names = tuple(f.name for f in read_path.KV_FORMATS)
+    if names != FORMATS_0_5_23:
+        raise RuntimeError(f"admitted formats changed: {names}, this check knows {FORMATS_0_5_23}")
+    group = GlooShardGroup.from_rank_context(ctx)
+    formats = []
+    for kv_format in read_path.KV_FORMATS:
+        with read_path.read_path_session(group, kv_format=kv_format) as rank:
+            formats.append(
+                {
+                    "format": kv_format.name,
+                    "selftest": _selftest_entry(selftest_runner(rank)),
+                    "twin": _twin_entry(rank),
+                }
+            )
+    return {"formats": formats}
+
+
+def summarize_0_5_23(per_rank: Sequence[dict], options: CheckOptions, wall_s: float) -> tuple[bool, List[str]]:
+    failures = []
+    for rank, report in enumerate(per_rank):
+        for entry in report["formats"]:
+            label = f"rank {rank} {entry['format']}"
+            test = entry["selftest"]
+            if not test["ok"]:
+                failures.append(f"{label} self-test stage {test['stage']}: {test['error']}")
+            twin = entry["twin"]
+            if not twin["identical"]:
+                failures.append(f"{label} twin stage read_path: sharded extend != replicated")
+            if not twin["table_translated"]:
+                failures.append(f"{label} twin stage translation: the kernel read the logical table")
+            failures.extend(f"{label} twin stage pool: {p}" for p in twin["pool_problems"])
+            failures.extend(f"{label} twin stage block_table: {p}" for p in twin["block_table_problems"])
+    head = f"cp={options.cp_size} device={options.device} sglang=0.5.23"
+    if failures:
+        lines = [f"FAIL 0.5.23 sharded read path != replicated ({head}): {failures[0]} (+{len(failures) - 1} more)"]
+    else:
+        lines = [
+            f"PASS 0.5.23 sharded read path == replicated ({head}, {len(FORMATS_0_5_23)} formats x "
+            f"(self-test + twin) x {options.cp_size} ranks)"
+        ]
+    timings = []
+    for i, name in enumerate(FORMATS_0_5_23):
+        entries = [report["formats"][i] for report in per_rank]
+        selftest_s = max(e["selftest"].get("seconds", 0.0) for e in entries)
+        twin_s = max(e["twin"]["seconds"] for e in entries)
+        timings.append(f"{name}: self-test {selftest_s:.2f} s, twin {twin_s:.2f} s (slowest rank)")
+    lines.append(f"timings: {'; '.join(timings)}; total {wall_s:.1f} s")
+    return not failures, lines
+
+
+def _importable(fn: Callable) -> Callable:
+    """``run_ranks`` re-imports ``fn`` in each rank by module name and file; run as a script,
+    this file is ``__main__`` there, so it is named :data:`_MODULE_NAME` instead."""
+    if fn.__module__ == "__main__":
+        sys.modules.setdefault(_MODULE_NAME, sys.modules["__main__"])
+        fn.__module__ = _MODULE_NAME
+    return fn
+
+
+def main_0_5_23(argv: Sequence[str], launch: Optional[Callable] = None) -> int:
+    """``launch(world, fn, options)`` runs ``fn`` on every rank (default: the CPU runtime's
+    gloo ranks, ``testing.dist.run_ranks``)."""
+    options, dry_run = parse_args(argv)
+    if options.device != "cpu":
+        print(
+            "FAIL --sglang 0.5.23 runs with --device cpu only: the offline GPU host's torch 2.11 "
+            "cannot load sglang-kernel 0.4.10 (it needs torch 2.14.1)"
+        )
+        return 2
+    if dry_run:
+        print(describe_0_5_23(options))
+        return 0
+    if launch is None:
+        from sglang_cp_hicache.testing import install
+
+        install()  # the CPU runtime before SGLang loads, here and in every rank
+        from sglang_cp_hicache.testing.dist import run_ranks
+
+        def launch(world: int, fn: Callable, plain: dict) -> List[dict]:
+            return run_ranks(world, _importable(fn), plain, timeout_s=options.timeout_s)
+
+    start = time.perf_counter()
+    try:
+        per_rank = launch(options.cp_size, check_rank_0_5_23, asdict(options))
+    except Exception as exc:  # a rank crashed: report it as the one result line
+        print(f"FAIL 0.5.23 stage rank: {type(exc).__name__}: {str(exc).strip().splitlines()[-1]}")
+        print(str(exc), file=sys.stderr)
+        return 1
+    ok, lines = summarize_0_5_23(per_rank, options, time.perf_counter() - start)
+    for line in lines:
+        print(line)
+    write_json({"ok": ok, "line": LINE_0_5_23, "summary": lines, "versions": versions(), "ranks": per_rank})
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

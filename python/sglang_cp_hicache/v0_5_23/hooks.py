@@ -58,6 +58,14 @@ HOOKS: Tuple[HookSpec, ...] = (
         "sglang_cp_hicache.v0_5_23.arg_groups.kv_shard_hook:validate_dsa_backend_around",
         "AROUND",
     ),
+    # The startup self-test (layers/attention/kv_shard_selftest.py): once the pool, shard
+    # group and attention backends exist, before graphs and serving, the sharded read path
+    # against the replicated one with the resolved backend's kernels; logs the scratch.
+    HookSpec(
+        "sglang.srt.model_executor.model_runner:ModelRunner.init_attention_backends",
+        "sglang_cp_hicache.v0_5_23.layers.attention.kv_shard_selftest:init_attention_backends_after",
+        "AFTER",
+    ),
 )
 
 

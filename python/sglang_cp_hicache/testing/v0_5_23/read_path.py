@@ -10,19 +10,22 @@ upstream objects wherever they run on CPU (paths under ``sglang/srt/``):
   ``translate_loc_to_scratch``, the chunk staged into the scratch, ``get_key_buffer`` and
   ``get_index_k_scale_buffer`` (``_PageInterleaveIndexKeyCache`` maps logical pages through
   ``_page_pos``);
-* ``DeepseekSparseAttnBackend`` itself, built as an H200 (SM 9.0) ``flashmla_sparse``
-  prefill backend over bf16 KV with the torch top-k backend: ``init_forward_metadata``
+* ``DeepseekSparseAttnBackend`` itself, built as an H200 (SM 9.0) prefill backend in one of
+  the two :class:`DsaKvFormat` s an H200 resolves (``flashmla_sparse`` over bf16 rows, or
+  ``flashmla_kv`` over the packed fp8 rows) with the torch top-k backend: ``init_forward_metadata``
   (``layers/attention/dsa_backend.py:1095``; the plan :1121, ``page_table_1`` translated
   into scratch rows and the logical page table kept for the indexer :1284-1290),
   ``get_indexer_metadata`` and its ``topk_transform`` (upstream's torch top-k), and
   ``forward_extend`` (:2164: the pool write, ``get_key_buffer``, the PAGED top-k to
-  page-table transform, ``_forward_flashmla_sparse``);
+  page-table transform, ``_forward_flashmla_sparse`` or ``_forward_flashmla_kv``);
 * prefill CP interleave: ``layers/cp/utils.prepare_cp_forward`` and
   ``InterleaveCPStrategy`` (query sharding, the latent-KV and indexer-key gathers, the
   hidden-state gather).
 
-:class:`CpuKernelStandIns` replaces only what needs a GPU: four Triton/CUDA kernels, the
-NCCL collective behind the CP gathers, and the device capability the backend reads once.
+:class:`CpuKernelStandIns` replaces only what needs a GPU: the Triton/CUDA kernels (for fp8,
+the store's quantizer and FlashMLA's sparse decode kernel and schedule,
+:mod:`~sglang_cp_hicache.testing.v0_5_23.flashmla_kv_reference`), the NCCL collective behind
+the CP gathers, and the device capability the backend reads once.
 The indexer's own compute (projections, the fp8 MQA logits kernel) is
 :class:`StandInIndexer`: upstream's ``Indexer.forward_cuda`` asserts a CUDA device; the
 stand-in reads index K exactly where ``Indexer._get_topk_ragged`` does (the pool getter
@@ -32,12 +35,15 @@ The reference is the same computation on an unsharded ``DSATokenToKVPool`` holdi
 page at its logical loc (upstream without ``--enable-kv-cache-sharding``): same rank, same
 CP split, same logical locs, inputs and stand-in kernels, so every record compares bit for
 bit. Prefixes are page-aligned: a sharded extend refuses any other
-(``mem_cache/page_interleave_pool.py:378-383``, in ``begin_shard_extend``).
+(``mem_cache/page_interleave_pool.py:378-383``, in ``begin_shard_extend``). A chunked prefill
+(:meth:`ReadPathRank.compare_chunked_to_replicated`) runs two extends on the same pools, the
+second reading as prefix what the first wrote.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import math
 import sys
@@ -54,6 +60,13 @@ from sglang_cp_hicache.testing.reference_sparse_mla import (
     dequantize_index_k,
     quantize_index_k,
     random_weights,
+)
+from sglang_cp_hicache.testing.v0_5_23.flashmla_kv_reference import (
+    NOPE_TILE,
+    flash_mla_with_kvcache_reference,
+    get_mla_metadata_reference,
+    packed_row_bytes,
+    quantize_k_cache_separate_reference,
 )
 from sglang_cp_hicache.testing.v0_5_23.shard_group import GlooGatherCommunicator, GlooShardGroup
 
@@ -75,6 +88,52 @@ READ_PATH_CONFIG = SparseMLAConfig(
     page_size=DSA_PAGE_SIZE,
     kv_dtype=torch.bfloat16,
 )
+#: The geometry FlashMLA's packed fp8 format (``V32``) and its quantizer accept: NoPE a
+#: multiple of 128, RoPE 64 (GLM-5 / DeepSeek-V3.2's 512 + 64: 656-byte rows).
+FP8_READ_PATH_CONFIG = dataclasses.replace(READ_PATH_CONFIG, kv_lora_rank=512, qk_rope_head_dim=64)
+
+
+@dataclass(frozen=True)
+class DsaKvFormat:
+    """A KV format an H200 resolves for DSA, and the kernels that read it
+    (``arg_groups/overrides.py:714-726``). ``config.kv_dtype`` is the compute dtype (q, the
+    latent the model writes); ``pool_dtype`` is what the pool stores."""
+
+    name: str
+    prefill_backend: str
+    decode_backend: str
+    pool_dtype: torch.dtype
+    config: SparseMLAConfig
+
+    def __post_init__(self) -> None:
+        c = self.config
+        if self.packed_fp8 and (c.kv_lora_rank % NOPE_TILE or c.qk_rope_head_dim != 64):
+            raise ValueError(f"{self.name}: the packed fp8 rows need NoPE % 128 == 0 and RoPE 64")
+
+    @property
+    def packed_fp8(self) -> bool:
+        return self.pool_dtype == torch.float8_e4m3fn
+
+    @property
+    def pool_kv_cache_dim(self) -> int:
+        """The pool's ``kv_cache_dim``: values per row (bf16), bytes per row (packed fp8)."""
+        c = self.config
+        if self.packed_fp8:
+            return packed_row_bytes(c.kv_lora_rank, c.qk_rope_head_dim)
+        return c.kv_cache_dim
+
+
+#: bf16 rows read by token index (``flash_mla_sparse_fwd`` over ``page_table_1``).
+FLASHMLA_SPARSE_BF16 = DsaKvFormat(
+    "flashmla_sparse/bfloat16", "flashmla_sparse", "flashmla_sparse", torch.bfloat16,
+    READ_PATH_CONFIG,
+)  # fmt: skip
+#: packed fp8 rows read through 64-token blocks (``flash_mla_with_kvcache``, sparse V32).
+FLASHMLA_KV_FP8 = DsaKvFormat(
+    "flashmla_kv/fp8_e4m3", "flashmla_kv", "flashmla_kv", torch.float8_e4m3fn,
+    FP8_READ_PATH_CONFIG,
+)  # fmt: skip
+KV_FORMATS = (FLASHMLA_SPARSE_BF16, FLASHMLA_KV_FP8)
 
 
 # ---------------------------------------------------------------------------- batch
@@ -176,6 +235,48 @@ def build_batch(config: SparseMLAConfig, spec: ReadPathBatchSpec, cp_size: int) 
         chunk_hidden=randn(len(out_cache_loc), config.hidden_size),
         chunk_requests=torch.cat([torch.full((s - p,), i) for i, (p, s) in chunks]),
     )
+
+
+def split_batch(
+    batch: ReadPathBatch, first_extend_lens: Tuple[int, ...]
+) -> Tuple[ReadPathBatch, ReadPathBatch]:
+    """One extend as two chunks: the first runs ``first_extend_lens`` tokens of each
+    request, the second the rest with the first's tokens as prefix. The second batch's
+    prefix KV is no input: the first chunk's forward writes it (``prefix_kv`` empty).
+
+    Raises ValueError unless each first chunk ends on a page (the prefix the second chunk
+    then has must be page-aligned, as ``begin_shard_extend`` requires) and leaves tokens."""
+    ps = DSA_PAGE_SIZE
+    mids = tuple(p + e for p, e in zip(batch.prefix_lens, first_extend_lens, strict=True))
+    if any(m % ps or m >= s for m, s in zip(mids, batch.seq_lens)):
+        raise ValueError(
+            f"split_batch: chunk ends {mids} must be page-aligned, before {batch.seq_lens}"
+        )
+    first_rows, second_rows, start = [], [], 0
+    for p, m, s in zip(batch.prefix_lens, mids, batch.seq_lens):
+        first_rows.append(torch.arange(start, start + m - p))
+        second_rows.append(torch.arange(start + m - p, start + s - p))
+        start += s - p
+    first_rows, second_rows = torch.cat(first_rows), torch.cat(second_rows)
+    rows = batch.req_to_token
+    first = dataclasses.replace(
+        batch,
+        seq_lens=mids,
+        out_cache_loc=batch.out_cache_loc[first_rows],
+        chunk_hidden=batch.chunk_hidden[first_rows],
+        chunk_requests=batch.chunk_requests[first_rows],
+    )
+    second = dataclasses.replace(
+        batch,
+        prefix_lens=mids,
+        out_cache_loc=batch.out_cache_loc[second_rows],
+        prefix_locs=torch.unique(torch.cat([rows[i, :m] for i, m in enumerate(mids)])).long(),
+        prefix_kv=[],
+        prefix_index_key=[],
+        chunk_hidden=batch.chunk_hidden[second_rows],
+        chunk_requests=batch.chunk_requests[second_rows],
+    )
+    return first, second
 
 
 # --------------------------------------------------------------- GPU-kernel stand-ins
@@ -287,8 +388,10 @@ class CpuKernelStandIns:
 
     * ``GetKAndS.triton``, ``transform_index_page_table_prefill`` (as ``dsa_backend``
       binds it), ``dsa_cp_interleave_q_seqs``: Triton kernels (no driver on CPU);
-    * ``flash_mla_interface.flash_mla_sparse_fwd``: the module imports the CUDA-only
+    * ``flash_mla_interface.flash_mla_sparse_fwd`` (bf16) and, for the packed fp8 format,
+      ``flash_mla_with_kvcache`` and ``get_mla_metadata``: the module imports the CUDA-only
       ``flash_mla`` package, so where that fails a stand-in module takes its place;
+    * ``memory_pool.quantize_k_cache_separate``: the packed fp8 store's quantizer (Triton);
     * ``layers/cp/interleave.attn_cp_all_gather_into_tensor``: the attention-CP
       ``GroupCoordinator``'s NCCL all-gather, here over the gloo CP group;
     * ``torch.cuda.get_device_capability`` (while a backend is built): an H200.
@@ -308,24 +411,34 @@ class CpuKernelStandIns:
         setattr(target, name, value)
         self._stack.callback(setattr, target, name, original)
 
+    FLASH_MLA_STAND_INS = {
+        "flash_mla_sparse_fwd": flash_mla_sparse_fwd_reference,
+        "flash_mla_with_kvcache": flash_mla_with_kvcache_reference,
+        "get_mla_metadata": get_mla_metadata_reference,
+    }
+
     def _install_flash_mla(self) -> None:
         try:
             module = importlib.import_module(self.FLASH_MLA_INTERFACE)
-        except ImportError:  # no flash_mla wheel: a module holding only the stand-in
+        except ImportError:  # no flash_mla wheel: a module holding only the stand-ins
             module = ModuleType(self.FLASH_MLA_INTERFACE)
-            module.flash_mla_sparse_fwd = flash_mla_sparse_fwd_reference
+            for name, stand_in in self.FLASH_MLA_STAND_INS.items():
+                setattr(module, name, stand_in)
             sys.modules[self.FLASH_MLA_INTERFACE] = module
             self._stack.callback(sys.modules.pop, self.FLASH_MLA_INTERFACE, None)
             return
-        self._set(module, "flash_mla_sparse_fwd", flash_mla_sparse_fwd_reference)
+        for name, stand_in in self.FLASH_MLA_STAND_INS.items():
+            self._set(module, name, stand_in)
 
     def __enter__(self) -> "CpuKernelStandIns":
         from sglang.kernels.ops.attention.dsa import cp_split
         from sglang.kernels.ops.kvcache import dsa_index_k_cache
         from sglang.srt.layers.attention import dsa_backend
         from sglang.srt.layers.cp import interleave
+        from sglang.srt.mem_cache import memory_pool
 
         self._set(dsa_index_k_cache.GetKAndS, "triton", classmethod(get_k_and_s_reference))
+        self._set(memory_pool, "quantize_k_cache_separate", quantize_k_cache_separate_reference)
         self._set(
             dsa_backend,
             "transform_index_page_table_prefill",
@@ -384,11 +497,15 @@ def _dsa_model_config(config: SparseMLAConfig, context_len: int) -> Any:
 
 
 def publish_runtime_context(
-    config: SparseMLAConfig, spec: ReadPathBatchSpec, shard_group: GlooShardGroup
+    config: SparseMLAConfig,
+    spec: ReadPathBatchSpec,
+    shard_group: GlooShardGroup,
+    kv_format: DsaKvFormat = FLASHMLA_SPARSE_BF16,
 ) -> Any:
     """Publish this rank's config the way the backend and CP strategy read it: a DSA model,
-    ``flashmla_sparse`` prefill, torch top-k, prefill CP interleave over the shard group
-    (``attn_cp_size`` = ``tp_size`` = shard size, as ``kv_shard_hook`` requires)."""
+    ``kv_format``'s prefill and decode backends, torch top-k (target and MTP draft), prefill
+    CP interleave over the shard group (``attn_cp_size`` = ``tp_size`` = shard size, as
+    ``kv_shard_hook`` requires)."""
     from sglang.srt.runtime_context import get_context, get_parallel, get_server_args
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
@@ -404,9 +521,10 @@ def publish_runtime_context(
     get_server_args()._model_config = model_config = _dsa_model_config(config, spec.context_len)
     get_context().override(
         "read_path",
-        dsa_prefill_backend="flashmla_sparse",
-        dsa_decode_backend="flashmla_sparse",
+        dsa_prefill_backend=kv_format.prefill_backend,
+        dsa_decode_backend=kv_format.decode_backend,
         dsa_topk_backend="torch",
+        speculative_dsa_topk_backend="torch",  # what the MTP draft's backend reads
     )
     size = shard_group.world_size
     get_parallel().override_permanently(
@@ -489,6 +607,8 @@ class ForwardRecord:
     index_reads: List[IndexRead] = field(default_factory=list)
     attention: List[torch.Tensor] = field(default_factory=list)  # forward_extend outputs
     page_table_1: Optional[torch.Tensor] = None  # the table the attention kernel read
+    real_page_table: Optional[torch.Tensor] = None  # its 64-token block table
+    table_seq_lens: Optional[torch.Tensor] = None  # sequence length of each table row
     hidden: Optional[torch.Tensor] = None  # final hidden states, gathered (token order)
     query_requests: Optional[torch.Tensor] = None  # request of each local query row
 
@@ -540,7 +660,12 @@ class ReadPathModel:
         forward_batch = _forward_batch(batch)
         prepare_cp_forward(forward_batch)
         backend.init_forward_metadata(forward_batch)
-        record = ForwardRecord(page_table_1=backend.forward_metadata.page_table_1.clone())
+        metadata = backend.forward_metadata
+        record = ForwardRecord(
+            page_table_1=metadata.page_table_1.clone(),
+            real_page_table=metadata.real_page_table.clone(),
+            table_seq_lens=metadata.indexer_seq_lens_cpu.clone(),
+        )
         record.query_requests = strategy.shard_local_tokens(batch.chunk_requests)
         local = strategy.shard_hidden_states(batch.chunk_hidden, forward_batch)
         for layer_id, w in enumerate(self.weights):
@@ -613,6 +738,7 @@ class ReadPathComparison:
     table_translated: bool  # the kernel read scratch rows, not the logical table
     pool_problems: Tuple[str, ...]  # owned-rows check of the sharded pool after the extend
     coverage: ReadCoverage
+    block_table_problems: Tuple[str, ...] = ()  # the sharded block table vs its token table
 
     @property
     def identical(self) -> bool:
@@ -643,6 +769,20 @@ def _layer_match(layer: int, sharded: ForwardRecord, reference: ForwardRecord) -
     )
 
 
+def block_table_problems(record: ForwardRecord) -> List[str]:
+    """The 64-token block table the backend derives from the (translated) token table
+    (``real_page_table``, ``_transform_table_1_to_real``) names the same rows: token ``j``
+    of row ``i`` is row ``block[i, j // 64] * 64 + j % 64`` for ``j`` below its sequence
+    length (columns past it hold stale locs). A translation that split a logical page over
+    two scratch blocks would break the block view ``flashmla_kv`` reads."""
+    table, blocks = record.page_table_1.long(), record.real_page_table.long()
+    columns = torch.arange(table.shape[1])
+    expected = blocks[:, columns // DSA_PAGE_SIZE] * DSA_PAGE_SIZE + columns % DSA_PAGE_SIZE
+    live = columns[None, :] < record.table_seq_lens.long()[:, None]
+    rows = torch.nonzero(((table != expected) & live).any(dim=1)).flatten().tolist()
+    return [f"row {i}: token table and 64-token block table disagree" for i in rows]
+
+
 def compare(
     sharded: ForwardRecord,
     reference: ForwardRecord,
@@ -656,6 +796,7 @@ def compare(
         table_translated=not torch.equal(sharded.page_table_1, reference.page_table_1),
         pool_problems=tuple(pool_problems),
         coverage=coverage,
+        block_table_problems=tuple(block_table_problems(sharded)),
     )
 
 
@@ -669,19 +810,20 @@ class ReadPathPools:
     config: SparseMLAConfig
     spec: ReadPathBatchSpec
     shard_group: GlooShardGroup
+    kv_format: DsaKvFormat = FLASHMLA_SPARSE_BF16
 
     def _kwargs(self) -> dict:
         c = self.config
         return dict(
             page_size=c.page_size,
             kv_lora_rank=c.kv_lora_rank,
-            dtype=c.kv_dtype,
+            dtype=self.kv_format.pool_dtype,
             qk_rope_head_dim=c.qk_rope_head_dim,
             layer_num=c.num_layers,
             device="cpu",
             index_head_dim=c.index_head_dim,
             enable_memory_saver=False,
-            kv_cache_dim=c.kv_cache_dim,
+            kv_cache_dim=self.kv_format.pool_kv_cache_dim,
         )
 
     def replicated(self) -> Any:
@@ -745,11 +887,19 @@ def owned_rows_problems(sharded: Any, replicated: Any, logical_locs: torch.Tenso
 
 
 def build_backend(
-    pool: Any, batch: ReadPathBatch, model_config: Any, config: SparseMLAConfig
+    pool: Any,
+    batch: ReadPathBatch,
+    model_config: Any,
+    config: SparseMLAConfig,
+    kv_format: DsaKvFormat = FLASHMLA_SPARSE_BF16,
+    is_draft_worker: bool = False,
 ) -> Any:
     """The real ``DeepseekSparseAttnBackend`` over ``pool``, built as on an H200. Its model
     runner is the bundle of attributes the constructor reads (a real ``ModelRunner``
-    loads a model onto a GPU); ``req_to_token`` is a real ``ReqToTokenPool``'s."""
+    loads a model onto a GPU); ``req_to_token`` is a real ``ReqToTokenPool``'s. The
+    sub-backends come from the published context (:func:`publish_runtime_context`).
+    ``is_draft_worker``: the MTP draft's extend backend (``DraftBackendFactory``'s DSA
+    prefill backend, ``speculative/draft_utils.py:214``) over the draft's own pool."""
     from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
@@ -767,9 +917,9 @@ def build_backend(
         model_config=model_config,
         token_to_kv_pool=pool,
         req_to_token_pool=req_to_token_pool,
-        is_draft_worker=False,
+        is_draft_worker=is_draft_worker,
         hisparse_coordinator=None,
-        kv_cache_dtype=config.kv_dtype,
+        kv_cache_dtype=kv_format.pool_dtype,
         max_running_requests=num_reqs,
     )
     with CpuKernelStandIns.hopper_capability():
@@ -791,13 +941,17 @@ class ReadPathRank:
     model_config: Any  # the published DSA ModelConfig
     spec: ReadPathBatchSpec = ReadPathBatchSpec()
     config: SparseMLAConfig = READ_PATH_CONFIG
+    kv_format: DsaKvFormat = FLASHMLA_SPARSE_BF16  # must be the published one
+    draft_worker: bool = False  # the MTP draft's layer (:meth:`draft`)
 
     def __post_init__(self) -> None:
         from sglang.srt.layers.radix_attention import RadixAttention
 
         c = self.config
+        if c != dataclasses.replace(self.kv_format.config, num_layers=c.num_layers):
+            raise ValueError(f"ReadPathRank: {self.kv_format.name} runs {self.kv_format.config}")
         self.batch = build_batch(c, self.spec, self.shard_group.world_size)
-        self.pools = ReadPathPools(c, self.spec, self.shard_group)
+        self.pools = ReadPathPools(c, self.spec, self.shard_group, self.kv_format)
         self.layers = [
             RadixAttention(
                 c.num_heads,
@@ -817,7 +971,30 @@ class ReadPathRank:
         published = (self.spec.context_len, self.spec.chunked_prefill_size)
         if (spec.context_len, spec.chunked_prefill_size) != published:
             raise ValueError("with_spec: the published context and chunk sizes must not change")
-        return ReadPathRank(self.shard_group, self.model_config, spec, self.config)
+        return ReadPathRank(
+            self.shard_group,
+            self.model_config,
+            spec,
+            self.config,
+            self.kv_format,
+            self.draft_worker,
+        )
+
+    def draft(self) -> "ReadPathRank":
+        """The EAGLE MTP draft's extend on a PD prefill worker, twinned: the batch's forward
+        mode stays EXTEND (``eagle_worker_v2._draft_extend_for_prefill``), so the draft's
+        DSA backend reads with the *prefill* kernel (``dsa_backend.py:1129-1138, 2186-2193``)
+        over the draft's own sharded pool, which upstream builds with the target's shard
+        spec and group and its own buffers, scratch and gather (``_build_mtp_kv_shard_pool``,
+        ``kv_cache_configurator.py:1922``): one NextN layer, layer id 0, same batch."""
+        return ReadPathRank(
+            self.shard_group,
+            self.model_config,
+            self.spec,
+            dataclasses.replace(self.config, num_layers=1),
+            self.kv_format,
+            draft_worker=True,
+        )
 
     def store_prefix(self, pool: Any) -> None:
         """An earlier extend's KV and index K of the prefix, through the pool's own
@@ -832,8 +1009,20 @@ class ReadPathRank:
     def run(self, pool: Any) -> ForwardRecord:
         """Store the prefix in ``pool``, then run the extend through a backend over it."""
         self.store_prefix(pool)
-        backend = build_backend(pool, self.batch, self.model_config, self.config)
-        return self.model.forward(backend, pool, self.batch)
+        return self.model.forward(self._backend(pool), pool, self.batch)
+
+    def _backend(self, pool: Any) -> Any:
+        return build_backend(
+            pool, self.batch, self.model_config, self.config, self.kv_format, self.draft_worker
+        )
+
+    def run_chunked(self, pool: Any, first_extend_lens: Tuple[int, ...]) -> List[ForwardRecord]:
+        """Store the cached prefix, then the extend as two chunks through one backend
+        (:func:`split_batch`): the second chunk's prefix includes what the first wrote."""
+        self.store_prefix(pool)
+        backend = self._backend(pool)
+        chunks = split_batch(self.batch, first_extend_lens)
+        return [self.model.forward(backend, pool, chunk) for chunk in chunks]
 
     def reference(self) -> Tuple[ForwardRecord, Any]:
         """The replicated run (record, pool), computed once."""
@@ -856,14 +1045,34 @@ class ReadPathRank:
             read_coverage(reference, self.batch, shared_tokens),
         )
 
+    def compare_chunked_to_replicated(
+        self, first_extend_lens: Tuple[int, ...]
+    ) -> Tuple[ReadPathComparison, ...]:
+        """A chunked prefill (two extends, fresh pools) against its replicated twin: one
+        comparison per chunk. The pool check covers every loc of both chunks."""
+        replicated, sharded = self.pools.replicated(), self.pools.sharded()
+        references = self.run_chunked(replicated, first_extend_lens)
+        records = self.run_chunked(sharded, first_extend_lens)
+        locs = torch.unique(torch.cat([self.batch.prefix_locs, self.batch.out_cache_loc]))
+        problems = owned_rows_problems(sharded, replicated, locs)
+        shared_tokens = self.spec.shared_prefix_pages * self.config.page_size
+        return tuple(
+            compare(record, reference, problems, read_coverage(reference, chunk, shared_tokens))
+            for record, reference, chunk in zip(
+                records, references, split_batch(self.batch, first_extend_lens)
+            )
+        )
+
 
 @contextlib.contextmanager
 def read_path_session(
-    shard_group: GlooShardGroup, spec: ReadPathBatchSpec = ReadPathBatchSpec()
+    shard_group: GlooShardGroup,
+    spec: ReadPathBatchSpec = ReadPathBatchSpec(),
+    kv_format: DsaKvFormat = FLASHMLA_SPARSE_BF16,
 ) -> Iterator[ReadPathRank]:
-    """This rank's runtime context, stand-ins and :class:`ReadPathRank`. Every rank of
-    ``shard_group`` must enter it and then run the same extends in the same order (the
-    prefix gathers are collectives).
+    """This rank's runtime context, stand-ins and :class:`ReadPathRank` in ``kv_format``.
+    Every rank of ``shard_group`` must enter it and then run the same extends in the same
+    order (the prefix gathers are collectives).
 
     ``SGLANG_DEBUG_MEMORY_POOL`` is on, so ``begin_shard_extend`` also checks that every
     prefix's owners are cyclic (the batch's construction invariant).
@@ -874,12 +1083,18 @@ def read_path_session(
 
     with envs.SGLANG_DEBUG_MEMORY_POOL.override(True), envs.SGLANG_DSA_FUSE_TOPK.override(False):
         with CpuKernelStandIns(shard_group.cpu_group):
-            model_config = publish_runtime_context(READ_PATH_CONFIG, spec, shard_group)
-            yield ReadPathRank(shard_group, model_config, spec)
+            config = kv_format.config
+            model_config = publish_runtime_context(config, spec, shard_group, kv_format)
+            yield ReadPathRank(shard_group, model_config, spec, config, kv_format)
 
 
 __all__ = [
     "CpuKernelStandIns",
+    "DsaKvFormat",
+    "FLASHMLA_KV_FP8",
+    "FLASHMLA_SPARSE_BF16",
+    "FP8_READ_PATH_CONFIG",
+    "KV_FORMATS",
     "ForwardRecord",
     "IndexRead",
     "LayerMatch",
@@ -892,6 +1107,7 @@ __all__ = [
     "ReadPathPools",
     "ReadPathRank",
     "StandInIndexer",
+    "block_table_problems",
     "build_backend",
     "build_batch",
     "compare",
@@ -899,4 +1115,5 @@ __all__ = [
     "publish_runtime_context",
     "read_coverage",
     "read_path_session",
+    "split_batch",
 ]

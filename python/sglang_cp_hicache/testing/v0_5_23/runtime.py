@@ -333,6 +333,10 @@ def patches(plan: InstallPlan) -> Dict[str, Tuple[Callable[[ModuleType], None], 
     if plan.triton_stand_ins:
         add(DSA_INDEX_K_CACHE, _bind_set_k_and_s)
         add(PAGE_INTERLEAVE_POOL, _bind_get_mla_kv_buffer)
+    if plan.cpu_device_module:  # the startup self-test's kernel set for CPU devices
+        from sglang_cp_hicache.testing.v0_5_23.selftest_kernels import register_cpu_kernels
+
+        add("sglang_cp_hicache.v0_5_23.layers.attention.kv_shard_selftest", register_cpu_kernels)
     return {name: tuple(callbacks) for name, callbacks in wanted.items()}
 
 

@@ -13,16 +13,25 @@ both are refused there, although the shard-aware parts of ``DeepseekSparseAttnBa
 :func:`validate_dsa_backend_around` wraps that check (an AROUND: ``handle_kv_cache_sharding``
 calls it by its module-global name). With the plugin's flag on a DSA model it admits, beside
 upstream's own triple, the :data:`ADMITTED` Hopper ones: only formats whose scratch-translated
-tables a CPU twin checks against the replicated pool (``flashmla_sparse`` over bf16 rows:
-``test/registered/multi_rank/v0_5_23/test_native_read_path_multi_rank.py`` and
-``test_read_path_cp8_multi_rank.py``). A Hopper format whose twin is not written yet is
-:data:`PENDING` and refused naming why, and so is speculative decoding on an admitted Hopper
-format (the MTP draft's extend reads the tables with the decode kernel, ``fa3``, whose twin is
-not written yet): an unproven read of translated tables could serve wrong KV silently.
-Anything else is refused naming what is admitted on that GPU. An admitted Hopper triple then runs upstream's check unchanged, shown
-upstream's own triple for its backend rule (:class:`_BackendRuleView`): every other rule of
-the check (CUDA, CP, interleave, PP 1, Mooncake, index_kpool, layer split, page 64) and of the
-rest of the gate stays upstream's. Flag off: upstream's function, called as is.
+tables a CPU twin checks against the replicated pool, bit for bit, at cp 2, 3 and 8 with planted
+mistranslations (``testing/v0_5_23/read_path.py``; tests under
+``test/registered/multi_rank/v0_5_23/``: ``test_native_read_path_multi_rank.py``,
+``test_read_path_cp8_multi_rank.py``, ``test_read_path_fp8_multi_rank.py``):
+
+* ``flashmla_sparse`` over bf16 rows (token-level ``page_table_1``), decode ``fa3``;
+* ``flashmla_kv`` over the packed fp8 rows (656 bytes) through 64-token blocks, decode
+  ``flashmla_kv``.
+
+Speculative decoding (EAGLE MTP) is admitted on both: a PD prefill worker runs the draft's
+extend with the batch's EXTEND mode, so the draft's DSA backend reads its own sharded pool's
+translated tables with the format's *prefill* kernel, never the decode one
+(``dsa_backend.py:1129-1138``; twinned in ``test_read_path_mtp_draft_multi_rank.py``).
+Upstream's MTP rules under sharding (GLM DSA, one NextN layer, EAGLE, top-k 1) stay its own.
+Anything else is refused naming what is admitted on that GPU: an unproven read of translated
+tables could serve wrong KV silently. An admitted Hopper triple then runs upstream's check
+unchanged, shown upstream's own triple for its backend rule (:class:`_BackendRuleView`): every
+other rule of the check (CUDA, CP, interleave, PP 1, Mooncake, index_kpool, layer split, page
+64) and of the rest of the gate stays upstream's. Flag off: upstream's function, called as is.
 """
 
 from __future__ import annotations
@@ -69,25 +78,15 @@ class DsaShardBackends:
 UPSTREAM_ADMITTED = DsaShardBackends("trtllm", "trtllm", "fp8_e4m3", DSA_SHARD_PAGE_SIZE)
 
 #: What the plugin adds, per SM major: the two formats an H200 resolves by default
-#: (overrides.py:714-726), each with the decode backend a PD prefill worker resolves with it
-#: (a prefill worker runs decode kernels only in the MTP draft's extend).
+#: (overrides.py:714-726), each with the decode backend it resolves with them (a PD prefill
+#: worker runs no decode batch; the MTP draft's extend reads with the prefill kernel).
 ADMITTED = {
     HOPPER_SM_MAJOR: (
         # token-level indices (page_table_1) over bf16 KV rows
         DsaShardBackends("flashmla_sparse", "fa3", "bfloat16", DSA_SHARD_PAGE_SIZE),
+        # the packed fp8 rows (656 bytes per token) read through 64-token blocks
+        DsaShardBackends("flashmla_kv", "flashmla_kv", "fp8_e4m3", DSA_SHARD_PAGE_SIZE),
     ),
-}
-
-#: Hopper formats to admit once their CPU twin lands, and what is missing for each.
-PENDING = {
-    HOPPER_SM_MAJOR: {
-        # the fp8 packed layout (656 bytes per token) in 64-token block tables
-        DsaShardBackends("flashmla_kv", "flashmla_kv", "fp8_e4m3", DSA_SHARD_PAGE_SIZE): (
-            "its fp8 packed-layout twin (flash_mla_with_kvcache over the translated 64-token "
-            "block tables) is not written yet; use --kv-cache-dtype bfloat16 "
-            "(flashmla_sparse / fa3)"
-        ),
-    },
 }
 
 
@@ -139,13 +138,6 @@ def _refusal(chosen: DsaShardBackends, sm_major: int) -> CpSharedKVConfigError:
     )
 
 
-def _pending_refusal(chosen: DsaShardBackends, sm_major: int, why: str) -> CpSharedKVConfigError:
-    return CpSharedKVConfigError(
-        f"{CLI_FLAG}: DSA KV sharding with {chosen.spelled()} on SM{sm_major}0 is not admitted "
-        f"yet: {why}."
-    )
-
-
 def validate_dsa_backend_around(
     original: Callable[..., None], server_args: Any, cfg: Any = None
 ) -> None:
@@ -167,19 +159,8 @@ def validate_dsa_backend_around(
     chosen, sm_major = DsaShardBackends.of(cfg), _device_sm_major()
     if chosen == UPSTREAM_ADMITTED:
         return original(server_args, cfg)
-    pending = PENDING.get(sm_major, {}).get(chosen)
-    if pending is not None:
-        raise _pending_refusal(chosen, sm_major, pending)
     if chosen not in ADMITTED.get(sm_major, ()):
         raise _refusal(chosen, sm_major)
-    if cfg.speculative_algorithm is not None:
-        raise _pending_refusal(
-            chosen,
-            sm_major,
-            f"with --speculative-algorithm {cfg.speculative_algorithm} the MTP draft's extend "
-            f"reads the translated tables with --dsa-decode-backend {chosen.decode}, whose twin "
-            "is not written yet",
-        )
     logger.info(
         "%s: admitting DSA KV sharding with %s on SM%d0", CLI_FLAG, chosen.spelled(), sm_major
     )

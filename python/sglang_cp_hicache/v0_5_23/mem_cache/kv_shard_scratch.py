@@ -11,11 +11,18 @@ layer each) times the row bytes, doubled when one EAGLE MTP runner is budgeted, 
 :func:`dsa_scratch_figure` reproduces that charge from a model's geometry without a GPU, for
 the docs and the startup figure, using upstream's own ``PageShardSpec``; the row bytes follow
 ``_page_shard_row_bytes`` (the test checks both against upstream).
+:func:`log_startup_scratch` logs, once per target rank at startup under the flag, the
+charge of the live pool's own spec (``pool.shard_spec``, what ``make_page_shard_spec``
+built for this server).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
 
 GIB = 1024**3
 DSA_PAGE_SIZE = 64
@@ -105,3 +112,32 @@ def dsa_scratch_figure(
         row_bytes=geometry.row_bytes(kv_cache_dtype),
         with_mtp=with_mtp,
     )
+
+
+def scratch_figure_of_pool(pool: Any, *, context_len: int, with_mtp: bool) -> DsaScratchFigure:
+    """The charge of a live sharded DSA pool, from the spec upstream built it with."""
+    spec = pool.shard_spec
+    kv_cache_dtype = "fp8_e4m3" if pool.dsa_kv_cache_store_fp8 else "bfloat16"
+    geometry = DsaScratchGeometry(pool.kv_lora_rank, pool.qk_rope_head_dim, pool.index_head_dim)
+    return DsaScratchFigure(
+        kv_cache_dtype=kv_cache_dtype,
+        context_len=context_len,
+        chunk_tokens=spec.chunk_tokens,
+        shard_size=spec.shard_size,
+        rows_per_slot=spec.scratch_rows,
+        row_bytes=geometry.row_bytes(kv_cache_dtype),
+        with_mtp=with_mtp,
+    )
+
+
+def log_startup_scratch(runner: Any, pool: Any) -> DsaScratchFigure:
+    """Log the scratch this target rank was charged (called once per rank, at startup,
+    under the flag). MTP is budgeted as upstream does: a target with an EAGLE draft
+    (``pool_configurator.py:252-257``, ``include_mtp``)."""
+    figure = scratch_figure_of_pool(
+        pool,
+        context_len=runner.model_config.context_len,
+        with_mtp=runner.spec_algorithm.is_eagle(),
+    )
+    logger.info("CP rank %d/%d: %s", pool.shard_rank, pool.shard_size, figure.line())
+    return figure

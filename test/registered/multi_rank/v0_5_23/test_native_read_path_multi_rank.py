@@ -1,4 +1,6 @@
-"""Upstream 0.5.23's sharded DSA read path across real CPU ranks equals the replicated one.
+"""Upstream 0.5.23's sharded DSA read path across real CPU ranks equals the replicated one,
+in both formats an H200 resolves (``flashmla_sparse`` over bf16 rows; ``flashmla_kv`` over
+the packed fp8 rows through 64-token blocks).
 
 cp 2 and 3 gloo ranks run one prefill extend (three requests: two with cached page-aligned
 prefixes, the second sharing the first's leading pages; every chunk ends mid-page) through
@@ -123,11 +125,12 @@ def _planted(fault, rank):
     return _prefetch_skipped(STALE_LAYER)
 
 
-def _rank(ctx):
-    from sglang_cp_hicache.testing.v0_5_23.read_path import read_path_session
+def _rank(ctx, kv_format_name):
+    from sglang_cp_hicache.testing.v0_5_23.read_path import KV_FORMATS, read_path_session
     from sglang_cp_hicache.testing.v0_5_23.shard_group import GlooShardGroup
 
-    with read_path_session(GlooShardGroup.from_rank_context(ctx)) as rank:
+    (kv_format,) = [f for f in KV_FORMATS if f.name == kv_format_name]
+    with read_path_session(GlooShardGroup.from_rank_context(ctx), kv_format=kv_format) as rank:
         results = {"real": rank.compare_sharded_to_replicated()}
         for fault in FAULTS:
             with _planted(fault, rank):
@@ -141,9 +144,14 @@ def _rank(ctx):
     return results
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda cp: f"cp{cp}")
+FORMATS = ("flashmla_sparse/bfloat16", "flashmla_kv/fp8_e4m3")
+RUNS = [(cp, kv_format) for kv_format in FORMATS for cp in (2, 3)]
+
+
+@pytest.fixture(scope="module", params=RUNS, ids=lambda run: f"cp{run[0]}-{run[1].split('/')[0]}")
 def read_path_results(request):
-    return request.param, run_ranks(request.param, _rank)
+    cp_size, kv_format_name = request.param
+    return cp_size, run_ranks(cp_size, _rank, kv_format_name)
 
 
 def test_sharded_read_path_equals_replicated_bit_for_bit(read_path_results):

@@ -1,5 +1,6 @@
-"""Upstream 0.5.23's sharded ``flashmla_sparse`` read path at cp 8 (GLM-5's prefill CP size)
-equals the replicated one, across 8 real CPU gloo ranks.
+"""Upstream 0.5.23's sharded read path at cp 8 (GLM-5's prefill CP size) equals the
+replicated one, across 8 real CPU gloo ranks, in both H200 formats (``flashmla_sparse`` over
+bf16 rows, ``flashmla_kv`` over packed fp8 rows).
 
 The cp 2 / 3 file (``test_native_read_path_multi_rank.py``) plants every fault; here the
 largest group runs the real comparison and the one fault whose reach grows with the group:
@@ -25,14 +26,15 @@ def _wrong_owner(pool, loc, rows):
     return torch.where(page < size * block, moved * ps + rows % ps, rows)
 
 
-def _rank(ctx):
+def _rank(ctx, kv_format_name):
     from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
     from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
 
-    from sglang_cp_hicache.testing.v0_5_23.read_path import read_path_session
+    from sglang_cp_hicache.testing.v0_5_23.read_path import KV_FORMATS, read_path_session
     from sglang_cp_hicache.testing.v0_5_23.shard_group import GlooShardGroup
 
-    with read_path_session(GlooShardGroup.from_rank_context(ctx)) as rank:
+    (kv_format,) = [f for f in KV_FORMATS if f.name == kv_format_name]
+    with read_path_session(GlooShardGroup.from_rank_context(ctx), kv_format=kv_format) as rank:
         results = {"real": rank.compare_sharded_to_replicated()}
         init = DeepseekSparseAttnBackend.__dict__["init_forward_metadata"]
         translate = PageInterleaveKVPoolMixin.__dict__["translate_loc_to_scratch"]
@@ -54,9 +56,13 @@ def _rank(ctx):
     return results
 
 
-@pytest.fixture(scope="module")
-def per_rank():
-    return run_ranks(CP_SIZE, _rank)
+@pytest.fixture(
+    scope="module",
+    params=["flashmla_sparse/bfloat16", "flashmla_kv/fp8_e4m3"],
+    ids=lambda name: name.split("/")[0],
+)
+def per_rank(request):
+    return run_ranks(CP_SIZE, _rank, request.param)
 
 
 def test_cp8_sharded_read_path_equals_replicated_bit_for_bit(per_rank):

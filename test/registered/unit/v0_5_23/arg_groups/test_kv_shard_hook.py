@@ -2,11 +2,11 @@
 
 A tiny local GLM-5 ``config.json`` resolves as ``--device cuda`` on the CPU; only the GPU's
 compute capability (what upstream's DSA resolution and our admission read) is faked, as an
-H200 (SM90) or a B200 (SM100). Under the plugin's flag the H200 bf16 default
-(``flashmla_sparse``/``fa3``, the format whose translated tables the CPU twins prove) passes
-upstream's gate; the fp8 default (``flashmla_kv``) and speculative decoding on Hopper wait for
-their twins and are refused saying so; every other triple is refused naming what is admitted;
-upstream's other rules still refuse; flag off, upstream's verdict is unchanged.
+H200 (SM90) or a B200 (SM100). Under the plugin's flag both H200 defaults pass upstream's
+gate, the formats whose translated tables the CPU twins prove: bf16 (``flashmla_sparse`` /
+``fa3``) and fp8 (``flashmla_kv`` / ``flashmla_kv``), with EAGLE MTP too (the draft's extend
+reads with the prefill kernel, twinned); every other triple is refused naming what is
+admitted; upstream's other rules still refuse; flag off, upstream's verdict is unchanged.
 """
 
 import inspect
@@ -17,7 +17,7 @@ from sglang.srt.arg_groups import kv_shard_hook as upstream_gate
 from sglang.srt.arg_groups.overrides import resolution_result
 from sglang.srt.server_args import prepare_server_args
 
-from sglang_cp_hicache.v0_5_23.arg_groups.kv_shard_hook import ADMITTED, PENDING, UPSTREAM_ADMITTED
+from sglang_cp_hicache.v0_5_23.arg_groups.kv_shard_hook import ADMITTED, UPSTREAM_ADMITTED
 from sglang_cp_hicache.v0_5_23.server_args import CLI_FLAG, CpSharedKVConfigError
 
 PD_PREFILL_CP = [
@@ -27,6 +27,12 @@ PD_PREFILL_CP = [
 BF16 = ["--kv-cache-dtype", "bfloat16"]
 FP8 = ["--kv-cache-dtype", "fp8_e4m3"]
 UPSTREAM_BACKEND_REFUSAL = "DSA KV sharding requires TRTLLM prefill/decode with fp8_e4m3"
+HOPPER_ADMITTED = [
+    ("flashmla_sparse", "fa3", "bfloat16", 64),
+    ("flashmla_kv", "flashmla_kv", "fp8_e4m3", 64),
+]
+EAGLE = ["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "1",
+         "--speculative-num-steps", "1", "--speculative-num-draft-tokens", "2"]  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -68,36 +74,25 @@ def _backends(record):
     )
 
 
-def test_the_h200_bf16_default_is_admitted_under_the_flag(glm5, sm):
+@pytest.mark.parametrize("dtype, expected", [(None, HOPPER_ADMITTED[0]), (FP8, HOPPER_ADMITTED[1])], ids=["bf16", "fp8"])
+def test_each_h200_default_is_admitted_under_the_flag(glm5, sm, dtype, expected):
     sm(9)
-    expected = ("flashmla_sparse", "fa3", "bfloat16", 64)
     with pytest.raises(ValueError, match=UPSTREAM_BACKEND_REFUSAL):  # what a new user met
-        resolve(glm5 + ["--enable-kv-cache-sharding"])
-    record = resolve(glm5 + [CLI_FLAG])
+        resolve(glm5 + (dtype or []) + ["--enable-kv-cache-sharding"])
+    record = resolve(glm5 + (dtype or []) + [CLI_FLAG])
     assert _backends(record) == expected
-    assert [tuple(vars(b).values()) for b in ADMITTED[9]] == [expected]
+    assert [tuple(vars(b).values()) for b in ADMITTED[9]] == HOPPER_ADMITTED
     assert resolution_result(record, "enable_kv_cache_sharding") is True
 
 
-def test_the_h200_fp8_default_waits_for_its_twin(glm5, sm):
+@pytest.mark.parametrize("dtype", [BF16, FP8], ids=["bf16", "fp8"])
+def test_eagle_mtp_on_an_admitted_hopper_format_is_admitted(glm5, sm, dtype):
     sm(9)
-    with pytest.raises(CpSharedKVConfigError) as refused:
-        resolve(glm5 + FP8 + [CLI_FLAG])
-    message = str(refused.value)
-    assert message.startswith(
-        f"{CLI_FLAG}: DSA KV sharding with --dsa-prefill-backend flashmla_kv --dsa-decode-backend "
-        "flashmla_kv --kv-cache-dtype fp8_e4m3 --page-size 64 on SM90 is not admitted yet: "
-    ), message
-    assert "use --kv-cache-dtype bfloat16" in message
-    assert [tuple(vars(b).values()) for b in PENDING[9]] == [("flashmla_kv", "flashmla_kv", "fp8_e4m3", 64)]
-
-
-def test_speculative_decoding_on_hopper_waits_for_the_draft_twin(glm5, sm):
-    sm(9)
-    spec = ["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "1",
-            "--speculative-num-steps", "1", "--speculative-num-draft-tokens", "2"]  # fmt: skip
-    with pytest.raises(CpSharedKVConfigError, match="the MTP draft's extend reads the translated tables with --dsa-decode-backend fa3"):
-        resolve(glm5 + spec + [CLI_FLAG])
+    with pytest.raises(ValueError, match=UPSTREAM_BACKEND_REFUSAL):
+        resolve(glm5 + dtype + EAGLE + ["--enable-kv-cache-sharding"])
+    record = resolve(glm5 + dtype + EAGLE + [CLI_FLAG])
+    assert _backends(record) in HOPPER_ADMITTED
+    assert resolution_result(record, "speculative_algorithm") == "EAGLE"
 
 
 def test_upstreams_triple_is_still_admitted_on_blackwell(glm5, sm):
@@ -111,6 +106,7 @@ OUTSIDE = [
     # H200: a decode backend other than the one a prefill worker resolves with the format
     (9, BF16 + ["--dsa-decode-backend", "flashmla_sparse"], "--dsa-prefill-backend flashmla_sparse --dsa-decode-backend flashmla_sparse"),
     (9, FP8 + ["--dsa-prefill-backend", "flashmla_sparse"], "--dsa-prefill-backend flashmla_sparse --dsa-decode-backend flashmla_kv --kv-cache-dtype fp8_e4m3"),
+    (9, FP8 + ["--dsa-decode-backend", "fa3"], "--dsa-prefill-backend flashmla_kv --dsa-decode-backend fa3 --kv-cache-dtype fp8_e4m3"),
     (9, BF16 + ["--dsa-prefill-backend", "tilelang", "--dsa-decode-backend", "tilelang"], "--dsa-prefill-backend tilelang"),
     # B200: the Hopper formats are not checked there
     (10, BF16, "--dsa-prefill-backend flashmla_sparse --dsa-decode-backend trtllm --kv-cache-dtype bfloat16"),
@@ -129,6 +125,7 @@ def test_outside_the_admitted_set_is_refused_naming_it(glm5, sm, major, extra, g
     admitted = [UPSTREAM_ADMITTED] + list(ADMITTED.get(major, ()))
     assert all(b.spelled() in message.split(" (got ")[0] for b in admitted), message
     assert "flashmla_sparse --dsa-decode-backend fa3 --kv-cache-dtype bfloat16" in message  # what Hopper adds
+    assert "flashmla_kv --dsa-decode-backend flashmla_kv --kv-cache-dtype fp8_e4m3" in message
 
 
 UPSTREAM_RULES = [

@@ -1,8 +1,8 @@
 """``scripts/glm5`` spelled for SGLang 0.5.23 on H200: ``--dry-run`` prints the 0.5.23
 prefill server, and that very command (a tiny local GLM-5 ``config.json`` in place of the
 checkpoint, ``--device cuda`` with an SM90 capability faked) resolves through the real
-0.5.23 pipeline and sharding gate: bf16 (flashmla_sparse / fa3) is admitted; fp8
-(flashmla_kv) is refused until its twin lands, saying so.
+0.5.23 pipeline and sharding gate: bf16 (flashmla_sparse / fa3) and fp8 (flashmla_kv for
+both) are admitted, each the format its CPU twin proves.
 """
 
 import importlib.util
@@ -43,12 +43,10 @@ def test_dry_run_prints_the_0_5_23_spelling():
 
 @pytest.mark.parametrize(
     "dtype, backends",
-    [(None, ("flashmla_sparse", "fa3", "bfloat16")), ("fp8_e4m3", None)],
+    [(None, ("flashmla_sparse", "fa3", "bfloat16")), ("fp8_e4m3", ("flashmla_kv", "flashmla_kv", "fp8_e4m3"))],
 )
 def test_the_0_5_23_prefill_command_resolves_on_h200(glm5_pd, plugins_loaded, tmp_path, monkeypatch, dtype, backends):
     from transformers.models.glm_moe_dsa.configuration_glm_moe_dsa import GlmMoeDsaConfig
-
-    from sglang_cp_hicache.v0_5_23.server_args import CpSharedKVConfigError
 
     GlmMoeDsaConfig(num_hidden_layers=2, architectures=["GlmMoeDsaForCausalLM"]).save_pretrained(tmp_path)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
@@ -57,10 +55,6 @@ def test_the_0_5_23_prefill_command_resolves_on_h200(glm5_pd, plugins_loaded, tm
     argv[argv.index("--model-path") + 1] = str(tmp_path)
     argv.remove("--trust-remote-code")
     record = prepare_server_args(argv + ["--device", "cuda"])
-    if backends is None:  # flashmla_kv waits for its fp8 twin
-        with pytest.raises(CpSharedKVConfigError, match="flashmla_kv .* is not admitted yet"):
-            record.resolve_once()
-        return
     record.resolve_once()
     assert cp_shared_kv_enabled(record) and resolution_result(record, "enable_kv_cache_sharding") is True
     resolved = tuple(resolution_result(record, f) for f in ("dsa_prefill_backend", "dsa_decode_backend", "kv_cache_dtype"))

@@ -1,0 +1,1 @@
+"""The 0.5.23 line's layer extensions (mirrors ``sglang.srt.layers``)."""
