@@ -37,6 +37,7 @@ RELEASE = "0.5.23"
 
 _SERVER_ARGS = "sglang.srt.server_args:ServerArgs"
 _OURS_ARGS = "sglang_cp_hicache.v0_5_23.server_args"
+_LANE_EVICTION = "sglang_cp_hicache.v0_5_23.mem_cache.lane_eviction"
 
 HOOKS: Tuple[HookSpec, ...] = (
     # The flag on the command line. from_cli_args copies only record fields, so the parsed
@@ -56,6 +57,46 @@ HOOKS: Tuple[HookSpec, ...] = (
     HookSpec(
         "sglang.srt.arg_groups.kv_shard_hook:validate_kv_shard_attention_backend",
         "sglang_cp_hicache.v0_5_23.arg_groups.kv_shard_hook:validate_dsa_backend_around",
+        "AROUND",
+    ),
+    # Lane-aware device eviction (v0_5_23/mem_cache/lane_eviction.py): under the flag and
+    # the sharded allocator, room is made only from victims on a short owner lane. The
+    # extend's exact draws first, then the load-back's (and any caller's) evict_for_alloc,
+    # and upstream's extra plain-LRU floor loop skipped; flag off: upstream's functions.
+    HookSpec(
+        "sglang.srt.mem_cache.allocation:alloc_paged_token_slots_extend",
+        f"{_LANE_EVICTION}:alloc_paged_token_slots_extend_around",
+        "AROUND",
+    ),
+    HookSpec(
+        "sglang.srt.mem_cache.allocation:_kv_shard_rotation_bases",
+        f"{_LANE_EVICTION}:kv_shard_rotation_bases_around",
+        "AROUND",
+    ),
+    HookSpec(
+        "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache.evict_for_alloc",
+        f"{_LANE_EVICTION}:evict_for_alloc_around",
+        "AROUND",
+    ),
+    HookSpec(
+        "sglang.srt.mem_cache.common:_evict_until_allocatable",
+        f"{_LANE_EVICTION}:evict_until_allocatable_around",
+        "AROUND",
+    ),
+    # A load-back's room and gate are its exact per-owner draws (the host slots' owners).
+    HookSpec(
+        "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache._load_back_transfers",
+        f"{_LANE_EVICTION}:load_back_transfers_around",
+        "AROUND",
+    ),
+    HookSpec(
+        "sglang.srt.mem_cache.unified_cache.unified_tree_core:UnifiedTreeCore.build_load_back_spec",
+        f"{_LANE_EVICTION}:build_load_back_spec_around",
+        "AROUND",
+    ),
+    HookSpec(
+        "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache._component_available_size",
+        f"{_LANE_EVICTION}:component_available_size_around",
         "AROUND",
     ),
     # The startup self-test (layers/attention/kv_shard_selftest.py): once the pool, shard
