@@ -1,6 +1,9 @@
 """Per-layer vs all-layer CP HiCache backup on the CPU runtime: submissions and scheduler time.
 
-One trace of prefill batches (each inserts ``--nodes`` new nodes with a random owner
+Runs the line of the installed SGLang (0.5.12.post1 in ``.venv``, 0.5.23 in
+``.venv-sglang-0.5.23``).
+
+**0.5.12 line.** One trace of prefill batches (each inserts ``--nodes`` new nodes with a random owner
 pattern) runs twice on rank 0 of a CP group, over the real NSA pools and the
 ``CpHybridCacheController``:
 
@@ -17,7 +20,18 @@ post-forward figure of the all-layer path includes its copies: on a GPU those ar
 launches, and the figure to compare there is the D2H overlap, not measured here.
 No timing is asserted.
 
+**0.5.23 line.** The same trace shape on every rank of a gloo CP group (``--cp-size``
+ranks), over upstream's REAL sharded stack (``testing/v0_5_23/layer_backup_stack.py``), in
+two modes measured in the same run: upstream's all-layer path (the plugin's flag off: the
+insert allocates host slots and ``flush_pending_backups`` submits one all-layer D2H after
+the forward) and the plugin's per-layer path (flag on: slots reserved before the forward,
+each layer moved by the store hook, the insert only claims). Post-forward = the scheduler
+thread's time in ``_execute_kv_backup`` and ``start_writing`` (the backup part of the
+insert and the flush); printed as per-layer / all-layer (target <= 0.05), max over ranks.
+As on 0.5.12, CPU copies are synchronous, so the all-layer figure includes its copies.
+
     PYTHONPATH=python .venv/bin/python benchmark/bench_per_layer_backup.py
+    PYTHONPATH=python .venv-sglang-0.5.23/bin/python benchmark/bench_per_layer_backup.py --cp-size 2
 """
 
 from __future__ import annotations
@@ -35,9 +49,7 @@ sglang_cp_hicache.testing.install()
 
 import torch  # noqa: E402
 
-from sglang_cp_hicache.v0_5_12.mem_cache.cp_hicache_metadata import PageRun  # noqa: E402
-from sglang_cp_hicache.testing.v0_5_12 import nsa_stack  # noqa: E402
-from sglang_cp_hicache.testing.dist import single_rank_world  # noqa: E402
+from sglang_cp_hicache.core.releases import line_package  # noqa: E402
 
 logger = logging.getLogger("bench_per_layer_backup")
 
@@ -81,6 +93,10 @@ def make_trace(args) -> List[List[List[int]]]:
 
 
 def run(mode: str, trace, args) -> ModeFigures:
+    from sglang_cp_hicache.testing.dist import single_rank_world
+    from sglang_cp_hicache.testing.v0_5_12 import nsa_stack
+    from sglang_cp_hicache.v0_5_12.mem_cache.cp_hicache_metadata import PageRun
+
     cfg = nsa_stack.StackConfig(
         cp_size=args.cp_size,
         layer_num=args.layers,
@@ -150,6 +166,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)  # stable figures on shared boxes
 
+    if line_package().endswith("v0_5_23"):
+        main_0_5_23(args)
+        return
     trace = make_trace(args)
     results = {mode: run(mode, trace, args) for mode in ("all-layer", "per-layer")}
     logger.info(
@@ -173,6 +192,36 @@ def main() -> None:
         for fig in (all_layer, per_layer)
     ]
     logger.info("post-forward time per-layer / all-layer: %.2e", ratio)
+    logger.info("total scheduler-thread backup time per-layer / all-layer: %.2f", total[1] / total[0])
+
+
+def main_0_5_23(args) -> None:
+    """Both modes on ``--cp-size`` gloo ranks of upstream's sharded stack; rank figures
+    are per-batch medians, the ratio is taken on the slowest rank of each mode."""
+    from sglang_cp_hicache.testing.dist import run_ranks
+    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import time_backups
+
+    bench = dict(layers=args.layers, batches=args.batches, nodes=args.nodes, pages=args.pages, seed=args.seed)
+    modes = {"all-layer": False, "per-layer": True}
+    results = {mode: run_ranks(args.cp_size, time_backups, per_layer, bench, timeout_s=1800) for mode, per_layer in modes.items()}
+    logger.info(
+        "sglang 0.5.23 cp=%d layers=%d batches=%d nodes/batch=%d pages/node=%d (kernel I/O, layer_first)",
+        args.cp_size, args.layers, args.batches, args.nodes, args.pages,
+    )
+    worst = {}
+    for mode, ranks in results.items():
+        medians = [
+            {name: statistics.median(getattr(t, name)) for name in ("pre_forward_s", "in_forward_s", "post_forward_s")}
+            for t in ranks
+        ]
+        worst[mode] = {name: max(m[name] for m in medians) for name in medians[0]}
+        logger.info(
+            "%-9s scheduler ms/batch (max over ranks): pre-forward %.3f, in-forward hooks %.3f, post-forward %.3f",
+            mode, worst[mode]["pre_forward_s"] * 1e3, worst[mode]["in_forward_s"] * 1e3, worst[mode]["post_forward_s"] * 1e3,
+        )
+    ratio = worst["per-layer"]["post_forward_s"] / worst["all-layer"]["post_forward_s"]
+    logger.info("post-forward time per-layer / all-layer: %.2e (target <= 0.05)", ratio)
+    total = [sum(worst[mode].values()) for mode in modes]
     logger.info("total scheduler-thread backup time per-layer / all-layer: %.2f", total[1] / total[0])
 
 

@@ -6,7 +6,8 @@ them):
 
 * :data:`HOOKS`, ``HookRegistry`` hooks (``module:qualname`` targets), handed over by
   :mod:`sglang_cp_hicache.hook_table`: the flag on the CLI and on ``Engine(**kwargs)``,
-  and the DSA backend rule inside upstream's sharding gate (the Hopper formats).
+  the DSA backend rule inside upstream's sharding gate (the Hopper formats), the startup
+  self-test, per-layer D2H backup, L3 storage under sharding and lane-aware device eviction.
 * :data:`RESOLUTION_STEPS`, wrappers of named steps of SGLang's resolution pipeline
   (``sglang.srt.arg_groups.resolution_hooks.register_resolution_hook``). 0.5.23 resolves
   server args there, not in ``ServerArgs.__post_init__``, so the flag's validation and its
@@ -38,6 +39,8 @@ RELEASE = "0.5.23"
 _SERVER_ARGS = "sglang.srt.server_args:ServerArgs"
 _OURS_ARGS = "sglang_cp_hicache.v0_5_23.server_args"
 _LANE_EVICTION = "sglang_cp_hicache.v0_5_23.mem_cache.lane_eviction"
+_URC = "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"
+_LAYER_BACKUP = "sglang_cp_hicache.v0_5_23.mem_cache.layer_backup"
 
 HOOKS: Tuple[HookSpec, ...] = (
     # The flag on the command line. from_cli_args copies only record fields, so the parsed
@@ -106,6 +109,41 @@ HOOKS: Tuple[HookSpec, ...] = (
         "sglang.srt.model_executor.model_runner:ModelRunner.init_attention_backends",
         "sglang_cp_hicache.v0_5_23.layers.attention.kv_shard_selftest:init_attention_backends_after",
         "AFTER",
+    ),
+    # Per-layer D2H backup under the flag (mem_cache/layer_backup.py): attach after HiCache
+    # is built; the insert takes the reserved host slots; the ticket's ack finishes the node.
+    HookSpec(f"{_URC}.init_hicache", f"{_LAYER_BACKUP}:init_hicache_after", "AFTER"),
+    HookSpec(f"{_URC}._execute_kv_backup", f"{_LAYER_BACKUP}:execute_kv_backup_around", "AROUND"),
+    HookSpec(
+        f"{_URC}._track_write_through_node", f"{_LAYER_BACKUP}:track_write_through_node_after", "AFTER"
+    ),
+    HookSpec(
+        f"{_URC}._finish_write_through_ack", f"{_LAYER_BACKUP}:finish_write_through_ack_around", "AROUND"
+    ),
+    HookSpec(f"{_URC}.checkpoint", f"{_LAYER_BACKUP}:settle_after", "AFTER"),
+    HookSpec(f"{_URC}.on_release", f"{_LAYER_BACKUP}:settle_after", "AFTER"),
+    HookSpec(f"{_URC}.reset", f"{_LAYER_BACKUP}:reset_after", "AFTER"),
+    # Each layer's KV store on the sharded pool (runs on every rank, zero-owned too).
+    HookSpec(
+        "sglang.srt.mem_cache.page_interleave_pool:PageInterleaveMLATokenToKVPool.set_mla_kv_buffer",
+        f"{_LAYER_BACKUP}:store_kv_after",
+        "AFTER",
+    ),
+    HookSpec(
+        "sglang.srt.mem_cache.page_interleave_pool:PageInterleaveMLATokenToKVPool.set_kv_buffer",
+        f"{_LAYER_BACKUP}:store_kv_after",
+        "AFTER",
+    ),
+    HookSpec(
+        "sglang.srt.model_executor.model_runner:ModelRunner.forward",
+        f"{_LAYER_BACKUP}:model_forward_around",
+        "AROUND",
+    ),
+    # Host slots reserved before an extend forward.
+    HookSpec(
+        "sglang.srt.managers.scheduler:Scheduler.run_batch",
+        f"{_LAYER_BACKUP}:run_batch_around",
+        "AROUND",
     ),
 )
 
