@@ -110,6 +110,43 @@ HOOKS: Tuple[HookSpec, ...] = (
         "sglang_cp_hicache.v0_5_23.layers.attention.kv_shard_selftest:init_attention_backends_after",
         "AFTER",
     ),
+    # L3 storage under the flag (docs/l3_storage.md): a sharded host pool gets the
+    # owner-free file / Mooncake backends; any other backend is refused.
+    HookSpec(
+        "sglang.srt.mem_cache.storage.backend_factory:StorageBackendFactory.create_backend",
+        "sglang_cp_hicache.v0_5_23.mem_cache.storage.backend_factory:create_backend_around",
+        "AROUND",
+    ),
+    # L3: every CP rank writes what it owns (the MLA writer rule within attention TP).
+    HookSpec(
+        "sglang.srt.managers.cache_controller:HiCacheController._generate_storage_config",
+        "sglang_cp_hicache.v0_5_23.mem_cache.hybrid_cache.hybrid_cache_controller:generate_storage_config_around",
+        "AROUND",
+    ),
+    # L3 backup: the owner writes its pages; a rank owning none does no I/O (still acked).
+    HookSpec(
+        "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller:HybridCacheController._page_backup",
+        "sglang_cp_hicache.v0_5_23.mem_cache.hybrid_cache.hybrid_cache_controller:page_backup_around",
+        "AROUND",
+    ),
+    # L3 prefetch: each rank reads its owned pages; progress = its first missing owned page.
+    HookSpec(
+        "sglang.srt.managers.cache_controller:HiCacheController._page_transfer_kv_batch",
+        "sglang_cp_hicache.v0_5_23.mem_cache.hybrid_cache.hybrid_cache_controller:page_transfer_kv_batch_around",
+        "AROUND",
+    ),
+    # L3 prefetch host slots: cyclic from a start owner decided from replicated state.
+    HookSpec(
+        "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller:HybridCacheController.alloc_prefetch_host_buffers",
+        "sglang_cp_hicache.v0_5_23.mem_cache.hybrid_cache.hybrid_cache_controller:alloc_prefetch_host_buffers_around",
+        "AROUND",
+    ),
+    # L3 prefetch anchor: never under a pending backup; the pages' start owner recorded.
+    HookSpec(
+        "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache.prefetch_from_storage",
+        "sglang_cp_hicache.v0_5_23.mem_cache.unified_radix_cache:prefetch_from_storage_around",
+        "AROUND",
+    ),
     # Per-layer D2H backup under the flag (mem_cache/layer_backup.py): attach after HiCache
     # is built; the insert takes the reserved host slots; the ticket's ack finishes the node.
     HookSpec(f"{_URC}.init_hicache", f"{_LAYER_BACKUP}:init_hicache_after", "AFTER"),

@@ -84,6 +84,7 @@ SUPPORTED_CP_STRATEGY = "interleave"  # upstream's DSA sharding gate, kv_shard_h
 SUPPORTED_SPECULATIVE_ALGORITHM = "EAGLE"
 SUPPORTED_DRAFT_BACKENDS = (None, "dsa")
 TREE_CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
+SUPPORTED_STORAGE_BACKENDS = (None, "file", "mooncake")  # None: no L3 tier
 
 _warned_spellings: Set[str] = set()
 
@@ -318,10 +319,12 @@ def unsupported_combinations(cfg: Any) -> List[str]:
             "step, which a sharded rank does not hold; run decode as a separate "
             "--disaggregation-mode decode server, which receives the full KV"
         )
-    if cfg.hicache_storage_backend is not None:
+    if cfg.hicache_storage_backend not in SUPPORTED_STORAGE_BACKENDS:
+        # file / mooncake: owner-free keys, owner writes and reads (docs/l3_storage.md).
         problems.append(
-            f"does not support --hicache-storage-backend (got {cfg.hicache_storage_backend}): "
-            "storage keys whole host pages, not each rank's owned stripe"
+            f"supports --hicache-storage-backend file or mooncake only (got "
+            f"{cfg.hicache_storage_backend}): other backends' keys and reads are not "
+            "proven for pages each rank stores only where it owns them"
         )
     if cfg.enable_hisparse:
         problems.append("does not support --enable-hisparse (it assumes whole KV pages per rank)")

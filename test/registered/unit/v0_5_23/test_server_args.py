@@ -230,7 +230,7 @@ REFUSALS = [
     (["--cp-strategy", "interleave"], ["--cp-strategy", "zigzag"], "got --cp-strategy zigzag"),
     (["--disaggregation-mode", "prefill"], [], "--disaggregation-mode prefill), got --disaggregation-mode null"),
     (["--disaggregation-mode", "prefill"], ["--disaggregation-mode", "decode"], "got --disaggregation-mode decode"),
-    ([], ["--enable-hierarchical-cache", "--hicache-storage-backend", "file"], "--hicache-storage-backend (got file)"),
+    ([], ["--enable-hierarchical-cache", "--hicache-storage-backend", "hf3fs"], "--hicache-storage-backend file or mooncake only (got hf3fs)"),
     ([], ["--enable-hisparse"], "does not support --enable-hisparse"),
     ([], ["--use-ray"], "does not support --use-ray"),
     ([], ["--enable-return-routed-experts"], "does not support --enable-return-routed-experts"),

@@ -1,0 +1,303 @@
+"""L3 storage on the real 0.5.23 stack: attach a backend, drive backup and prefetch, and
+the logical KV the tests write and check (fixtures for ``test_storage_*``).
+
+Every function that drives the cache runs on every rank of the shard group in the same
+order (the cache's own collectives pair up across ranks); the extra MIN in
+:func:`_all_ranks` is the test's barrier, never product code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from array import array
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: Bounded waits: a hang fails the test instead of stalling CI.
+WAIT_STEPS = 400
+WAIT_STEP_S = 0.01
+
+
+_hooks_applied = []  # once per process: a second apply would wrap the targets again
+
+
+def apply_plugin_hooks() -> None:
+    """Register the 0.5.23 line's hooks and apply them in this process (a rank), once."""
+    if _hooks_applied:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_cp_hicache.plugin import register
+    from sglang_cp_hicache.v0_5_23.hooks import missing_hooks
+
+    register()
+    HookRegistry.apply_hooks()
+    missing = missing_hooks()
+    assert not missing, missing
+    _hooks_applied.append(True)
+
+
+def attach_storage(
+    stack: Any, backend: str, *, model_name: str = "test-model", extra: Optional[dict] = None
+) -> Any:
+    """Attach ``backend`` to ``stack``'s cache through upstream's controller and publish
+    the runtime config, as ``init_hicache`` does at startup; wait-complete prefetches."""
+    from sglang.srt.runtime_context import get_parallel
+
+    cache, controller = stack.cache, stack.controller
+    threshold = stack.config.page_size
+    # A PD prefill worker's topology under prefill CP: TP = the CP group, attention TP 1.
+    get_parallel().override_permanently(
+        tp_rank=stack.shard_rank, tp_size=stack.shard_size, pp_rank=0, pp_size=1,
+        attn_tp_rank=0, attn_tp_size=1, attn_cp_rank=stack.shard_rank,
+        attn_cp_size=stack.shard_size, attn_dp_rank=0, attn_dp_size=1, attn_dcp_rank=0,
+        attn_dcp_size=1, moe_tp_size=stack.shard_size,
+    )  # fmt: skip
+    controller.attach_storage_backend(
+        storage_backend=backend,
+        prefetch_threshold=threshold,
+        model_name=model_name,
+        storage_backend_extra_config=dict(extra or {}),
+        host_pools=controller.mem_pool_host.entries,
+    )
+    cache._storage_attachment.apply_runtime_config(
+        storage_backend=backend,
+        prefetch_threshold=threshold,
+        prefetch_timeout_base=30.0,
+        prefetch_timeout_per_ki_token=1.0,
+        hicache_storage_pass_prefix_keys=False,
+        enable_storage=True,
+        enable_storage_metrics=False,
+        extra_metric_labels=None,
+    )
+    cache.prefetch_stop_policy = "wait_complete"
+    return controller.storage_backend
+
+
+def detach_storage(stack: Any) -> None:
+    stack.cache._storage_attachment.detach()
+
+
+def _all_ranks(stack: Any, done: bool) -> bool:
+    flag = torch.tensor([int(done)], dtype=torch.int)
+    torch.distributed.all_reduce(flag, torch.distributed.ReduceOp.MIN, group=stack.shard_group.cpu_group)
+    return bool(flag.item())
+
+
+def wait_backups_stored(stack: Any) -> None:
+    """Drain until every rank's L3 backup ops are acked."""
+    for _ in range(WAIT_STEPS):
+        stack.cache.writing_check()
+        stack.cache.drain_storage_control_queues()
+        if _all_ranks(stack, not stack.cache.ongoing_backup):
+            return
+        time.sleep(WAIT_STEP_S)
+    raise TimeoutError(f"rank {stack.shard_rank}: L3 backups never acked")
+
+
+def prefetch(stack: Any, rid: str, token_ids: Sequence[int]) -> int:
+    """One L3 prefetch of ``token_ids`` under the root, driven to its end; returns the
+    host hit length the tree then holds for it (identical on every rank)."""
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+
+    cache = stack.cache
+    handle = CacheRequestHandle(rid, 0)
+    root = cache.root_node_handle()
+    cache.prefetch_from_storage(
+        handle, root, array("q", token_ids), None, None, matched_prefix_tokens=[]
+    )
+    for _ in range(WAIT_STEPS):
+        cache.drain_storage_control_queues()
+        if _all_ranks(stack, cache.check_prefetch_progress(handle)):
+            break
+        time.sleep(WAIT_STEP_S)
+    else:
+        raise TimeoutError(f"rank {stack.shard_rank}: prefetch {rid} never finished")
+    return int(stack.match(token_ids).host_hit_length)
+
+
+@dataclass(frozen=True)
+class LogicalKV:
+    """The full logical KV of one request by token position (identical on every rank)."""
+
+    latent: torch.Tensor  # [layer, token, 1, kv_cache_dim]
+    indexer: torch.Tensor  # [layer, page, page bytes] uint8
+
+
+def logical_kv(stack: Any, token_ids: Sequence[int], seed: int) -> LogicalKV:
+    pool, layers, page = stack.kv_pool, stack.config.layer_num, stack.config.page_size
+    generator = torch.Generator().manual_seed(seed + token_ids[0] + len(token_ids))
+    latent = torch.randn((layers, len(token_ids), *pool.kv_buffer[0].shape[1:]), generator=generator)
+    indexer = torch.randint(
+        0, 256, (layers, len(token_ids) // page, *pool.index_k_with_scale_buffer[0].shape[1:]),
+        generator=generator,
+    )  # fmt: skip
+    return LogicalKV(latent.to(pool.kv_buffer[0].dtype), indexer.to(torch.uint8))
+
+
+def _owned_pages(stack: Any, logical_locs: torch.Tensor):
+    page = stack.config.page_size
+    first = logical_locs[::page]
+    positions = torch.nonzero(stack.owned_mask(first)).squeeze(1)
+    return positions, stack.physical_rows(first) // page
+
+
+def write_owned_rows(stack: Any, logical_locs: torch.Tensor, kv: LogicalKV) -> None:
+    """Store the owned share of ``kv`` at ``logical_locs`` (what a forward does)."""
+    owned, rows = stack.owned_mask(logical_locs), stack.physical_rows(logical_locs)
+    positions, page_rows = _owned_pages(stack, logical_locs)
+    for layer in range(stack.config.layer_num):
+        stack.kv_pool.kv_buffer[layer][rows] = kv.latent[layer][owned]
+        stack.kv_pool.index_k_with_scale_buffer[layer][page_rows] = kv.indexer[layer][positions]
+
+
+def owned_row_mismatches(stack: Any, logical_locs: torch.Tensor, kv: LogicalKV) -> List[str]:
+    """Owned latent rows and indexer pages at ``logical_locs`` that differ from ``kv``."""
+    owned, rows = stack.owned_mask(logical_locs), stack.physical_rows(logical_locs)
+    positions, page_rows = _owned_pages(stack, logical_locs)
+    bad: List[str] = []
+    for layer in range(stack.config.layer_num):
+        latent = stack.kv_pool.kv_buffer[layer][rows]
+        wrong = (latent != kv.latent[layer][owned]).flatten(1).any(1)
+        bad += [f"layer {layer} latent row {int(r)}" for r in rows[wrong]]
+        pages = stack.kv_pool.index_k_with_scale_buffer[layer][page_rows]
+        wrong = (pages != kv.indexer[layer][positions]).any(1)
+        bad += [f"layer {layer} indexer page {int(p)}" for p in page_rows[wrong]]
+    return bad
+
+
+def store_request(stack: Any, token_ids: Sequence[int], kv: LogicalKV) -> torch.Tensor:
+    """Extend, write the owned KV, insert, back up to host and to L3; the logical locs."""
+    locs, base = stack.alloc_extend(torch.empty((0,), dtype=torch.int64), len(token_ids))
+    write_owned_rows(stack, locs, kv)
+    stack.insert(token_ids, locs, base)
+    stack.cache.flush_pending_backups()
+    wait_backups_stored(stack)
+    return locs
+
+
+def evict_everything(stack: Any) -> None:
+    """Drop device and host copies so only L3 holds the pages; zero the device rows."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    stack.cache.evict(EvictParams(num_tokens=stack.allocator.size))
+    stack.cache.evict_host(stack.kv_host_pool.logical_size)
+    for layer in range(stack.config.layer_num):
+        stack.kv_pool.kv_buffer[layer].zero_()
+        stack.kv_pool.index_k_with_scale_buffer[layer].zero_()
+
+
+def load_back(stack: Any, token_ids: Sequence[int]) -> torch.Tensor:
+    """Load the host hit of ``token_ids`` to device; its logical device locs."""
+    match = stack.match(token_ids)
+    assert stack.cache.load_back(match.best_match_node)
+    stack.cache.ready_to_load_host_cache()
+    stack.cache.loading_check()
+    match = stack.match(token_ids)
+    return stack.cache.path_device_indices(match.last_device_node)
+
+
+__all__ = [
+    "LogicalKV",
+    "apply_plugin_hooks",
+    "attach_storage",
+    "detach_storage",
+    "evict_everything",
+    "load_back",
+    "logical_kv",
+    "owned_row_mismatches",
+    "prefetch",
+    "store_request",
+    "wait_backups_stored",
+    "write_owned_rows",
+]
+
+
+# ------------------------------------------------------------ a local Mooncake master
+@dataclass
+class MooncakeMaster:
+    """``mooncake_master`` on loopback (TCP, no metadata server: clients use
+    P2PHANDSHAKE), started by :meth:`start`, always stopped by :meth:`stop` (by its pid)."""
+
+    rpc_port: int
+    metrics_port: int
+    process: Any = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    def client_config(self, segment_bytes: int = 32 << 20) -> dict:
+        """The store backend's extra config for a client of this master."""
+        return {
+            "master_server_address": self.address,
+            "protocol": "tcp",
+            "metadata_server": "P2PHANDSHAKE",
+            "local_hostname": "127.0.0.1",
+            "global_segment_size": segment_bytes,
+            "check_server": False,
+        }
+
+    def start(self, timeout_s: float = 10.0) -> "MooncakeMaster":
+        import shutil
+        import socket
+        import subprocess
+        import sys
+
+        binary = shutil.which("mooncake_master") or os.path.join(
+            os.path.dirname(sys.executable), "mooncake_master"
+        )
+        self.process = subprocess.Popen(
+            [binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}",
+             "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
+             "--rpc_thread_num=2", "--enable_metric_reporting=false",
+             "--default_kv_lease_ttl=50"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"mooncake_master exited with {self.process.returncode}")
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", self.rpc_port)) == 0:
+                    return self
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"mooncake_master did not listen on {self.address}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except Exception:
+                self.process.kill()
+                self.process.wait(timeout=5)
+        self.process = None
+
+    def __enter__(self) -> "MooncakeMaster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def free_ports(count: int) -> List[int]:
+    """``count`` free loopback TCP ports (bound and released; the OS does not reuse
+    them at once)."""
+    import socket
+
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()

@@ -1,0 +1,191 @@
+"""Owner writes, owner reads: the L3 side of ``HybridCacheController`` under CP shared KV.
+
+Upstream 0.5.23's storage path assumes every rank holds every page (MLA: one writer, every
+rank reads every hit page). Under sharding the logical host slots of an operation are
+striped over the CP group (``PageInterleaveHostPool``: logical host page ``h`` lives on rank
+``h % N`` at local page ``h // N``). These AROUND hooks narrow each storage operation to the
+pages this rank owns, in their physical host rows, and hand that to upstream's own code:
+
+* :func:`generate_storage_config_around`: every CP rank is a writer (the attention-TP rank
+  0 of each CP coordinate, not only global TP rank 0);
+* :func:`page_backup_around`: the owner of a page writes it (KV, then upstream's KV-derived
+  sidecars, i.e. the DSA indexer; the packed MTP draft rides in the KV page); a rank that
+  owns nothing of the backup does no I/O and reports the backup complete, and
+  upstream's backup thread acks it like any other;
+* :func:`page_transfer_kv_batch_around`: on a prefetch each rank reads only its owned
+  pages of a batch and reports the batch's logical progress as its first owned page that
+  did not read back whole (every component), or the whole batch
+  (``core.storage_keys.logical_pages_completed``). Upstream's completion MIN
+  (``_reduce_prefetch_ack``) then yields the prefix every owner read: no new collective;
+* :func:`alloc_prefetch_host_buffers_around`: prefetch host slots follow upstream's owner
+  rule, cyclic from a start owner decided from replicated state (the anchor's chain
+  phase, else the host slots' least-full owner class).
+
+The hit query stays upstream's: every rank checks every page and component (cheap
+metadata), and the existing hit MIN agrees on one length.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+from sglang_cp_hicache.core.storage_keys import logical_pages_completed
+from sglang_cp_hicache.v0_5_23.mem_cache.storage.backend_factory import owner_storage_enabled
+
+logger = logging.getLogger(__name__)
+
+#: Set on a PrefetchOperation by the cache (scheduler thread) before its host slots are
+#: allocated: the owner class of its first page, or None for "least-full".
+START_OWNER_ATTR = "_cp_shared_kv_start_owner"
+
+
+@dataclass(frozen=True)
+class OwnedRun:
+    """This rank's share of a page-aligned run of logical host slots.
+
+    ``owned[i]``: whether page ``i`` of the run is this rank's; ``physical_host_indices``:
+    the token rows of the owned pages in this rank's host pool, in page order;
+    ``owned_hashes``: their page hashes, in the same order.
+    """
+
+    owned: Tuple[bool, ...]
+    physical_host_indices: torch.Tensor
+    owned_hashes: List[str]
+
+    @property
+    def owned_pages(self) -> int:
+        return len(self.owned_hashes)
+
+
+def owned_run(
+    host_pool: Any, logical_host_indices: torch.Tensor, hashes: List[str], page_size: int
+) -> OwnedRun:
+    """Narrow ``logical_host_indices`` (``len(hashes)`` whole pages) to this rank's pages.
+
+    ``host_pool``: the ``PageInterleaveHostPool`` the slots come from."""
+    if logical_host_indices.numel() != len(hashes) * page_size:
+        raise ValueError(
+            f"{logical_host_indices.numel()} host slots for {len(hashes)} pages of {page_size}"
+        )
+    placement, rank = host_pool.placement, host_pool.shard_rank
+    page_mask = placement.local_mask(logical_host_indices[::page_size], rank)
+    token_mask = placement.local_mask(logical_host_indices, rank)
+    owned = tuple(bool(flag) for flag in page_mask.tolist())
+    return OwnedRun(
+        owned=owned,
+        physical_host_indices=placement.local_index(logical_host_indices[token_mask]),
+        owned_hashes=[page_hash for page_hash, mine in zip(hashes, owned) if mine],
+    )
+
+
+def _anchor_pool(controller: Any) -> Any:
+    return controller.mem_pool_host.anchor_entry.host_pool
+
+
+def _applies(controller: Any) -> bool:
+    return controller.is_kv_sharded and owner_storage_enabled(_anchor_pool(controller))
+
+
+# ------------------------------------------------------------------ the writer rule
+def generate_storage_config_around(original: Callable, controller: Any, *args, **kwargs):
+    """Every CP rank writes the pages it owns: the MLA writer rule (``tp_rank == 0``,
+    ``HiCacheStorageConfig.is_storage_writer``) is applied within the attention-TP group,
+    so each CP coordinate has exactly one writer."""
+    config = original(controller, *args, **kwargs)
+    if not _applies(controller):
+        return config
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    return dataclasses.replace(
+        config, tp_rank=parallel.attn_tp_rank, tp_size=parallel.attn_tp_size
+    )
+
+
+# ------------------------------------------------------------------------ backup
+def page_backup_around(original: Callable, controller: Any, operation: Any) -> None:
+    """Write this rank's owned pages of ``operation``; its ``completed_tokens`` becomes the
+    logical prefix this rank's writes cover (the whole run when it owns nothing)."""
+    if not _applies(controller):
+        return original(controller, operation)
+    page_size = controller.page_size
+    run = owned_run(
+        _anchor_pool(controller), operation.host_indices, list(operation.hash_value), page_size
+    )
+    if run.owned_pages == 0:  # nothing to write; never call a backend with no keys
+        operation.completed_tokens = len(run.owned) * page_size
+        return None
+    narrowed = copy.copy(operation)
+    narrowed.host_indices = run.physical_host_indices
+    narrowed.hash_value = run.owned_hashes
+    narrowed.completed_tokens = 0
+    # Upstream resolves KV-derived sidecars in place from the op: give it its own copies.
+    narrowed.pool_transfers = [
+        dataclasses.replace(transfer) for transfer in operation.pool_transfers or []
+    ] or operation.pool_transfers
+    original(controller, narrowed)
+    written = min(narrowed.completed_tokens // page_size, run.owned_pages)
+    operation.completed_tokens = logical_pages_completed(run.owned, written) * page_size
+    return None
+
+
+# ---------------------------------------------------------------------- prefetch
+def page_transfer_kv_batch_around(
+    original: Callable,
+    controller: Any,
+    operation: Any,
+    batch_hashes: List[str],
+    batch_host_indices: torch.Tensor,
+    extra_info: Any,
+    kv_derived_transfers: list,
+) -> int:
+    """Read this rank's owned pages of one batch (KV and KV-derived sidecars); return the
+    batch's logical pages done: the index of the first owned page that did not read back
+    whole, or the whole batch (a rank owning none of it does no I/O)."""
+    if not _applies(controller):
+        return original(
+            controller, operation, batch_hashes, batch_host_indices, extra_info,
+            kv_derived_transfers,
+        )  # fmt: skip
+    run = owned_run(
+        _anchor_pool(controller), batch_host_indices, list(batch_hashes), controller.page_size
+    )
+    if run.owned_pages == 0:
+        return len(batch_hashes)
+    read = original(
+        controller, operation, run.owned_hashes, run.physical_host_indices, extra_info,
+        kv_derived_transfers,
+    )  # fmt: skip
+    return logical_pages_completed(run.owned, max(0, min(int(read), run.owned_pages)))
+
+
+def alloc_prefetch_host_buffers_around(
+    original: Callable, controller: Any, operation: Any, need_size: int
+) -> Optional[torch.Tensor]:
+    """Sharded host slots for a storage hit, cyclic from the operation's start owner
+    (upstream's sharded host pool refuses an allocation without one)."""
+    if not _applies(controller):
+        return original(controller, operation, need_size)
+    start_owner = getattr(operation, START_OWNER_ATTR, None)
+    if start_owner is None:
+        # A new chain: upstream's rule for new device chains, on the host slots' classes
+        # (the logical host allocator is identical on every rank).
+        start_owner = _anchor_pool(controller)._slots.least_full_class()
+    return controller.mem_pool_host.alloc(need_size, start_owner=int(start_owner))
+
+
+__all__ = [
+    "OwnedRun",
+    "START_OWNER_ATTR",
+    "alloc_prefetch_host_buffers_around",
+    "generate_storage_config_around",
+    "owned_run",
+    "page_backup_around",
+    "page_transfer_kv_batch_around",
+]

@@ -1,0 +1,100 @@
+"""Which L3 backend a sharded HiCache gets under ``--enable-nsa-prefill-cp-shared-kv``.
+
+AROUND ``StorageBackendFactory.create_backend``: when the host pool is upstream's
+``PageInterleaveHostPool`` and the plugin's flag is on, ``file`` becomes
+:class:`~sglang_cp_hicache.v0_5_23.mem_cache.hicache_storage.OwnerFreeHiCacheFile` and
+``mooncake`` becomes
+:class:`~sglang_cp_hicache.v0_5_23.mem_cache.storage.mooncake_store.mooncake_store.OwnerFreeMooncakeStore`
+(owner-free namespaced keys); any other backend is refused with one message. Flag off, or
+an unsharded host pool: upstream's factory, unchanged (the builtin registry is never
+rewritten, so other processes and flag-off pools see upstream's classes).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Tuple
+
+from sglang_cp_hicache.v0_5_23.server_args import CLI_FLAG, cp_shared_kv_enabled
+
+logger = logging.getLogger(__name__)
+
+#: The backends a CPU twin proves under CP shared KV.
+OWNER_FREE_BACKENDS: Tuple[str, ...] = ("file", "mooncake")
+
+
+class UnsupportedShardedStorageError(ValueError):
+    """An L3 backend the plugin has not proven under CP shared KV."""
+
+
+def is_kv_sharded_host_pool(host_pool: Any) -> bool:
+    from sglang.srt.mem_cache.pool_host.page_interleave import PageInterleaveHostPool
+
+    return isinstance(host_pool, PageInterleaveHostPool)
+
+
+def owner_storage_enabled(host_pool: Any) -> bool:
+    """Whether the plugin's owner-write / owner-read storage applies to ``host_pool``'s
+    process: a sharded KV host pool and the plugin's flag on the published record."""
+    if not is_kv_sharded_host_pool(host_pool):
+        return False
+    from sglang.srt.runtime_context import get_server_args
+
+    return cp_shared_kv_enabled(get_server_args())
+
+
+def refuse_unless_owner_free(backend_name: str) -> None:
+    if backend_name not in OWNER_FREE_BACKENDS:
+        raise UnsupportedShardedStorageError(
+            f"{CLI_FLAG}: --hicache-storage-backend {backend_name} is not supported with CP "
+            f"shared KV (supported: {', '.join(OWNER_FREE_BACKENDS)}); its keys and reads "
+            "are not proven for pages each rank stores only where it owns them"
+        )
+
+
+def create_backend_around(
+    original: Callable,
+    factory: type,
+    backend_name: str,
+    storage_config: Any,
+    mem_pool_host: Any,
+    **kwargs: Any,
+) -> Any:
+    if not owner_storage_enabled(mem_pool_host):
+        return original(factory, backend_name, storage_config, mem_pool_host, **kwargs)
+    refuse_unless_owner_free(backend_name)
+    from sglang.srt.mem_cache.hicache_storage import (
+        _maybe_wrap_hicache_storage_failure_injector,
+    )
+
+    from sglang_cp_hicache.v0_5_23.mem_cache.hicache_storage import (
+        OwnerFreeHiCacheFile,
+        storage_namespace,
+    )
+
+    namespace = storage_namespace(mem_pool_host, storage_config.model_name)
+    if backend_name == "file":
+        backend = OwnerFreeHiCacheFile(storage_config, namespace)
+    else:
+        from sglang_cp_hicache.v0_5_23.mem_cache.storage.mooncake_store.mooncake_store import (
+            OwnerFreeMooncakeStore,
+        )
+
+        backend = OwnerFreeMooncakeStore(storage_config, namespace)
+    logger.info(
+        "cp_hicache: L3 %s backend with owner-free keys (namespace %s)",
+        backend_name,
+        namespace.namespace_id,
+    )
+    # Upstream's fault-injection wrapper stays available, as for its own backends.
+    return _maybe_wrap_hicache_storage_failure_injector(backend)
+
+
+__all__ = [
+    "OWNER_FREE_BACKENDS",
+    "UnsupportedShardedStorageError",
+    "create_backend_around",
+    "is_kv_sharded_host_pool",
+    "owner_storage_enabled",
+    "refuse_unless_owner_free",
+]

@@ -1,0 +1,97 @@
+"""``UnifiedRadixCache.prefetch_from_storage`` under CP shared KV: where an L3 prefetch
+may be anchored, and which owner its pages start at.
+
+AROUND ``prefetch_from_storage`` (scheduler thread, identical on every rank):
+
+* **Anchor rule.** The scheduler chains the prefetch's page hashes from the deepest
+  backed-up node (``last_host_node``) but starts its tokens after the whole device + host
+  match. When the match runs below that node, through nodes whose backup is still pending
+  (not yet acked), the keys would describe no real sequence and the fetched pages would be
+  inserted at the wrong depth. Such a prefetch is not issued (counted in
+  :data:`PENDING_ANCHOR_SKIPS`); the request computes those tokens, and its later backup
+  writes them.
+* **Start owner.** The fetched pages continue the anchor's rotation chain when it has one
+  (the owner class of the page after the anchor), so the host slots, and the device rows
+  a later load-back draws from them, keep the chain's owner cycle; a root anchor gets the
+  least-full owner class at allocation. Stored on the operation for
+  ``alloc_prefetch_host_buffers_around``.
+
+Flag off or unsharded: upstream's method, unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any, Callable, Optional
+
+from sglang_cp_hicache.v0_5_23.mem_cache.hybrid_cache.hybrid_cache_controller import (
+    START_OWNER_ATTR,
+)
+from sglang_cp_hicache.v0_5_23.mem_cache.storage.backend_factory import owner_storage_enabled
+
+logger = logging.getLogger(__name__)
+
+#: Prefetches not issued because the match ran below the anchor (per process).
+PENDING_ANCHOR_SKIPS: Counter = Counter()
+
+
+def _applies(cache: Any) -> bool:
+    controller = cache.cache_controller
+    return (
+        controller is not None
+        and controller.is_kv_sharded
+        and owner_storage_enabled(controller.mem_pool_host.anchor_entry.host_pool)
+    )
+
+
+def anchor_depth_tokens(cache: Any, node_id: Any) -> int:
+    """Tokens from the root through ``node_id`` (logical, identical on every rank)."""
+    node = cache.tree_core.node_by_id(node_id)
+    depth = 0
+    while node is not None:
+        depth += len(node.key)
+        node = node.parent
+    return depth
+
+
+def next_page_owner(cache: Any, node_id: Any, depth_tokens: int) -> Optional[int]:
+    """The owner class of the page after ``node_id`` on its rotation chain, or None when
+    the node starts no chain (the root)."""
+    base = cache.tree_core.rotation_base_of(node_id)
+    if base is None:
+        return None
+    shard_size = cache.cache_controller.mem_pool_host.anchor_entry.host_pool.shard_size
+    return (base + depth_tokens // cache.page_size) % shard_size
+
+
+def prefetch_from_storage_around(
+    original: Callable, cache: Any, request: Any, last_host_node_id: Any, *args, **kwargs
+) -> Optional[bool]:
+    if not _applies(cache):
+        return original(cache, request, last_host_node_id, *args, **kwargs)
+    matched = kwargs.get("matched_prefix_tokens")
+    depth = anchor_depth_tokens(cache, last_host_node_id)
+    if matched is not None and len(matched) > depth:
+        PENDING_ANCHOR_SKIPS["skipped"] += 1
+        logger.debug(
+            "cp_hicache: L3 prefetch of %s not issued: the match (%d tokens) runs below "
+            "its anchor (%d tokens) through a pending backup",
+            request.rid,
+            len(matched),
+            depth,
+        )
+        return None
+    result = original(cache, request, last_host_node_id, *args, **kwargs)
+    info = cache.ongoing_prefetch.get(request)
+    if info is not None:
+        setattr(info.operation, START_OWNER_ATTR, next_page_owner(cache, last_host_node_id, depth))
+    return result
+
+
+__all__ = [
+    "PENDING_ANCHOR_SKIPS",
+    "anchor_depth_tokens",
+    "next_page_owner",
+    "prefetch_from_storage_around",
+]
