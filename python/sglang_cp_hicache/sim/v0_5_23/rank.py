@@ -9,9 +9,9 @@ Columns on this line, all on the real 0.5.23 cache stack (``testing.v0_5_23.stac
 * ``plugin``: the same stack in a process where the plugin's 0.5.23 hooks are applied the
   way ``load_plugins`` applies them (refused if one is missing), and the plugin's flag on
   the stack's record (``StackConfig.cp_shared_kv``, marked before the record is resolved).
-  The line's hooks today are the flag, its validation and the Hopper admission, none on the
-  scheduler path, so this column equals ``native`` until the plugin's deltas (lane-aware
-  eviction, per-layer backup) land;
+  Of the plugin's scheduler-path deltas this column runs lane-aware device eviction; the
+  per-layer backup hooks are installed, but the driver reserves no host slots before a
+  forward yet, so its backups take upstream's all-layer path;
 * ``upstream``: the unsharded stack on one rank with the same per-rank memory.
 """
 
