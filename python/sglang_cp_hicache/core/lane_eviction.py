@@ -18,7 +18,10 @@ frees and its priority are injected, so both SGLang lines' trees use this one pl
 from __future__ import annotations
 
 import heapq
-from typing import Any, Callable, Iterator, List, Optional, Protocol, Sequence, Set, Tuple, TypeVar
+from typing import (
+    Any, Callable, Dict, Hashable, Iterator, List, Optional, Protocol, Sequence, Set, Tuple,
+    TypeVar,
+)  # fmt: skip
 
 
 class TreeNodeLike(Protocol):
@@ -50,6 +53,23 @@ def lane_deficit(demand: Sequence[int], free: Sequence[int]) -> List[int]:
     return [max(0, need - have) for need, have in zip(demand, free)]
 
 
+def first_page_leaders(first_pages: Sequence[Optional[Hashable]]) -> List[Optional[int]]:
+    """For each request of one extend batch, the earliest earlier request whose key starts
+    with the same first page (None for the first of its page, or without a full page).
+
+    Two requests of one batch whose keys share a first page land on one tree path: the
+    later insert is refused unless both chains have one rotation base (a cached path's
+    page owners are one cyclic run)."""
+    first_seen: Dict[Hashable, int] = {}
+    leaders: List[Optional[int]] = []
+    for index, page in enumerate(first_pages):
+        leader = None if page is None else first_seen.get(page)
+        if page is not None and leader is None:
+            first_seen[page] = index
+        leaders.append(leader)
+    return leaders
+
+
 def extend_lane_demand(
     free: Sequence[int],
     bases: Sequence[Optional[int]],
@@ -59,6 +79,7 @@ def extend_lane_demand(
     page_size: int,
     *,
     fit_first: bool = False,
+    leaders: Optional[Sequence[Optional[int]]] = None,
 ) -> Tuple[List[int], List[int]]:
     """Pages per lane one extend batch draws, request by request in batch order, and each
     request's rotation base.
@@ -69,15 +90,19 @@ def extend_lane_demand(
     ties to the lowest lane (SGLang 0.5.23's ``PageInterleavePoolAllocator.alloc_extend``
     rule). With ``fit_first`` the new chain starts on the freest lane among those from
     which its draws fit what is left, and on upstream's lane when none fits: a chain the
-    free lanes can hold at some rotation is never made room for. ``free``: pages per lane
-    before the batch. Prefixes are page-aligned.
+    free lanes can hold at some rotation is never made room for. A new chain with a
+    ``leaders`` entry (an earlier request of the batch, :func:`first_page_leaders`) takes
+    that request's base instead, so their inserts share one rotation run. ``free``: pages
+    per lane before the batch. Prefixes are page-aligned.
     """
     left = list(free)
     demand = [0] * lanes
     resolved: List[int] = []
-    for base, prefix_len, seq_len in zip(bases, prefix_lens, seq_lens):
+    for index, (base, prefix_len, seq_len) in enumerate(zip(bases, prefix_lens, seq_lens)):
         first_page = prefix_len // page_size
         new_pages = -(-seq_len // page_size) - first_page
+        if base is None and leaders is not None and leaders[index] is not None:
+            base = resolved[leaders[index]]
         if base is None:
             order = sorted(range(lanes), key=lambda lane: (-left[lane], lane))
             base = order[0]
@@ -168,6 +193,7 @@ __all__ = [
     "TreeNodeLike",
     "cyclic_lane_counts",
     "extend_lane_demand",
+    "first_page_leaders",
     "lane_deficit",
     "plan_lane_victims",
 ]

@@ -102,6 +102,23 @@ HOOKS: Tuple[HookSpec, ...] = (
         f"{_LANE_EVICTION}:component_available_size_around",
         "AROUND",
     ),
+    # Lane-aware host room for a backup (v0_5_23/mem_cache/host_lane_eviction.py): the
+    # backup's exact host draws per owner lane, victims only on a short lane.
+    HookSpec(
+        f"{_URC}._execute_and_commit_kv_backup",
+        "sglang_cp_hicache.v0_5_23.mem_cache.host_lane_eviction:execute_and_commit_kv_backup_around",
+        "AROUND",
+    ),
+    HookSpec(
+        "sglang.srt.mem_cache.unified_cache.unified_tree_core:UnifiedTreeCore.build_backup_spec",
+        "sglang_cp_hicache.v0_5_23.mem_cache.host_lane_eviction:build_backup_spec_around",
+        "AROUND",
+    ),
+    HookSpec(
+        f"{_URC}.evict_host",
+        "sglang_cp_hicache.v0_5_23.mem_cache.host_lane_eviction:evict_host_around",
+        "AROUND",
+    ),
     # The startup self-test (layers/attention/kv_shard_selftest.py): once the pool, shard
     # group and attention backends exist, before graphs and serving, the sharded read path
     # against the replicated one with the resolved backend's kernels; logs the scratch.

@@ -3,9 +3,13 @@
 :func:`store_layer` is what one layer of a forward stores over a batch (the DSA indexer's
 index K pages, then the MLA latent of the whole batch in one call of the sharded pool's own
 ``set_mla_kv_buffer``, after which the plugin's store hook reports the layer);
-:func:`forward` runs every layer and reports the forward's end. :func:`time_backups` is the
-rank side of ``benchmark/bench_per_layer_backup.py``'s 0.5.23 mode: upstream's all-layer
-path (flag off) and the plugin's per-layer path (flag on) over the same trace.
+:func:`forward` runs every layer and reports the forward's end. :func:`extend_batch` and
+:func:`forward_batch_of` build what ``Scheduler.run_batch`` and ``ModelRunner.forward``
+receive (a real ``ScheduleBatch`` of real ``Req`` objects admitted by a ``PrefillAdder`` and
+allocated by ``alloc_for_extend``, and its ``ForwardBatch``), for driving the plugin's hooks
+of those two methods. :func:`time_backups` is the rank side of
+``benchmark/bench_per_layer_backup.py``'s 0.5.23 mode: upstream's all-layer path (flag off)
+and the plugin's per-layer path (flag on) over the same trace.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import torch
 
 from sglang_cp_hicache.testing.dist import RankContext
+
+#: ``--max-prefill-tokens``' default: the input tokens one prefill batch may carry.
+MAX_PREFILL_TOKENS = 16384
 
 #: One request of a forward batch: its logical locs and its logical KV, (latent
 #: [layer, token, 1, dim], indexer [layer, page, bytes]) identical on every rank.
@@ -48,6 +55,15 @@ def logical_kv(stack: Any, num_tokens: int, layers: int, seed: int) -> Tuple[tor
     return latent.to(pool.kv_buffer[0].dtype), indexer.to(torch.uint8)
 
 
+def fresh_write_plan(pool: Any) -> None:
+    """A new extend batch for the sharded pool's write plan. Upstream caches a batch's
+    owner filter keyed by the locs tensor's address and length and a per-batch epoch that
+    ``begin_shard_extend`` bumps (``page_interleave_pool.py:577-592``); forwards on CPU run
+    no prefix gather, so they bump it here: else a new locs tensor at a freed one's address,
+    of the same length, takes the stale plan and its KV lands in another batch's rows."""
+    pool._epoch += 1
+
+
 def store_layer(stack: Any, layer_id: int, batch: Sequence[BatchItem]) -> None:
     """Layer ``layer_id``'s stores over ``batch``: index K pages (owned ones), then the
     batch's latent in one ``set_mla_kv_buffer`` (the pool keeps its owned rows)."""
@@ -62,9 +78,78 @@ def store_layer(stack: Any, layer_id: int, batch: Sequence[BatchItem]) -> None:
         stack.kv_pool.index_k_with_scale_buffer[layer_id][page_rows] = indexer[layer_id][owned_pages]
     locs = torch.cat([locs for locs, _ in batch])
     rows = torch.cat([latent[layer_id] for _, (latent, _) in batch])
+    fresh_write_plan(stack.kv_pool)  # a new locs tensor per call
     rank = stack.config.kv_lora_rank
     layer = RadixAttention(num_heads=1, head_dim=rows.shape[-1], scaling=1.0, num_kv_heads=1, layer_id=layer_id)
     stack.kv_pool.set_mla_kv_buffer(layer, KVWriteLoc(locs), rows[..., :rank], rows[..., rank:])
+
+
+def extend_batch(stack: Any, prompts: Sequence[Sequence[int]], rid_prefix: str = "r") -> Any:
+    """A real extend ``ScheduleBatch`` over ``prompts`` (one ``Req`` each, rids
+    ``<rid_prefix><i>``) as the scheduler hands it to ``run_batch``: each request matched
+    (``init_next_round_input``) and admitted by a ``PrefillAdder`` (its lock taken), then
+    SGLang's ``alloc_for_extend`` (req rows, KV slots, rotation bases); ``out_cache_loc`` is
+    the batch's new logical slots in request order. Raises if one is not admitted."""
+    from array import array
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+    from sglang.srt.mem_cache.allocation import alloc_for_extend
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    cache = stack.cache
+    adder = PrefillAdder(
+        stack.config.page_size, cache, stack.allocator, ScheduleBatch(reqs=[], batch_is_full=False), 0.0,
+        MAX_PREFILL_TOKENS, None,
+    )  # fmt: skip
+    for index, prompt in enumerate(prompts):
+        req = Req(
+            rid=f"{rid_prefix}{index}",
+            origin_input_text="",
+            origin_input_ids=array("q", prompt),
+            sampling_params=SamplingParams(temperature=0, max_new_tokens=1),
+        )
+        req.init_next_round_input(cache)
+        adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
+        if not adder.can_run_list or adder.can_run_list[-1] is not req:
+            raise RuntimeError(f"request {req.rid} was not admitted")
+    reqs = adder.can_run_list
+    batch = ScheduleBatch(
+        reqs=reqs,
+        req_to_token_pool=stack.req_to_token_pool,
+        token_to_kv_pool_allocator=stack.allocator,
+        tree_cache=cache,
+        model_config=SimpleNamespace(is_encoder_decoder=False),
+        device="cpu",
+    )
+    batch.forward_mode = ForwardMode.EXTEND  # what prepare_for_extend sets around the allocation
+    batch.prefix_lens = [req.prefix_len for req in reqs]
+    batch.extend_lens = [req.extend_len for req in reqs]
+    batch.seq_lens_cpu = torch.tensor([req.extend_end for req in reqs], dtype=torch.int64)
+    batch.seq_lens = batch.seq_lens_cpu.clone()
+    batch.extend_num_tokens = sum(batch.extend_lens)
+    batch.out_cache_loc, batch.req_pool_indices, _ = alloc_for_extend(batch)
+    batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+    return batch
+
+
+def forward_batch_of(stack: Any, batch: Any) -> Any:
+    """The ``ForwardBatch`` ``ModelRunner.forward`` receives for ``batch`` (its required
+    fields: mode, sizes, rows and slots; 0.5.23's holds no pool, the runner does)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    return ForwardBatch(
+        forward_mode=batch.forward_mode,
+        batch_size=len(batch.reqs),
+        input_ids=torch.zeros(batch.extend_num_tokens, dtype=torch.int64),
+        req_pool_indices=batch.req_pool_indices,
+        seq_lens=batch.seq_lens,
+        out_cache_loc=batch.out_cache_loc,
+        seq_lens_sum=batch.seq_lens_sum,
+        seq_lens_cpu=batch.seq_lens_cpu,
+    )
 
 
 def forward(stack: Any, batch: Sequence[BatchItem], on_layer: Callable[[int], None] = lambda _: None) -> None:
@@ -160,4 +245,15 @@ def time_backups(ctx: RankContext, per_layer: bool, bench: Dict[str, int]) -> Ba
     return times
 
 
-__all__ = ["BackupTimes", "BatchItem", "apply_plugin_hooks", "forward", "logical_kv", "store_layer", "time_backups"]
+__all__ = [
+    "BackupTimes",
+    "BatchItem",
+    "apply_plugin_hooks",
+    "extend_batch",
+    "forward",
+    "forward_batch_of",
+    "fresh_write_plan",
+    "logical_kv",
+    "store_layer",
+    "time_backups",
+]

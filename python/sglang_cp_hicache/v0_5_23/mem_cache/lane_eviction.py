@@ -24,8 +24,12 @@ the allocator is not the sharded one:
   eviction skipped and the allocator drawing at the bases the room was made for. A new
   chain starts on the freest lane from which its draws fit the free pages at its turn
   (upstream: the freest lane, fitting or not), so an extend the free lanes can hold at
-  some rotation evicts nothing. A refusal leaves the allocator short and upstream's
-  "Prefill out of memory" stands, as when upstream's eviction runs dry.
+  some rotation evicts nothing. A new chain whose prompt starts with the same page as an
+  earlier request's of the batch takes that request's base instead (upstream: its own
+  least-full lane, and the later insert over the shared prefix is refused as a join of
+  two rotation runs, ``unified_tree_core.py:1158-1229``, so the request's KV is not
+  cached). A refusal leaves the allocator short and upstream's "Prefill out of memory"
+  stands, as when upstream's eviction runs dry.
 * ``UnifiedRadixCache._load_back_transfers`` (AROUND) with
   ``UnifiedTreeCore.build_load_back_spec`` (AROUND) and
   ``UnifiedRadixCache._component_available_size`` (AROUND): a load-back's room is its exact
@@ -49,15 +53,17 @@ the mirrored lane free counts): every rank evicts the same nodes, no collective.
 from __future__ import annotations
 
 import contextvars
+import functools
 import heapq
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from sglang_cp_hicache.core.lane_eviction import (
     cyclic_lane_counts,
     extend_lane_demand,
+    first_page_leaders,
     lane_deficit,
     plan_lane_victims,
 )
@@ -125,25 +131,31 @@ class LaneEvictionStats:
 STATS = LaneEvictionStats()
 
 
-def _flag_on() -> bool:
+@functools.lru_cache(maxsize=None)
+def _upstream() -> Tuple[Any, Any, Callable[[], Any]]:
+    """``(UnifiedRadixCache, PageInterleavePoolAllocator, get_server_args)``, imported on
+    the first call only: an import statement costs microseconds, and :func:`lane_aware`
+    runs on every insert's backup and every allocation's eviction."""
+    from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.srt.runtime_context import get_server_args
 
-    return cp_shared_kv_enabled(get_server_args())
+    return UnifiedRadixCache, PageInterleavePoolAllocator, get_server_args
+
+
+def _flag_on() -> bool:
+    return cp_shared_kv_enabled(_upstream()[2]())
 
 
 def _is_sharded(allocator: Any) -> bool:
-    from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
-
-    return isinstance(allocator, PageInterleavePoolAllocator) and allocator.shard_size > 1
+    return isinstance(allocator, _upstream()[1]) and allocator.shard_size > 1
 
 
 def lane_aware(tree_cache: Any) -> bool:
     """Whether ``tree_cache``'s device eviction is the plugin's: the flag is on and the
     cache is a ``UnifiedRadixCache`` over upstream's sharded allocator."""
-    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-
     return (
-        isinstance(tree_cache, UnifiedRadixCache)
+        isinstance(tree_cache, _upstream()[0])
         and _is_sharded(tree_cache.token_to_kv_pool_allocator)
         and _flag_on()
     )
@@ -242,16 +254,21 @@ class DeviceLaneEvictor:
         return EvictResult(num_tokens_evicted=self._evict(victims, path))
 
     def make_extend_room(
-        self, bases: Sequence[Optional[int]], prefix_lens: Sequence[int], seq_lens: Sequence[int]
+        self,
+        bases: Sequence[Optional[int]],
+        prefix_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        leaders: Optional[Sequence[Optional[int]]] = None,
     ) -> List[int]:
         """Room for one extend batch's exact draws; the rotation bases the room was made
-        for (new chains resolved fit-first: :func:`extend_lane_demand`). Evicting changes
-        the free lanes a new chain is placed by, so the draws are re-simulated after each
-        plan; every round evicts at least one node, so this ends."""
+        for (new chains resolved fit-first, or at their ``leaders``' bases:
+        :func:`extend_lane_demand`). Evicting changes the free lanes a new chain is placed
+        by, so the draws are re-simulated after each plan; every round evicts at least one
+        node, so this ends."""
         while True:
             demand, resolved = extend_lane_demand(
                 self.free_pages(), bases, prefix_lens, seq_lens, self.lanes, self.page_size,
-                fit_first=True,
+                fit_first=True, leaders=leaders,
             )  # fmt: skip
             victims = self._plan_or_refuse(demand, "extend")
             if not victims:
@@ -339,12 +356,24 @@ def alloc_paged_token_slots_extend_around(
         tree_cache=tree_cache, batch=batch, prefix_lens_cpu=prefix_lens_cpu
     )
     evictor = DeviceLaneEvictor(tree_cache, tree_cache.token_to_kv_pool_allocator)
-    resolved = evictor.make_extend_room(bases, prefix, [int(n) for n in seq_lens_cpu])
+    leaders = first_page_leaders([_first_page_key(req, evictor.page_size) for req in batch.reqs])
+    resolved = evictor.make_extend_room(bases, prefix, [int(n) for n in seq_lens_cpu], leaders)
     token = _extend_room.set(resolved)
     try:
         return call()
     finally:
         _extend_room.reset(token)
+
+
+def _first_page_key(req: Any, page_size: int) -> Optional[tuple]:
+    """What decides whether two requests' insert keys share a first page (a tree path):
+    the key's namespace and its first page of prompt tokens (None under a page). The
+    bigram view of an EAGLE tree reads one token more; equal pages here only over-group,
+    which costs a chain its own placement, never an insert."""
+    tokens = req.origin_input_ids
+    if len(tokens) < page_size:
+        return None
+    return (req.extra_key, req.cache_salt, tuple(tokens[:page_size]))
 
 
 def kv_shard_rotation_bases_around(original: Callable, *args: Any, **kwargs: Any) -> list:

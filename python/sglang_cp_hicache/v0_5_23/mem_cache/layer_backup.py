@@ -91,9 +91,12 @@ class CacheLayerBackup:
             return None
         cache, cc = self.cache, self.cache.cache_controller
         sidecar = cache._build_backup_sidecar(device_locs, {})
+        from sglang_cp_hicache.v0_5_23.mem_cache.host_lane_eviction import backup_room
+
         need = len(device_locs) - cc.mem_pool_host.available_size()
         if need > 0:
-            cache.evict_host(need)
+            with backup_room(cache, start_owner, len(device_locs)):  # room on short lanes only
+                cache.evict_host(need)
         allocation = cc.allocate_host_transfers(device_locs, sidecar or None, start_owner=start_owner)
         if allocation is None:
             self.refused += 1
@@ -135,8 +138,8 @@ class CacheLayerBackup:
     def claim(self, node_id: int, device_value: torch.Tensor) -> Optional[torch.Tensor]:
         """The insert backs up ``node_id`` over ``device_value``: its reserved host slots
         when a reservation covers exactly those pages, else None (upstream writes it)."""
-        if not len(device_value):
-            return None
+        if not len(device_value) or not self.reservations.rids():
+            return None  # nothing to claim: skip reading the pages (every insert's backup)
         transition = self.reservations.claim(node_id, self._pages(device_value))
         if transition is None:
             return None
@@ -350,7 +353,9 @@ def store_kv_after(
 
 
 def model_forward_around(original: Callable, runner: Any, forward_batch: Any, *args, **kwargs):
-    pool = forward_batch.token_to_kv_pool
+    """The forward's end for the runner's pool (the target's, or the MTP draft runner's):
+    0.5.23's ``ForwardBatch`` carries no pool, the ``ModelRunner`` does."""
+    pool = runner.token_to_kv_pool
     try:
         output = original(runner, forward_batch, *args, **kwargs)
     except BaseException as error:

@@ -1,0 +1,289 @@
+"""Lane-aware host eviction for backups on SGLang 0.5.23's native KV sharding.
+
+Upstream's backup (``UnifiedRadixCache._execute_kv_backup``) gates on the host pool's
+min-class floor (``PageInterleaveHostPool.available_size``: the tightest owner lane x N)
+and, when the floor is below the backup's tokens, evicts host leaves by LRU until the
+missing *tokens* are freed, else skips the backup. The host slots it then takes are
+owner-matched (``alloc_cyclic`` from the node's rotation phase), so what the backup
+really needs is known per lane. Counting tokens evicts for room other lanes already
+have, and can skip a backup the lanes could hold once the right lane is freed.
+
+Under the plugin's flag, inside a backup, the host room is the backup's exact per-lane
+draws and is made by the shared planner
+(:func:`sglang_cp_hicache.core.lane_eviction.plan_lane_victims`): host leaves in (priority,
+node id) order that free pages on a short lane only (an inner host node is reached through
+its leaves in the LRU walk's own turn), stopping once every short lane is covered. A
+backup the free lanes hold evicts nothing; an uncoverable deficit evicts nothing and is a
+counted refusal, and the backup is skipped as upstream skips it.
+
+Three hooks (``v0_5_23.hooks``), each upstream's function unchanged when the flag is off,
+the allocator is not the sharded one, or no backup is being made room for:
+
+* ``UnifiedRadixCache._execute_and_commit_kv_backup`` (AROUND): opens the backup scope
+  (every backup runs through it: insert write-through, write-back demotes);
+* ``UnifiedTreeCore.build_backup_spec`` (AROUND): records the node's draws per lane
+  (rotation phase, pages of the device value it backs up: the slots ``_execute_kv_backup``
+  will ask ``alloc_cyclic`` for);
+* ``UnifiedRadixCache.evict_host`` (AROUND): inside the scope, for FULL KV, the lane-aware
+  room; it answers upstream's ``evict_host(needed) < needed`` test with ``needed`` when the
+  lanes hold the backup (made or already there) and 0 when they cannot be made to.
+
+:func:`backup_room` opens the same scope for a caller that reserves host slots itself
+(the per-layer backup's reservation before the forward).
+
+Every decision reads replicated state only (the logical tree, node ids, rotation phases,
+the logical host slot allocator's per-lane free counts, identical on every rank since
+every rank makes the same allocations and frees): every rank evicts the same nodes, no
+collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import heapq
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Set
+
+from sglang_cp_hicache.core.lane_eviction import cyclic_lane_counts, lane_deficit, plan_lane_victims
+from sglang_cp_hicache.v0_5_23.mem_cache.lane_eviction import lane_aware
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _BackupRoom:
+    """The backup being made room for on this thread: the owner lane of its first host
+    page and its pages, once known (None before its spec is built, or for a node with
+    nothing to copy)."""
+
+    start_owner: Optional[int] = None
+    pages: int = 0
+
+    def demand(self, lanes: int) -> List[int]:
+        """Host pages per owner lane: a cyclic run from ``start_owner``."""
+        return cyclic_lane_counts(self.start_owner, self.pages, lanes)
+
+
+_backup_room: contextvars.ContextVar[Optional[_BackupRoom]] = contextvars.ContextVar(
+    "cp_hicache_backup_room", default=None
+)
+
+
+@dataclass
+class HostLaneStats:
+    """This process's lane-aware host eviction, in replicated counts (equal on every rank):
+    backups whose host floor was short (upstream would have evicted), of those the ones the
+    free lanes already held (nothing evicted), plans carried out, refusals (an uncoverable
+    deficit: nothing evicted, the backup skipped), victims and host tokens evicted."""
+
+    short: int = 0
+    fit: int = 0
+    plans: int = 0
+    refusals: int = 0
+    victims: int = 0
+    evicted_tokens: int = 0
+
+
+STATS = HostLaneStats()
+
+
+def _full_type() -> Any:
+    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+
+    return ComponentType.FULL
+
+
+@dataclass
+class HostLaneEvictor:
+    """Makes per-lane host room on one ``UnifiedRadixCache`` (Python tree core) whose KV
+    anchor host pool is a ``PageInterleaveHostPool``. Demands and free counts are pages per
+    owner lane of the logical host slot space (lane = logical host page % N)."""
+
+    cache: Any  # UnifiedRadixCache
+
+    @property
+    def host_pool(self) -> Any:  # PageInterleaveHostPool
+        return self.cache.cache_controller.mem_pool_host.anchor_entry.host_pool
+
+    @property
+    def lanes(self) -> int:
+        return self.host_pool.shard_size
+
+    @property
+    def page_size(self) -> int:
+        return self.host_pool.page_size
+
+    def free_pages(self) -> List[int]:
+        """Free host pages per owner lane: the logical slot allocator's, replicated."""
+        return self.host_pool._slots.class_free_page_counts()
+
+    # ----------------------------------------------------------------- the planner's view
+    def lane_pages(self, node: Any) -> List[int]:
+        """``node``'s host pages per owner lane, read off its logical host slots (CPU
+        indices: no device sync)."""
+        host_value = node.component_data[_full_type()].host_value
+        owners = (host_value[:: self.page_size] // self.page_size % self.lanes).tolist()
+        counts = [0] * self.lanes
+        for owner in owners:
+            counts[owner] += 1
+        return counts
+
+    def _component(self) -> Any:
+        component = self.cache.tree_core.components_by_type[_full_type()]
+        component._ensure_eviction_strategy()
+        return component
+
+    def candidates(self, priority: Callable[[Any], Any]) -> Iterator[Any]:
+        """The evictable host leaves in (priority, node id) order."""
+        heap = [(priority(n), n.id, n) for n in self.cache.tree_core.evictable_host_leaves]
+        heapq.heapify(heap)
+        while heap:
+            yield heapq.heappop(heap)[2]
+
+    def freed_parent(self, node: Any, planned: Set[Any]) -> Optional[Any]:
+        """``node``'s parent if evicting the planned set makes it a host leaf (upstream's
+        ``_is_host_leaf`` with the planned children gone)."""
+        parent = node.parent
+        if parent is None or parent is self.cache.tree_core.root_node:
+            return None
+        if not parent.evicted or not parent.backuped:
+            return None
+        if any(cd.host_lock_ref > 0 or cd.lock_ref > 0 for cd in parent.component_data):
+            return None
+        if any(child not in planned for child in parent.children.values()):
+            return None
+        return parent
+
+    # ------------------------------------------------------------------- making room
+    def make_room(self, demand: Sequence[int]) -> bool:
+        """Evict a plan covering ``demand`` (pages per lane) on every short lane; False
+        (nothing evicted, a counted refusal) when the short lanes cannot be covered."""
+        free = self.free_pages()
+        STATS.short += 1
+        deficit = lane_deficit(demand, free)
+        if max(deficit) <= 0:
+            STATS.fit += 1
+            return True
+        priority = self._component().session_ref_eviction_strategy
+        victims = plan_lane_victims(
+            self.candidates(priority), deficit, self.lane_pages, self.freed_parent, priority,
+            parent_of=lambda node: node.parent,
+        )  # fmt: skip
+        if victims is None:
+            STATS.refusals += 1
+            logger.debug(
+                "cp_hicache backup: host lanes %s cannot cover %s from evictable host "
+                "leaves; evicting nothing", free, list(demand),
+            )  # fmt: skip
+            return False
+        logger.debug(
+            "cp_hicache backup: host lanes %s, demand %s: victims %s",
+            free, list(demand), [n.id for n in victims],
+        )  # fmt: skip
+        self._evict(victims)
+        return True
+
+    def _evict(self, victims: List[Any]) -> None:
+        """Evict ``victims`` in plan order as upstream's host walk evicts a leaf."""
+        from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import (
+            DriveHostEvictionResult,
+        )
+
+        tree_core = self.cache.tree_core
+        result = DriveHostEvictionResult()
+        for node in victims:
+            tree_core._evict_host_leaf(
+                node, result.tracker, result.device_frees, result.host_frees,
+                cache_actions=result.cache_actions,
+            )  # fmt: skip
+        evicted = result.tracker.get(_full_type(), 0)
+        self.cache._apply_eviction_result(result)
+        STATS.plans += 1
+        STATS.victims += len(victims)
+        STATS.evicted_tokens += evicted
+
+
+def _host_lane_aware(cache: Any) -> bool:
+    """Lane-aware device eviction applies and the KV anchor host pool is the sharded one."""
+    if not lane_aware(cache) or cache.cache_controller is None:
+        return False
+    host_pool = cache.cache_controller.mem_pool_host.anchor_entry.host_pool
+    return isinstance(host_pool, _sharded_host_pool_class())
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded_host_pool_class() -> type:
+    """Imported on the first call only: an import statement costs microseconds, and
+    :func:`_host_lane_aware` runs on every insert's backup."""
+    from sglang.srt.mem_cache.pool_host.page_interleave import PageInterleaveHostPool
+
+    return PageInterleaveHostPool
+
+
+@contextlib.contextmanager
+def backup_room(cache: Any, start_owner: Optional[int], num_tokens: int) -> Iterator[None]:
+    """Within, ``cache.evict_host`` makes lane-aware room for a backup of ``num_tokens``
+    (page-aligned) logical tokens whose host slots start on owner lane ``start_owner``."""
+    if start_owner is None or not num_tokens or not _host_lane_aware(cache):
+        yield
+        return
+    token = _backup_room.set(_BackupRoom(start_owner, num_tokens // cache.page_size))
+    try:
+        yield
+    finally:
+        _backup_room.reset(token)
+
+
+# ------------------------------------------------------------------------- the hooks
+def execute_and_commit_kv_backup_around(original: Callable, cache: Any, *args: Any, **kwargs: Any):
+    """``UnifiedRadixCache._execute_and_commit_kv_backup``: the backup scope."""
+    if not _host_lane_aware(cache):
+        return original(cache, *args, **kwargs)
+    token = _backup_room.set(_BackupRoom())
+    try:
+        return original(cache, *args, **kwargs)
+    finally:
+        _backup_room.reset(token)
+
+
+def build_backup_spec_around(original: Callable, tree_core: Any, node_id: Any, *args: Any, **kwargs: Any):
+    """``UnifiedTreeCore.build_backup_spec``: inside the backup scope, record the node's
+    host draws per lane (its rotation phase is the ``start_owner`` of its host slots)."""
+    spec = original(tree_core, node_id, *args, **kwargs)
+    room = _backup_room.get()
+    if room is not None:
+        room.start_owner = tree_core.rotation_phase_of(node_id)
+        room.pages = len(spec[0]) // tree_core.page_size
+    return spec
+
+
+def evict_host_around(original: Callable, cache: Any, num_tokens: int, *args: Any, **kwargs: Any) -> int:
+    """``UnifiedRadixCache.evict_host``: inside a backup, for FULL KV, the backup's exact
+    per-lane room: ``num_tokens`` when the lanes hold it (made or already there), 0 when
+    they cannot be made to (nothing evicted). Anywhere else: upstream's walk."""
+    room = _backup_room.get()
+    component_type = args[0] if args else kwargs.get("component_type", _full_type())
+    if (
+        room is None
+        or room.start_owner is None
+        or not room.pages
+        or component_type != _full_type()
+        or cache.host_memory_mode == "buffer_only"
+    ):
+        return original(cache, num_tokens, *args, **kwargs)
+    evictor = HostLaneEvictor(cache)
+    return num_tokens if evictor.make_room(room.demand(evictor.lanes)) else 0
+
+
+__all__ = [
+    "HostLaneEvictor",
+    "HostLaneStats",
+    "STATS",
+    "backup_room",
+    "build_backup_spec_around",
+    "evict_host_around",
+    "execute_and_commit_kv_backup_around",
+]
