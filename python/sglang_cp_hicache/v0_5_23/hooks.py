@@ -158,10 +158,22 @@ HOOKS: Tuple[HookSpec, ...] = (
         "sglang_cp_hicache.v0_5_23.mem_cache.hybrid_cache.hybrid_cache_controller:alloc_prefetch_host_buffers_around",
         "AROUND",
     ),
+    # L3 storage hit on a full host: lane-aware room for its slots' owner lanes.
+    HookSpec(
+        "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller:HybridCacheController.allocate_storage_hit",
+        "sglang_cp_hicache.v0_5_23.mem_cache.hybrid_cache.hybrid_cache_controller:allocate_storage_hit_around",
+        "AROUND",
+    ),
     # L3 prefetch anchor: never under a pending backup; the pages' start owner recorded.
     HookSpec(
         "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache.prefetch_from_storage",
         "sglang_cp_hicache.v0_5_23.mem_cache.unified_radix_cache:prefetch_from_storage_around",
+        "AROUND",
+    ),
+    # L3 prefetch result: the fetched host nodes get the rotation base their host slots follow.
+    HookSpec(
+        "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache._handle_prefetch_result",
+        "sglang_cp_hicache.v0_5_23.mem_cache.unified_radix_cache:handle_prefetch_result_around",
         "AROUND",
     ),
     # Per-layer D2H backup under the flag (mem_cache/layer_backup.py): attach after HiCache

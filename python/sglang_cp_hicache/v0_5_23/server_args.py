@@ -32,10 +32,12 @@ Resolution steps (see ``v0_5_23.hooks.RESOLUTION_STEPS``):
   ``enable_kv_cache_sharding``, ``handle_gpu_memory_settings`` (``pipeline.py:218`` ->
   ``overrides.py:1799``), which runs long before the gate (``pipeline.py:284``).
 * :func:`refuse_unsupported_model` wraps the gate itself: once the model is known, a model
-  outside the DSA family is refused; then upstream's gate runs unchanged.
+  outside the DSA family is refused; then upstream's gate runs with every rule but its
+  storage refusal, which the plugin's file / mooncake L3 backends lift (``docs/l3_storage.md``).
 
-Where upstream's gate refuses the same combination (storage backend, HiSparse, a mode
-other than PD prefill, radix backend, tree core, zigzag, EAGLE without topk 1), ours runs
+Where upstream's gate refuses the same combination (a storage backend other than file or
+mooncake, HiSparse, a mode other than PD prefill, radix backend, tree core, zigzag, EAGLE
+without topk 1), ours runs
 first, names the flag and agrees with it, so a user never sees two verdicts, and hears it
 before any model download. Ours adds what upstream lets through or refuses unclearly: no
 prefill CP, ``--use-ray``, the routed-experts/indexer-topk capture, a draft off the dsa
@@ -58,7 +60,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any, Callable, List, MutableMapping, Set
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, List, MutableMapping, Set
 
 from sglang_cp_hicache import hook_table
 from sglang_cp_hicache.v0_5_23.hooks import PluginNotInstalledError, verify_hooks_installed
@@ -368,6 +371,56 @@ def _refuse(problems: List[str]) -> None:
         raise CpSharedKVConfigError(f"{CLI_FLAG}: " + "; ".join(problems))
 
 
+# ------------------------------------------------- L3 storage at upstream's gate
+class _StorageRuleView:
+    """``cfg`` with no storage backend in place of an admitted one (file, mooncake).
+
+    Shown to upstream's sharding gate under the flag, so its storage rule passes and every
+    other field it reads is the real, resolved value. Any other backend shows through (the
+    plugin's own refusal, :func:`unsupported_combinations`, has named it already; if a
+    later step declared one, upstream's verdict stands).
+    """
+
+    __slots__ = ("_cfg",)
+
+    def __init__(self, cfg: Any):
+        object.__setattr__(self, "_cfg", cfg)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(object.__getattribute__(self, "_cfg"), name)
+        if name == "hicache_storage_backend" and value in SUPPORTED_STORAGE_BACKENDS:
+            return None
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("_StorageRuleView is read-only")
+
+
+@contextmanager
+def storage_hidden_from_gate() -> Iterator[None]:
+    """Within: upstream's gate module (``sglang.srt.arg_groups.kv_shard_hook``) reads a
+    record that has the flag through :class:`_StorageRuleView`; any other record, and any
+    other module, through upstream's own ``resolving_view``.
+
+    The gate builds its view by the module-global name ``resolving_view``; only that binding
+    is swapped, for the duration of the gate (the hook registry would patch every module's
+    binding of the shared function), and restored even when the gate refuses.
+    """
+    from sglang.srt.arg_groups import kv_shard_hook as gate
+
+    upstream_view = gate.resolving_view
+
+    def view_without_storage(server_args: Any) -> Any:
+        cfg = upstream_view(server_args)
+        return _StorageRuleView(cfg) if cp_shared_kv_enabled(server_args) else cfg
+
+    gate.resolving_view = view_without_storage
+    try:
+        yield
+    finally:
+        gate.resolving_view = upstream_view
+
+
 # ------------------------------------------------------------ resolution steps
 def refuse_and_enable_sharding(server_args: Any, previous: Callable[[Any], None]) -> None:
     """Wraps ``validate_prefill_cp_platform``: refuse every unsupported configuration at
@@ -387,7 +440,8 @@ def refuse_and_enable_sharding(server_args: Any, previous: Callable[[Any], None]
 
 def refuse_unsupported_model(server_args: Any, previous: Callable[[Any], None]) -> None:
     """Wraps upstream's sharding gate: refuse a model outside the DSA family, then run the
-    gate unchanged."""
+    gate with every rule but its storage refusal (an admitted L3 backend is hidden from it,
+    :func:`storage_hidden_from_gate`)."""
     if cp_shared_kv_enabled(server_args):
         from sglang.srt.arg_groups.overrides import resolving_view
 
@@ -399,5 +453,8 @@ def refuse_unsupported_model(server_args: Any, previous: Callable[[Any], None]) 
                 "step must call previous(server_args)"
             )
         _refuse(unsupported_models(server_args))
+        with storage_hidden_from_gate():
+            previous(server_args)
+        return
     previous(server_args)
 

@@ -301,3 +301,40 @@ def free_ports(count: int) -> List[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+# ------------------------------------------------- timed waits (store faults, issue 24)
+def wait_backups_acked_within(stack: Any, timeout_s: float) -> float:
+    """Drain until every rank's L3 backup ops are acked; the seconds it took. Raises
+    ``TimeoutError`` after ``timeout_s`` (an ack blocked on a dead store)."""
+    started = time.monotonic()
+    while True:
+        stack.cache.writing_check()
+        stack.cache.drain_storage_control_queues()
+        elapsed = time.monotonic() - started
+        if _all_ranks(stack, not stack.cache.ongoing_backup):
+            return elapsed
+        if not _all_ranks(stack, elapsed < timeout_s):
+            raise TimeoutError(f"rank {stack.shard_rank}: L3 backups not acked in {timeout_s} s")
+        time.sleep(WAIT_STEP_S)
+
+
+def prefetch_within(stack: Any, rid: str, token_ids: Sequence[int], timeout_s: float):
+    """:func:`prefetch` bounded by ``timeout_s`` instead of a step count: ``(host hit
+    length, seconds to the prefetch's end)``."""
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+
+    cache, handle = stack.cache, CacheRequestHandle(rid, 0)
+    started = time.monotonic()
+    cache.prefetch_from_storage(
+        handle, cache.root_node_handle(), array("q", token_ids), None, None,
+        matched_prefix_tokens=[],
+    )  # fmt: skip
+    while True:
+        cache.drain_storage_control_queues()
+        elapsed = time.monotonic() - started
+        if _all_ranks(stack, cache.check_prefetch_progress(handle)):
+            return int(stack.match(token_ids).host_hit_length), elapsed
+        if not _all_ranks(stack, elapsed < timeout_s):
+            raise TimeoutError(f"rank {stack.shard_rank}: prefetch {rid} not done in {timeout_s} s")
+        time.sleep(WAIT_STEP_S)

@@ -32,6 +32,9 @@ tables could serve wrong KV silently. An admitted Hopper triple then runs upstre
 unchanged, shown upstream's own triple for its backend rule (:class:`_BackendRuleView`): every
 other rule of the check (CUDA, CP, interleave, PP 1, Mooncake, index_kpool, layer split, page
 64) and of the rest of the gate stays upstream's. Flag off: upstream's function, called as is.
+
+The same gate's storage rule (L3 under the flag) is lifted by the resolution step around
+the gate, ``server_args.storage_hidden_from_gate`` (this module imports ``server_args``).
 """
 
 from __future__ import annotations

@@ -12,9 +12,11 @@ AROUND ``prefetch_from_storage`` (scheduler thread, identical on every rank):
   writes them.
 * **Start owner.** The fetched pages continue the anchor's rotation chain when it has one
   (the owner class of the page after the anchor), so the host slots, and the device rows
-  a later load-back draws from them, keep the chain's owner cycle; a root anchor gets the
-  least-full owner class at allocation. Stored on the operation for
-  ``alloc_prefetch_host_buffers_around``.
+  a later load-back draws from them, keep the chain's owner cycle; a root anchor records
+  None and gets the least-full owner class at allocation. Recorded on every operation this
+  hook issues, right after upstream queues it and before any allocation (which happens on
+  a later scheduler poll, once the hit query is acked, in this same thread), for
+  ``alloc_prefetch_host_buffers_around``, which raises for an operation without one.
 
 Flag off or unsharded: upstream's method, unchanged.
 """
@@ -24,6 +26,8 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from typing import Any, Callable, Optional
+
+import torch
 
 from sglang_cp_hicache.v0_5_23.mem_cache.hybrid_cache.hybrid_cache_controller import (
     START_OWNER_ATTR,
@@ -89,9 +93,44 @@ def prefetch_from_storage_around(
     return result
 
 
+def handle_prefetch_result_around(original: Callable, cache: Any, operation: Any) -> Any:
+    """The fetched pages become host nodes under the prefetch's anchor (upstream's
+    ``insert_host``), which gives a new node no rotation base: after a load-back such a
+    node would be a device prefix no sharded extend can continue (``allocation.py:
+    _kv_shard_rotation_bases`` asserts). Each new node on the fetched path gets the base of
+    the chain its host slots were drawn on: owner of its first host page minus its
+    position-page (the load-back keeps host owners; replicated state, every rank alike)."""
+    if not _applies(cache):
+        return original(cache, operation)
+    info = cache.ongoing_prefetch.get(operation.handle)
+    result = original(cache, operation)
+    if info is not None:
+        _set_fetched_rotation_bases(cache, info.anchor_node_id, info.prefetch_key)
+    return result
+
+
+def _set_fetched_rotation_bases(cache: Any, anchor_id: Any, fetched_key: Any) -> None:
+    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+
+    host_pool = cache.cache_controller.mem_pool_host.anchor_entry.host_pool
+    node = cache.tree_core.node_by_id(anchor_id)
+    depth, key, page = anchor_depth_tokens(cache, anchor_id), fetched_key, cache.page_size
+    while node is not None and len(key) > 0:
+        node = node.children.get(key.child_key(page))
+        if node is None:
+            return
+        host_value = node.component_data[ComponentType.FULL].host_value
+        if node.rotation_base is None and host_value is not None and len(host_value):
+            owner = int(host_pool.placement.owner_of(host_value[:1].to(torch.int64))[0])
+            node.rotation_base = (owner - depth // page) % host_pool.shard_size
+        depth += len(node.key)
+        key = key[len(node.key) :]
+
+
 __all__ = [
     "PENDING_ANCHOR_SKIPS",
     "anchor_depth_tokens",
+    "handle_prefetch_result_around",
     "next_page_owner",
     "prefetch_from_storage_around",
 ]

@@ -7,6 +7,9 @@ root, wait-complete, then a load-back; each rank checks the bytes of the rows it
 against the logical KV the writer stored. Faults: a page deleted between the existence
 check and the read on its reader, a page missing before the query, a torn file, and a
 namespace mismatch (another model name, another host layout with the same geometry).
+A restart at cp 3 reads the cp 2 folder too (owners that do not divide the writer's).
+The writer run also checks the prefetch start-owner rule: an operation with no recorded
+start owner raises, a recorded one places its host slots cyclically from it.
 """
 
 from __future__ import annotations
@@ -45,9 +48,46 @@ def write_run(ctx: RankContext, folder: str) -> Dict[str, object]:
             "backend": type(backend).__name__,
             "writer": stack.controller.storage_config.is_storage_writer,
             "pending": len(stack.cache.ongoing_backup),
+            "start_owner": _start_owner_rule(stack),
         }
         storage.detach_storage(stack)
     return report
+
+
+def _start_owner_rule(stack) -> Dict[str, object]:
+    """Allocate a 2-page prefetch's host slots with no, a root (None) and each recorded
+    start owner; the owners of the logical host pages it got (page ``h``: rank ``h % N``)."""
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import PrefetchOperation
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from sglang_cp_hicache.v0_5_23.mem_cache.hybrid_cache.hybrid_cache_controller import (
+        START_OWNER_ATTR,
+        PrefetchStartOwnerMissing,
+    )
+
+    controller, size = stack.controller, 2 * PAGE
+    operation = PrefetchOperation(CacheRequestHandle("unrecorded", 0), array("q", TOKENS[:size]), None)
+    free_before = stack.host_available()
+    try:
+        controller.alloc_prefetch_host_buffers(operation, size)
+        unrecorded = "allocated"
+    except PrefetchStartOwnerMissing as exc:
+        unrecorded = str(exc)
+    owners = {}
+    for recorded in (None, 0, 1):
+        setattr(operation, START_OWNER_ATTR, recorded)
+        slots = controller.alloc_prefetch_host_buffers(operation, size)
+        owners[recorded] = [int(h) % stack.shard_size for h in slots[::PAGE] // PAGE]
+        controller.mem_pool_host.free(slots)
+    return {
+        "unrecorded": unrecorded,
+        "operation_id": operation.id,
+        "owners": owners,
+        "free_restored": stack.host_available() == free_before,
+    }
 
 
 def _page_file(folder: str, page: int) -> str:
@@ -136,13 +176,18 @@ def read_scenarios(ctx: RankContext, folders: Dict[str, str]) -> Dict[str, Dict[
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> str:
+def written(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("l3"))
     reports = run_ranks(2, write_run, path)
     assert [r["backend"] for r in reports] == ["OwnerFreeHiCacheFile"] * 2
     assert all(r["writer"] for r in reports), "every CP rank must be a writer"
     assert [r["pending"] for r in reports] == [0, 0]
-    return path
+    return path, reports
+
+
+@pytest.fixture(scope="module")
+def folder(written) -> str:
+    return written[0]
 
 
 @pytest.fixture(scope="module")
@@ -184,8 +229,21 @@ def test_cp2_restart_reads_byte_exact_hits(cp2):
     _assert_fresh_owners_read_every_page(cp2["clean"])
 
 
-def test_cp4_restart_reads_byte_exact_hits_with_fresh_owners(folder):
-    _assert_fresh_owners_read_every_page(run_ranks(4, read_run, folder))
+@pytest.mark.parametrize("cp", [3, 4])
+def test_cp3_and_cp4_restarts_read_byte_exact_hits_with_fresh_owners(folder, cp):
+    _assert_fresh_owners_read_every_page(run_ranks(cp, read_run, folder))
+
+
+def test_a_prefetch_without_a_recorded_start_owner_raises(written):
+    reports = written[1]
+    for rank, report in enumerate(reports):
+        rule = report["start_owner"]
+        assert rule["unrecorded"].startswith("cp_hicache: L3 prefetch operation "), rule
+        assert f"operation {rule['operation_id']} of request unrecorded on shard rank {rank}:" in rule["unrecorded"]
+        assert rule["owners"][0] == [0, 1] and rule["owners"][1] == [1, 0], rule
+        assert rule["free_restored"], f"rank {rank}: host slots leaked"
+    # a root anchor: the least-full class, the same on every rank (replicated state)
+    assert reports[0]["start_owner"]["owners"][None] == reports[1]["start_owner"]["owners"][None]
 
 
 @pytest.mark.parametrize("fault", ["deleted_after_check", "missing", "torn"])

@@ -19,7 +19,12 @@ pages this rank owns, in their physical host rows, and hand that to upstream's o
   (``_reduce_prefetch_ack``) then yields the prefix every owner read: no new collective;
 * :func:`alloc_prefetch_host_buffers_around`: prefetch host slots follow upstream's owner
   rule, cyclic from a start owner decided from replicated state (the anchor's chain
-  phase, else the host slots' least-full owner class).
+  phase, else, for a root anchor, the host slots' least-full owner class); an operation
+  with no recorded start owner is a bug and raises (:class:`PrefetchStartOwnerMissing`);
+* :func:`allocate_storage_hit_around`: when the host is full, the room for a storage hit
+  is made lane-aware (``host_lane_eviction``: host leaves on the owner lanes the hit's
+  cyclic slots draw from), not by upstream's token-count LRU, whose victim may free
+  another lane and drop the whole hit.
 
 The hit query stays upstream's: every rank checks every page and component (cheap
 metadata), and the existing hit MIN agrees on one length.
@@ -36,13 +41,23 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 
 from sglang_cp_hicache.core.storage_keys import logical_pages_completed
+from sglang_cp_hicache.v0_5_23.mem_cache.host_lane_eviction import backup_room
 from sglang_cp_hicache.v0_5_23.mem_cache.storage.backend_factory import owner_storage_enabled
 
 logger = logging.getLogger(__name__)
 
-#: Set on a PrefetchOperation by the cache (scheduler thread) before its host slots are
-#: allocated: the owner class of its first page, or None for "least-full".
+#: Set on every PrefetchOperation by the cache (scheduler thread, in
+#: ``prefetch_from_storage_around``) right after upstream queues it, before its host slots
+#: are allocated (on a later scheduler poll, once the hit query is acked): the owner class
+#: of its first page, or None for a root anchor ("least-full at allocation").
 START_OWNER_ATTR = "_cp_shared_kv_start_owner"
+_UNRECORDED = object()
+
+
+class PrefetchStartOwnerMissing(RuntimeError):
+    """A sharded prefetch reached host-slot allocation without its recorded start owner:
+    an operation built outside ``prefetch_from_storage`` (or that hook bypassed). Picking
+    one here from per-call state could place its pages differently on different ranks."""
 
 
 @dataclass(frozen=True)
@@ -172,18 +187,73 @@ def alloc_prefetch_host_buffers_around(
     (upstream's sharded host pool refuses an allocation without one)."""
     if not _applies(controller):
         return original(controller, operation, need_size)
-    start_owner = getattr(operation, START_OWNER_ATTR, None)
+    start_owner = getattr(operation, START_OWNER_ATTR, _UNRECORDED)
+    if start_owner is _UNRECORDED:
+        pool = _anchor_pool(controller)
+        raise PrefetchStartOwnerMissing(
+            f"cp_hicache: L3 prefetch operation {operation.id} of request "
+            f"{operation.request_id} on shard rank {pool.shard_rank}: no start owner was "
+            "recorded (prefetch_from_storage_around records one on every operation it "
+            "issues); refusing to place its host slots"
+        )
     if start_owner is None:
-        # A new chain: upstream's rule for new device chains, on the host slots' classes
-        # (the logical host allocator is identical on every rank).
+        # A root anchor starts a new chain: upstream's rule for new device chains, on the
+        # host slots' classes (the logical host allocator is identical on every rank).
         start_owner = _anchor_pool(controller)._slots.least_full_class()
     return controller.mem_pool_host.alloc(need_size, start_owner=int(start_owner))
 
 
+def _bound_cache(evict_host: Callable[[int], int]) -> Optional[Any]:
+    """The cache ``evict_host`` is bound to (upstream passes ``self.evict_host``), through
+    any ``functools.wraps`` wrapper around the bound method (e.g. a timing wrapper)."""
+    while evict_host is not None:
+        owner = getattr(evict_host, "__self__", None)
+        if owner is not None:
+            return owner
+        evict_host = getattr(evict_host, "__wrapped__", None)
+    return None
+
+
+def allocate_storage_hit_around(
+    original: Callable, controller: Any, operation: Any, hit_tokens: int, *,
+    evict_host: Callable[[int], int], **kwargs: Any,
+) -> Tuple[Optional[torch.Tensor], int]:  # fmt: skip
+    """``HybridCacheController.allocate_storage_hit`` (hybrid_cache_controller.py:796-829)
+    under sharding: upstream evicts ``hit_tokens`` host tokens by LRU when the slots do not
+    fit, retries, then takes the min-lane floor. The slots are drawn cyclically from the
+    start owner, so an LRU victim on another lane frees nothing the hit can use and, with
+    that lane's floor at 0, the whole hit is dropped. Here the eviction is the backups'
+    lane-aware room (``host_lane_eviction.backup_room``) for the hit's exact per-lane
+    draws; a root anchor's start owner (recorded None) is resolved once, before the first
+    allocation, so the room and the slots use the same lanes. Replicated state only."""
+    if not _applies(controller):
+        return original(controller, operation, hit_tokens, evict_host=evict_host, **kwargs)
+    start_owner = getattr(operation, START_OWNER_ATTR, _UNRECORDED)
+    if start_owner is _UNRECORDED:  # alloc_prefetch_host_buffers_around raises for it
+        return original(controller, operation, hit_tokens, evict_host=evict_host, **kwargs)
+    if start_owner is None:
+        start_owner = _anchor_pool(controller)._slots.least_full_class()
+        setattr(operation, START_OWNER_ATTR, start_owner)
+    cache = _bound_cache(evict_host)
+    if cache is None:
+        raise RuntimeError(
+            "cp_hicache: allocate_storage_hit got an evict_host that is not a bound "
+            f"UnifiedRadixCache.evict_host ({evict_host!r}); cannot make lane-aware room"
+        )
+
+    def lane_room(num_tokens: int) -> int:
+        with backup_room(cache, int(start_owner), num_tokens):
+            return evict_host(num_tokens)
+
+    return original(controller, operation, hit_tokens, evict_host=lane_room, **kwargs)
+
+
 __all__ = [
     "OwnedRun",
+    "PrefetchStartOwnerMissing",
     "START_OWNER_ATTR",
     "alloc_prefetch_host_buffers_around",
+    "allocate_storage_hit_around",
     "generate_storage_config_around",
     "owned_run",
     "page_backup_around",
