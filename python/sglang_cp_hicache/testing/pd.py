@@ -285,6 +285,68 @@ class PDCluster:
             role.conn.close()
 
 
+#: A prefill role's event once its KV manager registered with the bootstrap server. A
+#: decode asks the bootstrap server for the prefill's ranks at its first request and gives
+#: up after a few tries, so a cluster starts its decode once every prefill rank registered.
+REGISTERED = "registered"
+
+
+def wait_registered(cluster: "PDCluster", names: List[str], timeout_s: float) -> None:
+    """Block until every named prefill role reported :data:`REGISTERED`."""
+    for name in names:
+        cluster.roles[name].wait_event(REGISTERED, timeout_s)
+
+
+def prefill_startup_failure(prefill_role: Callable[..., Any], scenario: Any, timeout_s: float) -> str:
+    """Start ``scenario.cp_size`` ranks of a line's ``prefill_role`` against a bootstrap
+    address nobody serves (the cluster starts no bootstrap server) and return the first
+    rank's failure (its traceback); raise AssertionError if every rank started and served."""
+    names = [f"prefill{r}" for r in range(scenario.cp_size)]
+    with PDCluster() as cluster:
+        for rank, name in enumerate(names):
+            cluster.start(name, prefill_role, rank, scenario, cluster.ports)
+        try:
+            cluster.results(names, timeout_s)
+        except RoleFailed as failed:
+            return str(failed)
+    raise AssertionError(f"the prefill ranks started with bootstrap port {cluster.ports.bootstrap} unserved")
+
+
+def run_fault_cluster(
+    prefill_role: Callable[..., Any],
+    decode_role: Callable[..., Any],
+    scenario: Any,
+    rids: Tuple[str, str, str],
+    prefill_env: PDEnv,
+    no_env_decode: PDEnv,
+    timeout_s: float,
+) -> Dict[str, Any]:
+    """The fault cluster of either line, at ``scenario.cp_size``: ``rids`` = (killed,
+    no-env, next). decode-a serves the killed request and dies once its first chunk went
+    out (the prefill ranks wait at their ``chunk-sent`` checkpoint meanwhile); decode-b,
+    started with ``no_env_decode``, serves no-env; decode-c serves next. Every role's
+    result by name (not decode-a's), and ``all_ended``."""
+    killed, no_env, following = rids
+    prefills = [f"prefill{r}" for r in range(scenario.cp_size)]
+    with PDCluster() as cluster:
+        cluster.start_bootstrap()
+        for rank, name in enumerate(prefills):
+            cluster.start(name, prefill_role, rank, scenario, cluster.ports, env=prefill_env)
+        wait_registered(cluster, prefills, timeout_s)
+        cluster.start("decode-a", decode_role, scenario, cluster.ports, [killed])
+        cluster.start("decode-c", decode_role, scenario, cluster.ports, [following])
+        for name in prefills:
+            cluster.roles[name].wait_event("chunk-sent", timeout_s)
+        cluster.kill("decode-a")
+        decode_b = cluster.start("decode-b", decode_role, scenario, cluster.ports, [no_env], env=no_env_decode)
+        decode_b.wait_event("ready", timeout_s)
+        for name in prefills:
+            cluster.roles[name].reply("chunk-sent")
+        results = cluster.results(prefills + ["decode-b", "decode-c"], timeout_s)
+    results["all_ended"] = all(r.process.exitcode is not None for r in cluster.roles.values())
+    return results
+
+
 # ------------------------------------------------------------------ bootstrap server
 def wait_until_serving(host: str, port: int, timeout_s: float) -> None:
     """Poll the bootstrap server's ``/health`` until it answers 200; raise
@@ -398,6 +460,187 @@ class DecodeReport:
     off_grant_pages_changed: int  # pages never granted to a request whose bytes changed
 
 
+# ------------------------------------------------------------------ the roles' shared steps
+_POLL_S = 0.01
+
+
+def load_plugins() -> None:
+    """The plugin loaded as SGLang loads it (the installed line's hooks applied)."""
+    import sglang.srt.plugins as sglang_plugins
+
+    if not sglang_plugins._plugins_loaded:
+        sglang_plugins.load_plugins()
+
+
+class PrefillSteps:
+    """What a prefill rank of either line does around upstream's PD prefill path.
+
+    The line's class sets ``ctx`` (its CP group), ``queue`` (upstream's
+    ``PrefillBootstrapQueue``), ``kv_manager``, ``baseline`` (from ``_resources``) and
+    defines ``_resources()`` (what a finished request gives back) and ``_poll(req)`` (the
+    CP-all-reduced poll).
+    """
+
+    def _leaks(self) -> List[str]:
+        now = self._resources()
+        return [f"{k}: {self.baseline[k]} -> {v}" for k, v in now.items() if v != self.baseline[k]]
+
+    def _local_state(self, req: Any) -> str:
+        """This rank's own view of ``req``'s transfer (before the CP all-reduce)."""
+        room, mgr = req.bootstrap_room, self.kv_manager
+        where = "in" if room in mgr.transfer_infos else "not in"
+        return f"local status {mgr.request_status.get(room)}, decode metadata {where} transfer_infos"
+
+    def _bootstrap(self, req: Any, deadline: float) -> bool:
+        """Queue ``req``; poll upstream's bootstrap queue until decode's metadata reached
+        every rank (True) or the request failed (False)."""
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        self.queue.add(req, num_kv_heads=1)
+        while True:
+            if self.queue.pop_bootstrapped():
+                return True
+            if isinstance(req.finished_reason, FINISH_ABORT):
+                return False
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.ctx.rank}: {req.rid} still bootstrapping; {self._local_state(req)}")
+            time.sleep(_POLL_S)
+
+    def _wait_done(self, req: Any, deadline: float) -> int:
+        """The CP-wide poll until the transfer ends (Success or Failed)."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        while (poll := self._poll(req)) not in (KVPoll.Success, KVPoll.Failed):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.ctx.rank}: {req.rid} still transferring; {self._local_state(req)}")
+            time.sleep(_POLL_S)
+        return poll
+
+    def _close_sender(self, req: Any, out: PrefillOutcome, poll: int) -> None:
+        """After the CP-wide poll: the sender cleared, or the recorded failure read."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        out.success = poll == KVPoll.Success
+        if out.success:
+            req.disagg_kv_sender.clear()
+            return
+        try:
+            req.disagg_kv_sender.failure_exception()
+        except Exception as error:  # upstream raises the recorded reason
+            out.failure = str(error)
+
+
+class DecodeChecks:
+    """A decode server of either line: receive a request through upstream's decode queues
+    and check its bytes on the server's own pool.
+
+    The line's class sets ``scenario``, ``ports``, ``errors`` (an :class:`ErrorLog`),
+    ``prealloc_queue``, ``transfer_queue``, ``granted`` (pages ever granted), ``served``
+    ((spec, locs) re-checked at the end) and defines ``_new_req(spec)``, ``_locs(req, n)``
+    (the request's decode slots), ``_mismatches(spec, locs)`` ((target, draft) tokens),
+    ``_aux_ok(spec, req)``, ``_release(req)`` (a checked request given back),
+    ``_keep(spec, locs, req)`` (a checked request held for the final re-check) and
+    ``_changed_pages()`` (per page, whether any byte left the sentinel).
+    """
+
+    page_size: int
+
+    def serve(self, spec: PDRequest, keep: bool = True) -> DecodeOutcome:
+        """Receive ``spec`` through upstream's queues; check its bytes on this pool.
+
+        ``keep=False``: once checked, the request's KV pages and row go back (upstream's
+        ``release_kv_cache``, as a request that finished decoding) and the end-of-run
+        re-check skips it; its pages stay counted as granted for the sentinel check.
+        """
+        import torch
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        # Later than the prefill ranks' deadline: a stuck transfer is reported by the side
+        # that knows why.
+        deadline = time.monotonic() + self.scenario.transfer_timeout_s + 15
+        out = DecodeOutcome(spec.rid, success=False)
+        errors_before = len(self.errors.messages)
+        req = self._new_req(spec)
+        self.prealloc_queue.add(req)
+        started, transferred, locs = time.monotonic(), False, None
+        while not isinstance(req.finished_reason, FINISH_ABORT):
+            preallocated = _first(self.prealloc_queue.pop_preallocated())
+            self.transfer_queue.extend(preallocated)
+            if preallocated:
+                locs = self._locs(req, len(spec.token_ids)).to(torch.int64).clone()
+                pages = (locs // self.page_size).unique()
+                self.granted.update(pages.tolist())
+                out.granted_pages = len(pages)
+                started = time.monotonic()
+            if req in _first(self.transfer_queue.pop_transferred()):
+                transferred = True
+                break
+            if time.monotonic() > deadline:
+                status = self.prealloc_queue.kv_manager.request_status.get(spec.room)
+                raise TimeoutError(
+                    f"decode: {spec.rid} not transferred in time "
+                    f"(preallocated: {locs is not None}, receiver status {status})"
+                )
+            time.sleep(_POLL_S)
+        out.transfer_s = time.monotonic() - started
+        out.errors_logged = self.errors.messages[errors_before:]
+        if not transferred:
+            out.failure = str(req.finished_reason.message)
+            if locs is not None:
+                pages = (locs // self.page_size).unique().numpy()
+                out.granted_pages_touched = int(self._changed_pages()[pages].sum())
+            return out
+        out.success = True
+        out.kv_mismatches, out.draft_mismatches = self._mismatches(spec, locs)
+        out.aux_ok = self._aux_ok(spec, req)
+        if keep:
+            self._keep(spec, locs, req)
+        else:
+            self._release(req)
+        return out
+
+    def report(self, outcomes: List[DecodeOutcome]) -> DecodeReport:
+        """End of run: every kept request re-checked, and every page never granted still
+        holds the sentinel."""
+        final = [self._mismatches(spec, locs) for spec, locs in self.served]
+        changed = self._changed_pages()
+        off_grant = [p for p in changed.nonzero()[0].tolist() if p not in self.granted]
+        return DecodeReport(
+            outcomes=outcomes,
+            final_kv_mismatches=sum(t for t, _ in final),
+            final_draft_mismatches=sum(d for _, d in final),
+            off_grant_pages_changed=len(off_grant),
+        )
+
+
+def _first(popped: Any) -> Any:
+    """Upstream's queue pops return a list, or (list, extra) on some releases."""
+    return popped[0] if isinstance(popped, tuple) else popped
+
+
+# ------------------------------------------------------------------ the simulator's PD tests
+#: ``SimConfig`` fields of both lines' simulator PD tests: small pools so the trace hits on
+#: device and loads back from host; chunks and a retraction so the transfers cover a
+#: finished chunked prefill and skip a retracted attempt; the main column only.
+SIM_PD_SMALL_TRACE: Dict[str, Any] = dict(
+    cp_size=2,
+    seed=0,
+    num_requests=12,
+    physical_tokens=512,
+    max_prompt_len=448,
+    system_prompt_len=128,
+    turn_len_min=32,
+    turn_len_max=96,
+    reply_len=32,
+    chunked_prefill_size=128,
+    retract_prob=0.1,
+    baseline=False,
+    native_column=False,
+    pd=True,
+    timeout_s=150,
+)
+
+
 # ------------------------------------------------------------------ engine and logs
 def init_transfer_engine() -> Any:
     """This process's Mooncake transfer engine on loopback (TCP, ``MC_FORCE_TCP``)."""
@@ -450,6 +693,7 @@ class ErrorLog(logging.Handler):
 __all__ = [
     "ALL_CP_RANKS_TRANSFER_ENV",
     "BootstrapUnreachable",
+    "DecodeChecks",
     "DecodeOutcome",
     "DecodeReport",
     "ErrorLog",
@@ -460,15 +704,22 @@ __all__ = [
     "PDPorts",
     "PDRequest",
     "PrefillOutcome",
+    "PrefillSteps",
+    "REGISTERED",
     "RoleChannel",
     "RoleFailed",
     "RoleProcess",
     "SENTINEL_BYTE",
+    "SIM_PD_SMALL_TRACE",
     "SentBytesMeter",
     "Step",
     "free_port",
     "init_transfer_engine",
+    "load_plugins",
+    "prefill_startup_failure",
     "role_env",
+    "run_fault_cluster",
     "serve_bootstrap",
+    "wait_registered",
     "wait_until_serving",
 ]

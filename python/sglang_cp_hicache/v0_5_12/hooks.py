@@ -143,6 +143,12 @@ HOOKS: Tuple[HookSpec, ...] = (
         "sglang_cp_hicache.v0_5_12.disaggregation.mooncake.conn:send_kvcache_hisparse_around",
         "AROUND",
     ),
+    # PD prefill: an unreachable bootstrap server stops startup naming host:port.
+    HookSpec(
+        "sglang.srt.disaggregation.common.conn:CommonKVManager.register_to_bootstrap",
+        "sglang_cp_hicache.v0_5_12.disaggregation.common.conn:register_to_bootstrap_around",
+        "AROUND",
+    ),
 )
 
 

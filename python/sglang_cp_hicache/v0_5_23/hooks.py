@@ -211,6 +211,12 @@ HOOKS: Tuple[HookSpec, ...] = (
         f"{_LAYER_BACKUP}:run_batch_around",
         "AROUND",
     ),
+    # PD prefill: an unreachable bootstrap server stops startup naming host:port.
+    HookSpec(
+        "sglang.srt.disaggregation.common.conn:CommonKVManager._register_topology_row",
+        "sglang_cp_hicache.v0_5_23.disaggregation.common.conn:register_topology_row_around",
+        "AROUND",
+    ),
 )
 
 

@@ -36,6 +36,7 @@ import torch
 from sglang_cp_hicache.testing.pd import (
     LOOPBACK,
     SENTINEL_BYTE,
+    DecodeChecks,
     DecodeOutcome,
     DecodeReport,
     ErrorLog,
@@ -43,15 +44,17 @@ from sglang_cp_hicache.testing.pd import (
     PDPorts,
     PDRequest,
     PrefillOutcome,
+    PrefillSteps,
+    REGISTERED,
     RoleChannel,
     SentBytesMeter,
     Step,
     init_transfer_engine,
+    load_plugins,
 )
 
 PAGE_SIZE = 64
 HIDDEN_SIZE = 64  # the metadata buffers' hidden state (MTP: carried to decode)
-_POLL_S = 0.01
 
 
 # ------------------------------------------------------------------ scenario
@@ -109,14 +112,6 @@ def install_parallel_state(cp_size: int, cp_rank: int) -> None:
     parallel_state._ATTN_CP = GroupShape(cp_size, cp_rank)
     parallel_state._PP = GroupShape(1, 0)
     dp_attention._ATTN_DP_SIZE, dp_attention._ATTN_DP_RANK = 1, 0
-
-
-def load_plugins() -> None:
-    """The plugin loaded as SGLang loads it (its PD owner filters among the hooks)."""
-    import sglang.srt.plugins as sglang_plugins
-
-    if not sglang_plugins._plugins_loaded:
-        sglang_plugins.load_plugins()
 
 
 def pd_server_args(mode: str, cp_size: int, bootstrap_port: int, draft: bool):
@@ -252,7 +247,7 @@ def _page_rows(buffer: torch.Tensor, num_pages: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ prefill
-class PrefillRank:
+class PrefillRank(PrefillSteps):
     """One prefill CP rank: the plugin's cache stack under upstream's PD prefill path."""
 
     def __init__(self, ctx: Any, scenario: PDScenario, ports: PDPorts, stack: Any = None):
@@ -318,10 +313,6 @@ class PrefillRank:
             "locked_tokens": cache.protected_size(),
         }
 
-    def _leaks(self) -> List[str]:
-        now = self._resources()
-        return [f"{k}: {self.baseline[k]} -> {v}" for k, v in now.items() if v != self.baseline[k]]
-
     def _snapshot(self) -> List[torch.Tensor]:
         pools = _pool_buffers([self.stack.kv_pool, self.stack.draft_pool])
         return [b.clone() for b in pools + _host_buffers(self.stack.cache)]
@@ -341,35 +332,11 @@ class PrefillRank:
         self.ns.wipe_device_kv(self.stack)
         self.baseline = self._resources()
 
-    def _local_state(self, req: Any) -> str:
-        """This rank's own view of ``req``'s transfer (before the CP all-reduce)."""
-        room, mgr = req.bootstrap_room, self.kv_manager
-        return (
-            f"local status {mgr.request_status.get(room)}, decode metadata "
-            f"{'in' if room in mgr.transfer_infos else 'not in'} transfer_infos, "
-            f"{len(mgr.decode_kv_args_table)} decode sessions registered"
-        )
-
     def _poll(self, req: Any) -> int:
         """The request's transfer state, all-reduced over CP as the scheduler polls it."""
         from sglang.srt.disaggregation.utils import poll_and_all_reduce_attn_cp_tp_group
 
         return poll_and_all_reduce_attn_cp_tp_group([req.disagg_kv_sender], self.ctx.cp_group, self.ctx.attn_tp_group)[0]
-
-    def _bootstrap(self, req: Any, deadline: float) -> bool:
-        """Queue ``req`` and poll the bootstrap queue until decode's metadata arrived on
-        every rank (True) or it failed (False)."""
-        from sglang.srt.managers.schedule_batch import FINISH_ABORT
-
-        self.queue.add(req, num_kv_heads=1)
-        while True:
-            if self.queue.pop_bootstrapped():
-                return True
-            if isinstance(req.finished_reason, FINISH_ABORT):
-                return False
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {self.ctx.rank}: {req.rid} still bootstrapping; {self._local_state(req)}")
-            time.sleep(_POLL_S)
 
     def _admit(self, req: Any) -> Tuple[int, int]:
         """Prefix match, lock and host load-back, as ``PrefillAdder.add_one_req`` does;
@@ -452,15 +419,10 @@ class PrefillRank:
 
     def _send_last_chunk(self, req: Any, deadline: float) -> int:
         """The last chunk (with state pages and aux), then the CP-wide poll until it ends."""
-        from sglang.srt.disaggregation.base.conn import KVPoll
         from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
 
         SchedulerDisaggregationPrefillMixin.send_kv_chunk(self.fields, req, last_chunk=True)
-        while (poll := self._poll(req)) not in (KVPoll.Success, KVPoll.Failed):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {self.ctx.rank}: {req.rid} still transferring; {self._local_state(req)}")
-            time.sleep(_POLL_S)
-        return poll
+        return self._wait_done(req, deadline)
 
     def _owned_pages(self, req: Any) -> int:
         row = self.stack.req_to_token_pool.req_to_token[req.req_pool_idx, : len(req.origin_input_ids)]
@@ -477,19 +439,6 @@ class PrefillRank:
             sampling_params=SamplingParams(max_new_tokens=1), bootstrap_host=LOOPBACK,
             bootstrap_room=spec.room,
         )  # fmt: skip
-
-    def _close_sender(self, req: Any, out: PrefillOutcome, poll: int) -> None:
-        """After the CP-wide poll: the sender cleared, or the recorded failure read."""
-        from sglang.srt.disaggregation.base.conn import KVPoll
-
-        out.success = poll == KVPoll.Success
-        if out.success:
-            req.disagg_kv_sender.clear()
-            return
-        try:
-            req.disagg_kv_sender.failure_exception()
-        except Exception as error:  # upstream raises the recorded reason
-            out.failure = str(error)
 
     def send_prefilled(self, spec: PDRequest, req_pool_idx: int) -> PrefillOutcome:
         """Transfer a request another driver prefilled on this rank's stack (its locs in
@@ -573,6 +522,7 @@ def prefill_rank_role(channel: RoleChannel, rank: int, scenario: PDScenario, por
         problems = unsupported_serving_modes(server.server_args)
         if problems:  # the plugin's launch check would refuse this prefill server
             raise RuntimeError("; ".join(problems))
+        channel.event(REGISTERED)
         outcomes = []
         for step in scenario.steps:
             if isinstance(step, EvictDevice):
@@ -583,8 +533,10 @@ def prefill_rank_role(channel: RoleChannel, rank: int, scenario: PDScenario, por
 
 
 # ------------------------------------------------------------------ decode
-class DecodeServer:
+class DecodeServer(DecodeChecks):
     """The decode server: a full (cp 1) NSA pool under upstream's PD decode queues."""
+
+    page_size = PAGE_SIZE
 
     def __init__(self, scenario: PDScenario, ports: PDPorts):
         from sglang_cp_hicache.testing.v0_5_12 import nsa_stack
@@ -690,83 +642,31 @@ class DecodeServer:
         draft = self.ns.count_draft_kv_mismatches(self.stack, locs, ids, pos) if self.scenario.draft else 0
         return target, draft
 
+    def _new_req(self, spec: PDRequest) -> Any:
+        """SGLang's ``Req`` of ``spec`` as the decode server receives it."""
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        return Req(
+            rid=spec.rid, origin_input_text="", origin_input_ids=list(spec.token_ids),
+            sampling_params=SamplingParams(max_new_tokens=8), bootstrap_host=LOOPBACK,
+            bootstrap_port=spec.bootstrap_port or self.ports.bootstrap, bootstrap_room=spec.room,
+        )  # fmt: skip
+
+    def _release(self, req: Any) -> None:
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        release_kv_cache(req, self.tree_cache, is_insert=False)
+
+    def _keep(self, spec: PDRequest, locs: torch.Tensor, req: Any) -> None:
+        self.served.append((spec, locs))
+
     def _aux_ok(self, spec: PDRequest, req: Any) -> bool:
         if req.output_ids != [spec.next_token]:
             return False
         if not self.scenario.draft:
             return True
         return torch.equal(req.hidden_states_tensor, expected_hidden_state(spec))
-
-    def serve(self, spec: PDRequest, keep: bool = True) -> DecodeOutcome:
-        """Receive ``spec`` through upstream's queues; check its bytes on this pool.
-
-        ``keep=False``: once checked, the request's KV and slot go back (upstream's
-        ``release_kv_cache``, as a request that finished decoding) and the end-of-run
-        re-check skips it; its pages count as granted for the sentinel check.
-        """
-        from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req
-        from sglang.srt.mem_cache.common import release_kv_cache
-        from sglang.srt.sampling.sampling_params import SamplingParams
-
-        # Later than the prefill ranks' deadline: a stuck transfer is reported by the side
-        # that knows why.
-        deadline = time.monotonic() + self.scenario.transfer_timeout_s + 15
-        out = DecodeOutcome(spec.rid, success=False)
-        errors_before = len(self.errors.messages)
-        req = Req(
-            rid=spec.rid, origin_input_text="", origin_input_ids=list(spec.token_ids),
-            sampling_params=SamplingParams(max_new_tokens=8), bootstrap_host=LOOPBACK,
-            bootstrap_port=spec.bootstrap_port or self.ports.bootstrap, bootstrap_room=spec.room,
-        )  # fmt: skip
-        self.prealloc_queue.add(req)
-        started, transferred, locs = time.monotonic(), False, None
-        while not isinstance(req.finished_reason, FINISH_ABORT):
-            preallocated, _ = self.prealloc_queue.pop_preallocated()
-            self.transfer_queue.extend(preallocated)
-            if preallocated:
-                locs = self._locs(req, len(spec.token_ids)).clone()
-                self.granted.update((locs // PAGE_SIZE).unique().tolist())
-                out.granted_pages = len((locs // PAGE_SIZE).unique())
-                started = time.monotonic()
-            if req in self.transfer_queue.pop_transferred():
-                transferred = True
-                break
-            if time.monotonic() > deadline:
-                status = self.prealloc_queue.kv_manager.request_status.get(spec.room)
-                raise TimeoutError(
-                    f"decode: {spec.rid} not transferred in time (preallocated: {locs is not None}, "
-                    f"receiver status {status})"
-                )
-            time.sleep(_POLL_S)
-        out.transfer_s = time.monotonic() - started
-        out.errors_logged = self.errors.messages[errors_before:]
-        if not transferred:
-            out.failure = str(req.finished_reason.message)
-            if locs is not None:
-                out.granted_pages_touched = int(self._changed_pages()[(locs // PAGE_SIZE).unique().numpy()].sum())
-            return out
-        out.success = True
-        out.kv_mismatches, out.draft_mismatches = self._mismatches(spec, locs)
-        out.aux_ok = self._aux_ok(spec, req)
-        if keep:
-            self.served.append((spec, locs))
-        else:
-            release_kv_cache(req, self.tree_cache, is_insert=False)
-        return out
-
-    def report(self, outcomes: List[DecodeOutcome]) -> DecodeReport:
-        """End of run: every successful request re-checked, and every page never granted
-        still holds the sentinel."""
-        final = [self._mismatches(spec, locs) for spec, locs in self.served]
-        changed = self._changed_pages()
-        off_grant = [p for p in np.flatnonzero(changed).tolist() if p not in self.granted]
-        return DecodeReport(
-            outcomes=outcomes,
-            final_kv_mismatches=sum(t for t, _ in final),
-            final_draft_mismatches=sum(d for _, d in final),
-            off_grant_pages_changed=len(off_grant),
-        )
-
 
 def decode_role(channel: RoleChannel, scenario: PDScenario, ports: PDPorts, rids: Optional[List[str]] = None) -> DecodeReport:
     """Role: the decode server; serves the scenario's requests (or only ``rids``)."""

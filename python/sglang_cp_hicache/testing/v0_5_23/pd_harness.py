@@ -64,7 +64,7 @@ import torch
 from sglang_cp_hicache.testing.pd import (
     LOOPBACK,
     SENTINEL_BYTE,
-    DecodeOutcome,
+    DecodeChecks,
     DecodeReport,
     ErrorLog,
     EvictDevice,
@@ -73,10 +73,14 @@ from sglang_cp_hicache.testing.pd import (
     PDPorts,
     PDRequest,
     PrefillOutcome,
+    PrefillSteps,
+    REGISTERED,
     RoleChannel,
     SentBytesMeter,
     Step,
     init_transfer_engine,
+    load_plugins,
+    wait_registered,
 )
 
 PAGE_SIZE = 64  # DSA's indexer pages
@@ -84,7 +88,6 @@ INDEX_KEY_BYTES = 128  # fp8 indexer key per token
 INDEX_SCALE_BYTES = 4  # fp32 scale per token
 HIDDEN_SIZE = 64  # the metadata buffers' hidden state
 DRAFT_LAYERS = 1  # one NextN layer (what upstream's sharded MTP admits)
-_POLL_S = 0.01
 PLANTS = ("wrong_owner", "rank_skips_send")
 #: Where upstream's owner filter is bound by name (KV pages; DSA indexer pages).
 _FILTER_MODULES = ("sglang.srt.disaggregation.common.conn", "sglang.srt.disaggregation.mooncake.conn")
@@ -118,6 +121,7 @@ class PDScenario:
     pause_after_chunk: Optional[str] = None
     transfer_timeout_s: float = 60.0
     seed: int = 0
+    context_len: int = 2048  # the longest prompt a rank's and the decode's request rows hold
 
     def __post_init__(self) -> None:
         for rid, plant in self.plants:
@@ -143,7 +147,7 @@ class PDScenario:
             page_size=PAGE_SIZE,
             layer_num=self.layer_num,
             device_pages_per_rank=self.prefill_pages_per_rank,
-            context_len=2048,
+            context_len=self.context_len,
             chunk_tokens=1024,
             max_num_reqs=8,
             max_prefix_tokens=2048,
@@ -312,17 +316,11 @@ def planted_filter(plant: Optional[str], cp_rank: int, cp_size: int) -> Iterator
 
 
 # ------------------------------------------------------------------ runtime context
-def load_plugins() -> None:
-    """The plugin loaded as SGLang loads it (its 0.5.23 hooks applied)."""
-    import sglang.srt.plugins as sglang_plugins
-
-    if not sglang_plugins._plugins_loaded:
-        sglang_plugins.load_plugins()
-
-
 def publish_pd_record(mode: str, bootstrap_port: int, config: Any = None) -> Any:
     """Publish the ``ServerArgs`` a PD server of ``mode`` runs with: prefill, the sharded
-    stack's record plus the PD fields and the plugin's flag; decode, a plain cp-1 record."""
+    stack's record plus the PD fields, and the plugin's flag where the stack has it
+    (``config.cp_shared_kv``; off: upstream's native sharding alone); decode, a plain cp-1
+    record."""
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
     fields = dict(
@@ -347,7 +345,7 @@ def publish_pd_record(mode: str, bootstrap_port: int, config: Any = None) -> Any
             cp_strategy="interleave",
         )
     server_args = ServerArgs(**fields)
-    if mode == "prefill":
+    if mode == "prefill" and config.cp_shared_kv:
         from sglang_cp_hicache.v0_5_23.server_args import set_cp_shared_kv_enabled
 
         set_cp_shared_kv_enabled(server_args, True)
@@ -457,7 +455,7 @@ def _model_config(layer_num: int) -> Any:
 
 
 # ------------------------------------------------------------------ prefill
-class PrefillRank:
+class PrefillRank(PrefillSteps):
     """One prefill CP rank: the real 0.5.23 sharded stack under upstream's PD prefill path."""
 
     def __init__(self, ctx: Any, scenario: PDScenario, ports: PDPorts, stack: Any = None):
@@ -525,10 +523,6 @@ class PrefillRank:
             "locked_tokens": cache.protected_size(),
         }
 
-    def _leaks(self) -> List[str]:
-        now = self._resources()
-        return [f"{k}: {self.baseline[k]} -> {v}" for k, v in now.items() if v != self.baseline[k]]
-
     def _tier_buffers(self) -> List[torch.Tensor]:
         """This rank's device pool and host tier (KV anchor and DSA indexer host pools)."""
         host = [entry.host_pool for entry in self.stack.host_pool_group.entries]
@@ -563,26 +557,6 @@ class PrefillRank:
 
         senders = [req.disagg_kv_sender]
         return poll_and_all_reduce_attn_cp_tp_group(senders, self.ctx.cp_group, self.ctx.attn_tp_group)[0]
-
-    def _local_state(self, req: Any) -> str:
-        room, mgr = req.bootstrap_room, self.kv_manager
-        where = "in" if room in mgr.transfer_infos else "not in"
-        return f"local status {mgr.request_status.get(room)}, decode metadata {where} transfer_infos"
-
-    def _bootstrap(self, req: Any, deadline: float) -> bool:
-        """Queue ``req``; poll upstream's bootstrap queue until decode's metadata reached
-        every rank (True) or the request failed (False)."""
-        from sglang.srt.managers.schedule_batch import FINISH_ABORT
-
-        self.queue.add(req, num_kv_heads=1)
-        while True:
-            if self.queue.pop_bootstrapped():
-                return True
-            if isinstance(req.finished_reason, FINISH_ABORT):
-                return False
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {self.ctx.rank}: {req.rid} still bootstrapping; {self._local_state(req)}")
-            time.sleep(_POLL_S)
 
     def _admit(self, req: Any, spec: PDRequest) -> Tuple[torch.Tensor, Optional[int], Any, int, int]:
         """Prefix match, host load-back, lock: (prefix logical locs, rotation base, tree
@@ -642,15 +616,6 @@ class PrefillRank:
 
         SchedulerDisaggregationPrefillMixin._send_kv_chunk(self.fields, req, last_chunk=last_chunk)
 
-    def _wait_done(self, req: Any, deadline: float) -> int:
-        from sglang.srt.disaggregation.base.conn import KVPoll
-
-        while (poll := self._poll(req)) not in (KVPoll.Success, KVPoll.Failed):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {self.ctx.rank}: {req.rid} still transferring; {self._local_state(req)}")
-            time.sleep(_POLL_S)
-        return poll
-
     def owned_pages(self, locs: torch.Tensor) -> int:
         return int(self.stack.owned_mask(locs[::PAGE_SIZE]).sum())
 
@@ -661,19 +626,6 @@ class PrefillRank:
             req.output_topk_p = torch.full((1,), 0.5)
             req.output_topk_index = torch.tensor([spec.next_token])
             req.hidden_states_tensor = expected_hidden_state(spec)
-
-    def _close_sender(self, req: Any, out: PrefillOutcome, poll: int) -> None:
-        """After the CP-wide poll: the sender cleared, or the recorded failure read."""
-        from sglang.srt.disaggregation.base.conn import KVPoll
-
-        out.success = poll == KVPoll.Success
-        if out.success:
-            req.disagg_kv_sender.clear()
-            return
-        try:
-            req.disagg_kv_sender.failure_exception()
-        except Exception as error:  # upstream raises the recorded reason
-            out.failure = str(error)
 
     def send_prefilled(self, spec: PDRequest, req_pool_idx: int) -> PrefillOutcome:
         """Transfer a request another driver prefilled on this rank's stack (its logical
@@ -785,6 +737,7 @@ def prefill_rank_role(channel: RoleChannel, rank: int, scenario: PDScenario, por
     load_plugins()
     ctx = init_rank_groups(rank, scenario.cp_size, ports.gloo, timeout_s=scenario.transfer_timeout_s + 30)
     server = PrefillRank(ctx, scenario, ports)
+    channel.event(REGISTERED)
     outcomes = []
     for step in scenario.steps:
         if isinstance(step, EvictDevice):
@@ -797,8 +750,10 @@ def prefill_rank_role(channel: RoleChannel, rank: int, scenario: PDScenario, por
 
 
 # ------------------------------------------------------------------ decode
-class DecodeServer:
+class DecodeServer(DecodeChecks):
     """The decode server: a full (cp 1) ``DSATokenToKVPool`` under upstream's PD decode queues."""
+
+    page_size = PAGE_SIZE
 
     def __init__(self, scenario: PDScenario, ports: PDPorts, pattern: KVPattern = HARNESS_PATTERN):
         """``scenario`` gives the geometry (``layer_num``, ``decode_pages``, ``draft``);
@@ -898,6 +853,38 @@ class DecodeServer:
             changed |= (_as_bytes(buffer).reshape(num_pages, -1) != SENTINEL_BYTE).any(dim=1)
         return changed.numpy()
 
+    def _new_req(self, spec: PDRequest) -> Any:
+        """SGLang's ``Req`` of ``spec`` as the decode server receives it."""
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        return Req(
+            rid=spec.rid, origin_input_text="", origin_input_ids=array("q", spec.token_ids),
+            sampling_params=SamplingParams(max_new_tokens=8), bootstrap_host=LOOPBACK,
+            bootstrap_port=spec.bootstrap_port or self.ports.bootstrap, bootstrap_room=spec.room,
+        )  # fmt: skip
+
+    def _locs(self, req: Any, n: int) -> torch.Tensor:
+        return self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n]
+
+    def _aux_ok(self, spec: PDRequest, req: Any) -> bool:
+        return list(req.output_ids) == [spec.next_token] and (
+            self.draft_pool is None or torch.equal(req.hidden_states_tensor, expected_hidden_state(spec))
+        )
+
+    def _release(self, req: Any) -> None:
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        release_kv_cache(req, self.tree_cache, checkpoint=False)
+
+    def _keep(self, spec: PDRequest, locs: torch.Tensor, req: Any) -> None:
+        """Decoding ends here: the row goes back; the pages stay held, so the final
+        re-check sees whether a later transfer wrote into them (planted requests are
+        checked on their own outcome only)."""
+        if self.scenario.plant_for(spec.rid) is None:
+            self.served.append((spec, locs))
+        self.req_to_token_pool.free(req)
+
     def _mismatches(self, spec: PDRequest, locs: torch.Tensor) -> Tuple[int, int]:
         """(target, draft) tokens whose bytes differ from the pattern at decode's ``locs``."""
         ids, pos = torch.tensor(spec.token_ids), torch.arange(len(spec.token_ids))
@@ -906,89 +893,6 @@ class DecodeServer:
             return target, 0
         first = self.pattern.draft_first_layer
         return target, count_kv_mismatches(self.draft_pool, locs, ids, pos, first_layer=first, pattern=self.pattern)
-
-    def serve(self, spec: PDRequest, keep: bool = True) -> DecodeOutcome:
-        """Receive ``spec`` through upstream's queues; check its bytes on this pool.
-
-        ``keep=False``: once checked, the request's KV pages and row go back (upstream's
-        ``release_kv_cache``, as a request that finished decoding) and the end-of-run
-        re-check skips it; its pages stay counted as granted for the sentinel check.
-        """
-        from sglang.srt.mem_cache.common import release_kv_cache
-
-        from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req
-        from sglang.srt.sampling.sampling_params import SamplingParams
-
-        deadline = time.monotonic() + self.scenario.transfer_timeout_s + 15
-        out = DecodeOutcome(spec.rid, success=False)
-        errors_before = len(self.errors.messages)
-        req = Req(
-            rid=spec.rid, origin_input_text="", origin_input_ids=array("q", spec.token_ids),
-            sampling_params=SamplingParams(max_new_tokens=8), bootstrap_host=LOOPBACK,
-            bootstrap_port=spec.bootstrap_port or self.ports.bootstrap, bootstrap_room=spec.room,
-        )  # fmt: skip
-        self.prealloc_queue.add(req)
-        started, transferred, locs = time.monotonic(), False, None
-        while not isinstance(req.finished_reason, FINISH_ABORT):
-            preallocated = self.prealloc_queue.pop_preallocated()
-            if isinstance(preallocated, tuple):
-                preallocated = preallocated[0]
-            self.transfer_queue.extend(preallocated)
-            if preallocated:
-                row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(spec.token_ids)]
-                locs = row.to(torch.int64).clone()
-                self.granted.update((locs // PAGE_SIZE).unique().tolist())
-                out.granted_pages = len((locs // PAGE_SIZE).unique())
-                started = time.monotonic()
-            if req in self._pop_transferred():
-                transferred = True
-                break
-            if time.monotonic() > deadline:
-                status = self.prealloc_queue.kv_manager.request_status.get(spec.room)
-                raise TimeoutError(
-                    f"decode: {spec.rid} not transferred in time "
-                    f"(preallocated: {locs is not None}, receiver status {status})"
-                )
-            time.sleep(_POLL_S)
-        out.transfer_s = time.monotonic() - started
-        out.errors_logged = self.errors.messages[errors_before:]
-        if not transferred:
-            out.failure = str(req.finished_reason.message)
-            if locs is not None:
-                out.granted_pages_touched = int(self._changed_pages()[(locs // PAGE_SIZE).unique().numpy()].sum())
-            return out
-        out.success = True
-        out.kv_mismatches, out.draft_mismatches = self._mismatches(spec, locs)
-        out.aux_ok = list(req.output_ids) == [spec.next_token] and (
-            self.draft_pool is None or torch.equal(req.hidden_states_tensor, expected_hidden_state(spec))
-        )
-        if not keep:
-            release_kv_cache(req, self.tree_cache, checkpoint=False)
-            return out
-        if self.scenario.plant_for(spec.rid) is None:
-            self.served.append((spec, locs))
-        # Decoding ends here: the row goes back; the pages stay held, so the final
-        # re-check sees whether a later transfer wrote into them.
-        self.req_to_token_pool.free(req)
-        return out
-
-    def _pop_transferred(self) -> List[Any]:
-        done = self.transfer_queue.pop_transferred()
-        return done[0] if isinstance(done, tuple) else done
-
-    def report(self, outcomes: List[DecodeOutcome]) -> DecodeReport:
-        """End of run: every successful unplanted request re-checked, and every page never
-        granted still holds the sentinel."""
-        final = [self._mismatches(spec, locs) for spec, locs in self.served]
-        changed = self._changed_pages()
-        off_grant = [p for p in np.flatnonzero(changed).tolist() if p not in self.granted]
-        return DecodeReport(
-            outcomes=outcomes,
-            final_kv_mismatches=sum(t for t, _ in final),
-            final_draft_mismatches=sum(d for _, d in final),
-            off_grant_pages_changed=len(off_grant),
-        )
-
 
 def decode_role(
     channel: RoleChannel, scenario: PDScenario, ports: PDPorts, rids: Optional[Sequence[str]] = None
@@ -1019,6 +923,7 @@ def run_pd_cluster(
         cluster.start_bootstrap()
         for rank, name in enumerate(names):
             cluster.start(name, prefill_rank_role, rank, scenario, cluster.ports, env=prefill_env)
+        wait_registered(cluster, names, timeout_s)
         cluster.start("decode", decode_role, scenario, cluster.ports, env=decode_env)
         results = cluster.results(names + ["decode"], timeout_s)
     results["all_ended"] = all(r.process.exitcode is not None for r in cluster.roles.values())

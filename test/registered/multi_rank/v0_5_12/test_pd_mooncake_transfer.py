@@ -17,7 +17,15 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
-from sglang_cp_hicache.testing.pd import PDCluster, PDEnv, RoleFailed, free_port
+from sglang_cp_hicache.testing.pd import (
+    PDCluster,
+    PDEnv,
+    RoleFailed,
+    free_port,
+    prefill_startup_failure,
+    run_fault_cluster,
+    wait_registered,
+)
 from sglang_cp_hicache.testing.v0_5_12.pd_harness import (
     EvictDevice,
     PDRequest,
@@ -63,6 +71,7 @@ def _run(scenario: PDScenario) -> Dict[str, Any]:
         cluster.start_bootstrap()
         for rank, name in enumerate(_prefill_names(scenario.cp_size)):
             cluster.start(name, prefill_rank_role, rank, scenario, cluster.ports)
+        wait_registered(cluster, _prefill_names(scenario.cp_size), RUN_TIMEOUT_S)
         cluster.start("decode", decode_role, scenario, cluster.ports)
         results = cluster.results(_prefill_names(scenario.cp_size) + ["decode"], RUN_TIMEOUT_S)
     results["all_ended"] = all(r.process.exitcode is not None for r in cluster.roles.values())
@@ -180,23 +189,10 @@ def _faults() -> Dict[str, Any]:
     ranks wait at their checkpoint meanwhile); decode-b runs without
     SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER; decode-c serves the next request."""
     scenario = PDScenario(cp_size=2, steps=(KILLED, NO_ENV, NEXT), pause_after_chunk="killed")
-    prefills = _prefill_names(2)
-    with PDCluster() as cluster:
-        cluster.start_bootstrap()
-        for rank, name in enumerate(prefills):
-            cluster.start(name, prefill_rank_role, rank, scenario, cluster.ports, env=FAULT_PREFILL_ENV)
-        cluster.start("decode-a", decode_role, scenario, cluster.ports, ["killed"])
-        cluster.start("decode-c", decode_role, scenario, cluster.ports, ["next"])
-        for name in prefills:
-            cluster.roles[name].wait_event("chunk-sent", RUN_TIMEOUT_S)
-        cluster.kill("decode-a")
-        no_env = cluster.start("decode-b", decode_role, scenario, cluster.ports, ["no-env"], env=NO_ENV_DECODE)
-        no_env.wait_event("ready", RUN_TIMEOUT_S)
-        for name in prefills:
-            cluster.roles[name].reply("chunk-sent")
-        results = cluster.results(prefills + ["decode-b", "decode-c"], RUN_TIMEOUT_S)
-    results["all_ended"] = all(r.process.exitcode is not None for r in cluster.roles.values())
-    return results
+    rids = (KILLED.rid, NO_ENV.rid, NEXT.rid)
+    return run_fault_cluster(
+        prefill_rank_role, decode_role, scenario, rids, FAULT_PREFILL_ENV, NO_ENV_DECODE, RUN_TIMEOUT_S
+    )
 
 
 def test_decode_killed_mid_transfer_fails_the_request_frees_it_and_serves_the_next():
@@ -255,3 +251,12 @@ def test_harness_names_a_role_that_raises_or_dies_and_ends_every_process():
         with pytest.raises(RoleFailed, match=r"no result from \['hangs'\] within 1 s"):
             cluster.results(["hangs"], 1)
     assert hanging.process.exitcode is not None  # killed by close(), never left running
+
+
+def test_prefill_with_its_bootstrap_unreachable_stops_at_startup_naming_it():
+    """The prefill ranks register with a bootstrap address nobody serves: under the flag
+    each rank's KV manager stops its startup within a bounded time with an error naming
+    host:port (upstream alone retries ~15 s, logs "Connection refused" without the address,
+    then serves on unregistered, every request failing later by timeout)."""
+    failure = prefill_startup_failure(prefill_rank_role, PDScenario(cp_size=2, steps=()), RUN_TIMEOUT_S)
+    assert "PDBootstrapUnreachable: PD prefill: bootstrap server 127.0.0.1:" in failure, failure

@@ -16,7 +16,14 @@ from typing import Any, Dict, Tuple
 
 import pytest
 
-from sglang_cp_hicache.testing.pd import EvictDevice, PDCluster, PDEnv, PDRequest, free_port
+from sglang_cp_hicache.testing.pd import (
+    EvictDevice,
+    PDEnv,
+    PDRequest,
+    free_port,
+    prefill_startup_failure,
+    run_fault_cluster,
+)
 from sglang_cp_hicache.testing.v0_5_23.pd_harness import (
     PDScenario,
     decode_role,
@@ -172,23 +179,10 @@ def _faults() -> Dict[str, Any]:
     SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER; decode-c serves the next request (a device
     hit on no-env's prefix)."""
     scenario = PDScenario(cp_size=2, steps=(KILLED, NO_ENV, NEXT), pause_after_chunk="killed", draft=True)
-    prefills = prefill_names(2)
-    with PDCluster() as cluster:
-        cluster.start_bootstrap()
-        for rank, name in enumerate(prefills):
-            cluster.start(name, prefill_rank_role, rank, scenario, cluster.ports, env=FAULT_PREFILL_ENV)
-        cluster.start("decode-a", decode_role, scenario, cluster.ports, ["killed"])
-        cluster.start("decode-c", decode_role, scenario, cluster.ports, ["next"])
-        for name in prefills:
-            cluster.roles[name].wait_event("chunk-sent", RUN_TIMEOUT_S)
-        cluster.kill("decode-a")
-        no_env = cluster.start("decode-b", decode_role, scenario, cluster.ports, ["no-env"], env=NO_ENV_DECODE)
-        no_env.wait_event("ready", RUN_TIMEOUT_S)
-        for name in prefills:
-            cluster.roles[name].reply("chunk-sent")
-        results = cluster.results(prefills + ["decode-b", "decode-c"], RUN_TIMEOUT_S)
-    results["all_ended"] = all(r.process.exitcode is not None for r in cluster.roles.values())
-    return results
+    rids = (KILLED.rid, NO_ENV.rid, NEXT.rid)
+    return run_fault_cluster(
+        prefill_rank_role, decode_role, scenario, rids, FAULT_PREFILL_ENV, NO_ENV_DECODE, RUN_TIMEOUT_S
+    )
 
 
 def test_decode_killed_mid_transfer_fails_the_request_frees_it_and_serves_the_next():
@@ -239,3 +233,12 @@ def test_mtp_draft_kv_of_a_chunked_prefill_and_a_device_hit_lands_byte_exact():
         for rid in ("no-env", "next"):
             assert outcomes[rid].payload_bytes == outcomes[rid].owned_pages * DRAFT_PAGE_BYTES
             assert outcomes[rid].pools_unchanged and outcomes[rid].leaked == []
+
+
+def test_prefill_with_its_bootstrap_unreachable_stops_at_startup_naming_it():
+    """The prefill ranks register with a bootstrap address nobody serves: under the flag
+    each rank's KV manager stops its startup within a bounded time with an error naming
+    host:port (upstream alone retries ~15 s, then serves on unregistered, every request
+    failing later by timeout)."""
+    failure = prefill_startup_failure(prefill_rank_role, PDScenario(cp_size=2, steps=()), RUN_TIMEOUT_S)
+    assert "PDBootstrapUnreachable: PD prefill: bootstrap server 127.0.0.1:" in failure, failure

@@ -58,6 +58,7 @@ VERDICTS = {
     "sglang.srt.disaggregation.utils:filter_kv_indices_for_cp_rank": "flag",
     "sglang.srt.disaggregation.mooncake.conn:MooncakeKVManager.maybe_send_extra": "flag",
     "sglang.srt.disaggregation.mooncake.conn:MooncakeKVManager.send_kvcache_hisparse": "own product type (owned positions)",
+    "sglang.srt.disaggregation.common.conn:CommonKVManager.register_to_bootstrap": "flag",
 }
 
 
@@ -315,6 +316,7 @@ def test_pd_filters_are_upstreams_for_a_mock_kv_manager(flag_off_globals):
         maybe_send_extra_around,
         send_kvcache_hisparse_around,
     )
+    from sglang_cp_hicache.v0_5_12.disaggregation.common.conn import register_to_bootstrap_around
     from sglang_cp_hicache.v0_5_12.disaggregation.utils import filter_kv_indices_for_cp_rank_around
 
     kv_mgr, req, executor, page_index_slice = MagicMock(), MagicMock(), MagicMock(), MagicMock()
@@ -325,6 +327,7 @@ def test_pd_filters_are_upstreams_for_a_mock_kv_manager(flag_off_globals):
         send_kvcache_hisparse_around, kv_mgr, "session", kv_indices, [1], np.arange(16), page_index_slice, executor
     )
     assert_upstream(send_kvcache_hisparse_around, kv_mgr, "session", kv_indices, [1], np.arange(16), slice(0, 2), executor)
+    assert_upstream(register_to_bootstrap_around, kv_mgr)  # no wait for a bootstrap server
     assert_untouched(kv_mgr, req, executor, page_index_slice)
 
 

@@ -1,0 +1,1 @@
+"""Around ``sglang.srt.disaggregation.common``."""
