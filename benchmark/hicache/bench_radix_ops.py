@@ -6,8 +6,9 @@ installed SGLang line; ratios against upstream measured in the same run.
   ``--large`` adds 100k.
 * 0.5.23 (``.venv-sglang-0.5.23``, ``radix_ops_v0_5_23.py``): ``UnifiedRadixCache`` on
   upstream's sharded Python tree core (``native``) vs the same stack under the plugin's flag
-  and hooks (``plugin``), at cp 2 (two gloo ranks), each against 0.5.23's default Rust tree
-  core unsharded (``rust``) in the same ranks; default 1k and 10k nodes, ``--large`` adds
+  and hooks (``plugin``), at cp 2 (two gloo ranks), and 0.5.23's default Rust tree core
+  unsharded (``rust``), all three in the same ranks taking turns call by call (the hooks
+  switched on for the plugin's calls only); default 1k and 10k nodes, ``--large`` adds
   100k.
 
 Both time ``check_hicache_events`` after a backup (``check_acked``: the insert untimed, then
@@ -16,7 +17,7 @@ nothing pending (``check_idle``), and say what part of it is the write-ack MIN a
 (which upstream at CP or TP > 1 pays too). Each figure is the median of single calls, GC
 off while timing; the variants in one process take turns call by call.
 
-    PYTHONPATH=python .venv/bin/python benchmark/hicache/bench_radix_ops.py [--large]
+    PYTHONPATH=python .venv/bin/python benchmark/hicache/bench_radix_ops.py [--large] [--sizes 10000,100000]
     PYTHONPATH=python .venv-sglang-0.5.23/bin/python benchmark/hicache/bench_radix_ops.py [--large]
 
 Figures and how to read them: ``docs/benchmarks.md``.
@@ -44,6 +45,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--large", action="store_true", help="add 100k nodes (minutes per variant)")
     parser.add_argument("--quick", action="store_true", help="fewer calls per op (a smoke run)")
+    parser.add_argument(
+        "--sizes", type=lambda text: tuple(int(n) for n in text.split(",")),
+        help="comma-separated node counts instead of the defaults (e.g. 10000,100000)",
+    )  # fmt: skip
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("sglang").setLevel(logging.WARNING)
@@ -52,7 +57,8 @@ def main() -> None:
 
     line = line_package().rsplit(".", 1)[1]  # refuses an unsupported release
     module = importlib.import_module(f"radix_ops_{line}")
-    module.main(LARGE_SIZES if args.large else SMALL_SIZES, args.quick)
+    sizes = args.sizes or (LARGE_SIZES if args.large else SMALL_SIZES)
+    module.main(sizes, args.quick)
 
 
 if __name__ == "__main__":

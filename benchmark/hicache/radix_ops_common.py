@@ -91,10 +91,10 @@ def interleaved_medians(
 
 
 def print_table(all_results: Dict[int, Results], ops: Sequence[str], baseline: str) -> None:
-    """One row per size and op: each variant's median (ms) and its ratio to ``baseline``."""
+    """One row per size and op: each variant's median (µs) and its ratio to ``baseline``."""
     variants = list(next(iter(all_results.values())))
     others = [v for v in variants if v != baseline]
-    header = f"{'nodes':>7} {'op':<13}" + "".join(f" {v + ' ms':>14}" for v in variants)
+    header = f"{'nodes':>7} {'op':<13}" + "".join(f" {v + ' us':>14}" for v in variants)
     header += "".join(f" {v + '/' + baseline:>16}" for v in others)
     print(header)
     for size, results in all_results.items():
@@ -102,7 +102,7 @@ def print_table(all_results: Dict[int, Results], ops: Sequence[str], baseline: s
             if op not in results[baseline]:
                 continue
             base = results[baseline][op]
-            row = f"{size:>7} {op:<13}" + "".join(f" {results[v][op] * 1e3:>14.4f}" for v in variants)
+            row = f"{size:>7} {op:<13}" + "".join(f" {results[v][op] * 1e6:>14.3f}" for v in variants)
             row += "".join(f" {results[v][op] / base:>16.2f}" for v in others)
             print(row)
 

@@ -1,39 +1,46 @@
-"""The 0.5.23 line's radix ops for ``bench_radix_ops.py``: the plugin's flag vs upstream's
-native sharding on ``UnifiedRadixCache``, each against 0.5.23's default Rust tree core.
+"""The 0.5.23 line's radix ops for ``bench_radix_ops.py``: the plugin's flag and hooks vs
+upstream's native sharding on ``UnifiedRadixCache``, and 0.5.23's default Rust tree core.
 
-Two sessions of two gloo ranks (cp 2, ``testing.dist.run_ranks``), the same trees and calls
-in each; rank 0 reports:
+One session of two gloo ranks (cp 2, ``testing.dist.run_ranks``); rank 0 reports. Each
+rank holds three stacks over the same tree, which take turns call by call (a load change
+hits them alike):
 
-* ``native`` session: ``rust`` (the unsharded stack on 0.5.23's default Rust tree core, no
-  collective) and ``native`` (upstream's sharded stack, ``--enable-kv-cache-sharding``,
-  which forces the Python tree core), no plugin hooks;
-* ``plugin`` session: ``rust`` again and ``plugin`` (the same sharded stack with the
-  plugin's hooks applied as ``load_plugins`` applies them and its flag on the record).
+* ``rust``: the unsharded stack on 0.5.23's default Rust tree core (no collective);
+* ``native``: upstream's sharded stack (``--enable-kv-cache-sharding``, which forces the
+  Python tree core), no plugin hooks;
+* ``plugin``: the same sharded stack with the plugin's flag on its record and the
+  plugin's hooks applied as ``load_plugins`` applies them.
 
-Hooks patch SGLang's classes for the whole process, so ``native`` and ``plugin`` never share
-one; inside a session the two variants take turns call by call. ``plugin/native`` compares
-across sessions; the ``anchored`` ratio divides each by its own session's ``rust`` figure,
-which cancels a load change between the sessions.
+Hooks patch SGLang's classes and modules for the whole process, so the session applies
+them once and then switches them (:class:`HookSwitch`: every patched attribute, and every
+``from module import name`` alias the registry rebound) on for ``plugin``'s calls and off
+for the others', set-up untimed. ``rust`` and ``native`` thus run upstream's code exactly;
+the plugin's record is published last (upstream's radix paths read no process-wide args
+at run time; the plugin's lane-aware hooks read the flag there).
 
 Operations (scheduler-path radix ops on a tree of one-page nodes): match_prefix (cached
 path plus one new page), insert (a new leaf whose write-through backup is queued; checked
 untimed), check_acked (``check_hicache_events`` until that backup is acked), backup_ack
 (insert and check timed together), check_idle (the check with nothing pending: 0.5.23 still
-runs its MIN all-reduce every call), evict of 1% of the tree. The sharded checks include
-the MIN all-reduce over the two ranks; it is timed alone on the same group and reported.
+runs its MIN all-reduce every call), evict (``evict`` of 1% of the tree), evict_for_alloc
+(the allocator's entry: room for 1% of the tree beyond what is free; the plugin's is the
+lane-aware planner). The sharded checks include the MIN all-reduce over the two ranks; it
+is timed alone on the same group and reported as its share of native's checks.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
+import importlib
 import logging
 import os
 import random
+import statistics
 import sys
 import time
-from typing import Any, Dict, Iterator, List
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import sglang_cp_hicache.testing
 
@@ -60,9 +67,13 @@ logger = logging.getLogger("bench_radix_ops")
 
 CP_SIZE = 2  # two gloo ranks: the smallest sharded group, the real all-reduce
 HOST_RATIO = 1.1  # host pool just above the device pool
+VARIANTS = ("rust", "native", "plugin")
 CHECK_OPS = ("check_acked", "backup_ack", "check_idle")
-OPS = ("match_prefix", "insert", *CHECK_OPS, "evict")
+EVICT_OPS = ("evict", "evict_for_alloc")
+OPS = ("match_prefix", "insert", *CHECK_OPS, *EVICT_OPS)
 READY_COUNTS = 4  # the check's MIN-reduced tensor without storage: acks, loads, digest pair
+POPULATE_BATCH = 64  # nodes inserted between the set-up's checks
+_MISSING = object()
 
 
 @contextlib.contextmanager
@@ -86,15 +97,94 @@ def _rust_tree_core() -> Iterator[None]:
         CacheInitParams.__init__ = init
 
 
+# ------------------------------------------------------------------- the hook switch
+@dataclass
+class _Slot:
+    """One attribute the plugin's hooks changed: upstream's value and the hooked one."""
+
+    owner: Any  # a class or a module
+    name: str
+    upstream: Any  # _MISSING: not in the owner's own dict (inherited) before the hooks
+    hooked: Any
+
+
+def _raw(owner: Any, name: str) -> Any:
+    return vars(owner).get(name, _MISSING)
+
+
+def _set(owner: Any, name: str, value: Any) -> None:
+    if value is _MISSING:
+        delattr(owner, name)
+    else:
+        setattr(owner, name, value)
+
+
+class HookSwitch:
+    """The plugin's 0.5.23 hooks, applied once in this process (``register`` then
+    ``HookRegistry.apply_hooks``, as ``load_plugins`` does) and then switched per call.
+
+    Invariant: with the switch off every patched attribute, and every module alias the
+    registry's propagation rebound, holds upstream's object again; on, the hooked one."""
+
+    def __init__(self) -> None:
+        from sglang_cp_hicache.hook_table import resolve
+        from sglang_cp_hicache.sim.v0_5_23.rank import _apply_plugin_hooks
+        from sglang_cp_hicache.v0_5_23.hooks import HOOKS
+
+        targets: List[Tuple[Any, str]] = []
+        for spec in HOOKS:  # every target imported first: patched now, aliases known
+            importlib.import_module(spec.module)
+            owner_path, _, name = spec.target.rpartition(".")
+            if ":" not in owner_path:  # a module-level function
+                owner_path, name = spec.target.split(":")
+            targets.append((resolve(owner_path), name))
+        before = [(owner, name, _raw(owner, name)) for owner, name in targets]
+        originals = {id(getattr(owner, name)): getattr(owner, name) for owner, name in targets}
+        aliases = [
+            (module, name, value)
+            for module in list(sys.modules.values())
+            if module is not None and hasattr(module, "__dict__")
+            for name, value in list(vars(module).items())
+            if id(value) in originals and value is originals[id(value)]
+        ]
+        _apply_plugin_hooks()  # as load_plugins does; refused with a hook missing
+        self.slots = [
+            _Slot(owner, name, value, _raw(owner, name))
+            for owner, name, value in before + aliases
+            if _raw(owner, name) is not value
+        ]
+        if len({(id(s.owner), s.name) for s in self.slots}) < len(targets):
+            raise RuntimeError("a plugin hook target was not patched by apply_hooks")
+        self.on = True
+        self.switch(False)
+
+    def switch(self, on: bool) -> None:
+        if on == self.on:
+            return
+        for slot in self.slots:
+            _set(slot.owner, slot.name, slot.hooked if on else slot.upstream)
+        self.on = on
+
+
+# ------------------------------------------------------------------------- workload
 class Bench:
     """One variant's stack on one tree; builds it through the scheduler's calls
     (``alloc_extend`` with the parent chain's rotation base, ``insert``, the check)."""
 
-    def __init__(self, stack: Any, shape: TreeShape, group: Any) -> None:
+    def __init__(
+        self, stack: Any, shape: TreeShape, group: Any, hooks: Optional[HookSwitch], hooked: bool
+    ) -> None:
         self.stack, self.cache, self.shape = stack, stack.cache, shape
         self.group = group  # the CP group: both ranks start each timed call together
+        self.hooks, self.hooked = hooks, hooked
         self.locs: List[torch.Tensor] = []  # each shape node's page: its logical locs
         self.handles: List[Any] = []  # each shape node's tree node id
+        self.evicted_tokens: List[int] = []  # per evict_for_alloc call
+
+    def enter(self) -> None:
+        """This variant's code: the plugin's hooks on for ``plugin``, off otherwise."""
+        if self.hooks is not None:
+            self.hooks.switch(self.hooked)
 
     def _insert_node(self, node: int) -> None:
         """Allocate and insert shape node ``node`` (its parent is in the tree)."""
@@ -118,11 +208,17 @@ class Bench:
             self.cache.check_hicache_events()
 
     def populate(self) -> None:
+        """Insert the whole tree, checking the backups every :data:`POPULATE_BATCH` nodes
+        (set-up: one all-reduce and one merged write per batch, not per node)."""
+        self.enter()
         for node in range(len(self.shape)):
             self._insert_node(node)
-            self._check_until_acked()
+            if node % POPULATE_BATCH == POPULATE_BATCH - 1:
+                self._check_until_acked()
+        self._check_until_acked()
 
     def time_op(self, op: str, rng: random.Random) -> float:
+        self.enter()
         return getattr(self, f"_{op}")(rng)
 
     def _timed(self, fn) -> float:
@@ -162,11 +258,25 @@ class Bench:
         assert not self.cache.ongoing_write_through
         return self._timed(self.cache.check_hicache_events)
 
+    def _evict_tokens(self) -> int:
+        return len(self.shape) * PAGE // 100
+
     def _evict(self, rng: random.Random) -> float:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-        num_tokens = len(self.shape) * PAGE // 100
-        return self._timed(lambda: self.cache.evict(EvictParams(num_tokens=num_tokens)))
+        params = EvictParams(num_tokens=self._evict_tokens())
+        return self._timed(lambda: self.cache.evict(params))
+
+    def _evict_for_alloc(self, rng: random.Random) -> float:
+        """The allocator's eviction entry (``evict_to_free_tokens`` calls it when short):
+        room for 1% of the tree beyond the free pages."""
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        params = EvictParams(num_tokens=self._evict_tokens())
+        result: List[Any] = []
+        elapsed = self._timed(lambda: result.append(self.cache.evict_for_alloc(params)))
+        self.evicted_tokens.append(result[0].num_tokens_evicted)
+        return elapsed
 
 
 def _stack_config(num_nodes: int, cfg: RunConfig, shape: TreeShape, sharded: bool, plugin: bool):
@@ -187,82 +297,92 @@ def _stack_config(num_nodes: int, cfg: RunConfig, shape: TreeShape, sharded: boo
     )
 
 
-def _rank_main(ctx: RankContext, sizes: tuple, cfg: RunConfig, shard_impl: str) -> Dict[int, Any]:
-    """One rank of a session: per size, the medians of ``rust`` and ``shard_impl`` and the
-    all-reduce alone on the CP group."""
+@dataclass
+class SizeResult:
+    """One size's medians (seconds) per variant and op, the all-reduce alone, and the
+    tokens each variant's evict_for_alloc calls evicted (median)."""
+
+    results: Results
+    all_reduce_s: float
+    evict_for_alloc_tokens: Dict[str, float]
+    build_s: Dict[str, float]
+
+
+def _rank_main(ctx: RankContext, sizes: tuple, cfg: RunConfig) -> Dict[int, SizeResult]:
+    """One rank: per size, the three variants' medians and the all-reduce alone."""
     from sglang_cp_hicache.testing.v0_5_23.stack import build_sharded_stack, build_unsharded_stack
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # a fresh process
     logging.getLogger("sglang").setLevel(logging.WARNING)
     logging.getLogger("sglang_cp_hicache").setLevel(logging.WARNING)
     torch.set_num_threads(1)
-    if shard_impl == "plugin":
-        from sglang_cp_hicache.sim.v0_5_23.rank import _apply_plugin_hooks
-
-        _apply_plugin_hooks()
+    hooks = HookSwitch()  # off: upstream's code
     out = {}
     for size in sizes:
         shape = TreeShape(size, cfg.seed)
+        hooks.switch(False)
         with _rust_tree_core():
             rust = build_unsharded_stack(ctx.attn_tp_group, _stack_config(size, cfg, shape, False, False))
         assert type(rust.cache.tree_core).__name__ == "RustUnifiedTreeCore"
-        sharded = build_sharded_stack(ctx, _stack_config(size, cfg, shape, True, shard_impl == "plugin"))
+        native = build_sharded_stack(ctx, _stack_config(size, cfg, shape, True, False))
+        hooks.switch(True)  # the plugin's stack last: its record is the process's
+        plugin = build_sharded_stack(ctx, _stack_config(size, cfg, shape, True, True))
+        stacks = {"rust": rust, "native": native, "plugin": plugin}
         benches = {
-            "rust": Bench(rust, TreeShape(size, cfg.seed), ctx.cp_group),
-            shard_impl: Bench(sharded, shape, ctx.cp_group),
+            name: Bench(stack, TreeShape(size, cfg.seed), ctx.cp_group, hooks, name == "plugin")
+            for name, stack in stacks.items()
         }
+        build_s = {}
         for name, bench in benches.items():
             start = time.perf_counter()
             bench.populate()
+            build_s[name] = time.perf_counter() - start
             if ctx.rank == 0:
-                elapsed = time.perf_counter() - start
-                logger.info("%s %s %d nodes built in %.1f s", shard_impl, name, size, elapsed)
+                logger.info("%s %d nodes built in %.1f s", name, size, build_s[name])
         gc.collect()
         gc.freeze()
         results = interleaved_medians(
-            benches, OPS, lambda op: cfg.evict_reps if op == "evict" else cfg.reps, cfg.seed
+            benches, OPS, lambda op: cfg.evict_reps if op in EVICT_OPS else cfg.reps, cfg.seed
         )
+        hooks.switch(False)
         all_reduce_s = all_reduce_rank(ctx, cfg.reps, READY_COUNTS)
-        for stack in (rust, sharded):
+        tokens = {name: statistics.median(b.evicted_tokens) for name, b in benches.items()}
+        for stack in stacks.values():
             stack.close()
         gc.unfreeze()
-        del benches, rust, sharded
+        del benches, stacks, rust, native, plugin
         gc.collect()
-        out[size] = (results, all_reduce_s)
+        out[size] = SizeResult(results, all_reduce_s, tokens, build_s)
     return out
 
 
-def _session(sizes: tuple, cfg: RunConfig, shard_impl: str) -> Dict[int, Any]:
-    return run_ranks(CP_SIZE, _rank_main, sizes, cfg, shard_impl, timeout_s=3600.0)[0]
-
-
-def print_report(native: Dict[int, Any], plugin: Dict[int, Any]) -> None:
+def print_report(report: Dict[int, SizeResult]) -> None:
     print(
-        f"{'nodes':>7} {'op':<13} {'rust(n) ms':>11} {'native ms':>10} {'rust(p) ms':>11} "
-        f"{'plugin ms':>10} {'native/rust':>12} {'plugin/rust':>12} {'plugin/native':>14} {'anchored':>9}"
+        f"{'nodes':>7} {'op':<16} {'rust ms':>9} {'native ms':>10} {'plugin ms':>10} "
+        f"{'native/rust':>12} {'plugin/rust':>12} {'plugin/native':>14}"
     )
-    for size in native:
-        (res_n, _), (res_p, _) = native[size], plugin[size]
+    for size, sized in report.items():
+        res = sized.results
         for op in OPS:
-            rust_n, nat = res_n["rust"][op], res_n["native"][op]
-            rust_p, plug = res_p["rust"][op], res_p["plugin"][op]
+            rust, nat, plug = (res[v][op] for v in VARIANTS)
             print(
-                f"{size:>7} {op:<13} {rust_n * 1e3:>11.4f} {nat * 1e3:>10.4f} {rust_p * 1e3:>11.4f} "
-                f"{plug * 1e3:>10.4f} {nat / rust_n:>12.2f} {plug / rust_p:>12.2f} {plug / nat:>14.2f} "
-                f"{(plug / rust_p) / (nat / rust_n):>9.2f}"
+                f"{size:>7} {op:<16} {rust * 1e3:>9.4f} {nat * 1e3:>10.4f} {plug * 1e3:>10.4f} "
+                f"{nat / rust:>12.2f} {plug / rust:>12.2f} {plug / nat:>14.2f}"
             )
-    for size in native:
-        (res_n, ar_n), (res_p, ar_p) = native[size], plugin[size]
-        worst = max(res_p["plugin"][op] / res_n["native"][op] for op in OPS)
-        share = " ".join(f"{op}={ar_n / res_n['native'][op]:.2f}" for op in CHECK_OPS)
+    for size, sized in report.items():
+        res, ar = sized.results, sized.all_reduce_s
+        worst = max(OPS, key=lambda op: res["plugin"][op] / res["native"][op])
+        share = " ".join(f"{op}={ar / res['native'][op]:.2f}" for op in CHECK_OPS)
+        tokens = " ".join(f"{v}={sized.evict_for_alloc_tokens[v]:.0f}" for v in VARIANTS)
+        built = " ".join(f"{v}={sized.build_s[v]:.1f}s" for v in VARIANTS)
         print(
-            f"{size} nodes: worst plugin/native={worst:.2f}; all_reduce alone {ar_n * 1e6:.1f} us "
-            f"(plugin session {ar_p * 1e6:.1f} us) at cp {CP_SIZE}, its share of native's {share}"
+            f"{size} nodes: worst plugin/native={res['plugin'][worst] / res['native'][worst]:.2f} "
+            f"({worst}); all_reduce alone {ar * 1e6:.1f} us at cp {CP_SIZE}, its share of "
+            f"native's {share}; evict_for_alloc tokens per call {tokens}; built in {built}"
         )
 
 
 def main(sizes: tuple, quick: bool) -> None:
     cfg = RunConfig(sizes=sizes, reps=51 if quick else 101, evict_reps=5 if quick else 9)
-    native = _session(sizes, cfg, "native")
-    plugin = _session(sizes, cfg, "plugin")
-    print_report(native, plugin)
+    report = run_ranks(CP_SIZE, _rank_main, sizes, cfg, timeout_s=3600.0)[0]
+    print_report(report)

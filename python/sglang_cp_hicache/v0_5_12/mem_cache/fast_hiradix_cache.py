@@ -379,7 +379,13 @@ class FastHiRadixCache(UPSTREAM["HiRadixCache"]):
 
     # --------------------------------------------------------------- write acks
     def writing_check(self, write_back: bool = False) -> None:
-        """Pop, in order, the write acks finished on every rank (upstream's MIN all-reduce)."""
+        """Pop, in order, the write acks finished on every rank (upstream's MIN all-reduce).
+
+        Outside write-back it also ends the split deferrals of the last round: the
+        scheduler's per-round poll (``check_hicache_events``) runs it first, and its only
+        other caller (``flush_write_through_acks``, decode) runs after that round's
+        admissions, where no deferral can be taken any more. Here rather than in an
+        override of ``check_hicache_events``: no frame of ours on the idle poll."""
         if write_back:
             # Upstream blocks until every write-back has landed; no collective.
             acks = self.cache_controller.ack_write_queue
@@ -390,6 +396,8 @@ class FastHiRadixCache(UPSTREAM["HiRadixCache"]):
             acks.clear()
             self._write_acks.stop()  # the queue it tracked is gone
             return
+        if self._split_deferrals:  # usually empty
+            self._split_deferrals.clear()
         # ongoing_write_through is replicated: every rank skips the collective alike.
         if not self.ongoing_write_through:
             return
@@ -427,13 +435,6 @@ class FastHiRadixCache(UPSTREAM["HiRadixCache"]):
         self._pending_fragments.clear()
         self._split_deferrals.clear()
         super().reset()
-
-    def check_hicache_events(self) -> None:
-        # The scheduler calls this at the start of each prefill round: deferrals are per
-        # round (a deferred request is matched again, after this round's acks).
-        if self._split_deferrals:  # usually empty: no call
-            self._split_deferrals.clear()
-        super().check_hicache_events()
 
     def shutdown(self) -> None:
         super().shutdown()

@@ -222,6 +222,31 @@ def test_request_that_would_split_a_pending_backup_waits_a_round(stack, schedule
     assert all(n.lock_ref == 0 for n in (node_a, node_a.parent))
 
 
+def test_a_deferral_not_taken_in_its_round_ends_at_the_next_check(stack, scheduler_args):
+    """A match deferred in round 2 but never admitted that round (its batch filled up) does
+    not hold the request back in round 3: the next poll of the cache ends it."""
+    cache = stack.cache
+    tokens_a = _tokens(1, 4)
+    with device_module().hold_events():
+        node_a = nsa_stack.insert_at_root(stack, tokens_a)
+        cache.inc_lock_ref(node_a)
+        cache.check_hicache_events()  # round 2; A's backup is still in flight
+        req_b = _req("b", tokens_a[: 2 * PS] + _tokens(50000, 1) + [7])
+        req_b.init_next_round_input(cache)  # deferred, never reaches add_one_req
+        assert cache.pending_stats.deferred_splits == 1
+        cache.check_hicache_events()  # round 3; A's backup is still in flight
+        assert not cache.take_split_deferral(req_b)
+        req_b.init_next_round_input(cache)  # matched again: deferred again, taken once
+        assert cache.take_split_deferral(req_b) and not cache.take_split_deferral(req_b)
+        cache.flush_write_through_acks()  # decode's flush: after the round's admissions
+        req_b.init_next_round_input(cache)
+        cache.flush_write_through_acks()
+        assert not cache.take_split_deferral(req_b)
+    cache.check_hicache_events()
+    cache.dec_lock_ref(node_a)
+    assert _locks_clear(cache)
+
+
 # ------------------------------------------------------------- chunked prefill
 @pytest.mark.parametrize("shared_kv", [True, False], ids=["cp_on", "cp_off"])
 def test_chunked_prompt_comes_back_from_host_after_device_eviction(gloo_world1, shared_kv):
