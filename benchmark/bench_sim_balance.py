@@ -19,13 +19,21 @@ instead of passing or failing it. One run at a time (ranks share the cores).
 
     PYTHONPATH=python .venv/bin/python benchmark/bench_sim_balance.py
     PYTHONPATH=python .venv/bin/python benchmark/bench_sim_balance.py --cp-sizes 4 --workloads long --seeds 0
+    PYTHONPATH=python .venv-sglang-0.5.23/bin/python benchmark/bench_sim_balance.py --cp-sizes 2 4 8 --seeds 0 1 2
+    PYTHONPATH=python .venv-sglang-0.5.23/bin/python benchmark/bench_sim_balance.py --reports runs/*.json
+
+Either line's venv runs it; each run is the main (``plugin``) column alone (no native
+column, no cp-1 replay). ``--reports`` judges reports the simulator CLI already wrote
+(``--json``), pooled per (workload, cp, column) as they come, instead of running.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from types import SimpleNamespace
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from sglang_cp_hicache.sim import SimConfig, SimReport, run_simulation
 from sglang_cp_hicache.sim.config import WORKLOADS
@@ -128,11 +136,33 @@ class Cell:
 
 def run_one(workload: str, cp_size: int, seed: int, num_requests: Optional[int]) -> SimReport:
     overrides: Dict[str, object] = dict(
-        cp_size=cp_size, seed=seed, baseline=False, timeout_s=900.0
+        cp_size=cp_size, seed=seed, baseline=False, native_column=False, timeout_s=900.0
     )
     if num_requests is not None:
         overrides["num_requests"] = num_requests
     return run_simulation(SimConfig.preset(workload, **overrides))
+
+
+def load_report(path: str) -> Any:
+    """A report the simulator CLI wrote with ``--json``, read back with the fields this
+    bench uses (``balance`` as attributes)."""
+    with open(path) as f:
+        fields = json.load(f)
+    fields["balance"] = SimpleNamespace(**fields["balance"])
+    return SimpleNamespace(**fields)
+
+
+def cells_of_reports(paths: Sequence[str]) -> List["Cell"]:
+    """One cell per (workload, cp, main column), in the order the paths first name them."""
+    cells: Dict[Tuple[str, int, str], Cell] = {}
+    for path in paths:
+        report = load_report(path)
+        config = report.config
+        impl = config.get("shard_impl", "plugin")
+        workload = config["workload"] if impl == "plugin" else f"{config['workload']}/{impl}"
+        key = (workload, config["cp_size"], impl)
+        cells.setdefault(key, Cell(workload, config["cp_size"], [])).reports.append(report)
+    return list(cells.values())
 
 
 def _header() -> str:
@@ -171,10 +201,14 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5],
                         help="runs pooled per cell")  # fmt: skip
     parser.add_argument("--num-requests", type=int, help="override the presets' request count")
+    parser.add_argument("--reports", nargs="+", metavar="JSON",
+                        help="judge these simulator --json reports instead of running")  # fmt: skip
     args = parser.parse_args()
     print(_header(), flush=True)
-    cells = []
-    for workload in args.workloads:
+    cells = [] if args.reports is None else cells_of_reports(args.reports)
+    for cell in cells:
+        print(format_cell(cell), flush=True)
+    for workload in args.workloads if args.reports is None else ():
         for cp_size in args.cp_sizes:
             reports = [run_one(workload, cp_size, seed, args.num_requests) for seed in args.seeds]
             cells.append(Cell(workload, cp_size, reports))

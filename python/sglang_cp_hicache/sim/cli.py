@@ -10,7 +10,7 @@ import logging
 import sys
 from typing import List, Optional, Tuple
 
-from sglang_cp_hicache.sim.config import FAULTS, SHARD_IMPLS, WORKLOADS, SimConfig
+from sglang_cp_hicache.sim.config import FAULTS, SHARD_IMPLS, STORAGE_BACKENDS, WORKLOADS, SimConfig
 
 logger = logging.getLogger("sglang_cp_hicache.sim")
 
@@ -68,6 +68,18 @@ def _parser(d: SimConfig) -> argparse.ArgumentParser:
                       "process with a full pool and checked there byte for byte; slower, so off "
                       "by default")  # fmt: skip
 
+    l3 = p.add_argument_group("HiCache L3 storage (0.5.23 line)")
+    l3.add_argument("--storage-backend", choices=STORAGE_BACKENDS, default=d.storage_backend,
+                    help="attach this L3 backend: the plugin column with owner-free keys (each "
+                    "page's owner writes and reads it), the cp-1 upstream column with upstream's "
+                    "own; the native column runs without (upstream refuses storage under "
+                    "sharding); mooncake starts a mooncake_master on loopback for the run and "
+                    "needs --mem-layout page_first")  # fmt: skip
+    l3.add_argument("--storage-dir", metavar="DIR", default=d.storage_dir,
+                    help="the file backend's folder (a subfolder per column), kept between runs: a "
+                    "second run, at any cp size, reads the pages the first one stored (default: "
+                    "a temporary folder removed after the run)")  # fmt: skip
+
     work = p.add_argument_group("workload")
     _workload_arg(work, d.workload)
     work.add_argument("--trace", metavar="JSONL", help="replay this trace instead of the generator")
@@ -98,8 +110,8 @@ def _parser(d: SimConfig) -> argparse.ArgumentParser:
                        help="write acks land this many steps after submission")  # fmt: skip
     sched.add_argument("--all-layer-backup", action="store_true",
                        help="back up new leaves all layers at once at the insert; without it the "
-                       "line's default: layer by layer during the forward on 0.5.12.post1, all "
-                       "layers on 0.5.23 (upstream has no per-layer D2H)")  # fmt: skip
+                       "line's default: layer by layer during the forward (0.5.23: the plugin "
+                       "column on layer_first; native and upstream always all layers)")  # fmt: skip
 
     stack = p.add_argument_group("per-rank stack")
     stack.add_argument("--layer-num", type=int, default=d.layer_num, help="KV layers")
@@ -117,8 +129,8 @@ def _parser(d: SimConfig) -> argparse.ArgumentParser:
         "--draft",
         action="store_true",
         help="the MTP draft's 1-layer NSA pool beside the target's, kept on host with it "
-        "(one budget: needs --hicache-ratio large enough for both); every hit checks both "
-        "(0.5.12.post1 line)",
+        "(0.5.12.post1: one budget, needs --hicache-ratio large enough for both; 0.5.23: "
+        "packed as the host tail layer in the same slots, every column); every hit checks both",
     )
     return p
 
@@ -155,6 +167,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         native_column=not args.no_native_column,
         baseline=not args.no_baseline,
         pd=args.pd,
+        storage_backend=args.storage_backend,
+        storage_dir=args.storage_dir,
         progress=not args.no_progress,
         timeout_s=args.timeout_s,
         log_level=args.log_level,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections import Counter
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
@@ -29,9 +30,12 @@ COLLECTIVE_NAMES = (
 
 
 class CollectiveCounter:
-    """Install once per process; counting is on only inside :meth:`counting`."""
+    """Install once per process; counting is on only inside :meth:`counting`, and only
+    for the installing (scheduler) thread: HiCache's storage threads run their own
+    collectives on their own groups, off the scheduler path."""
 
     def __init__(self) -> None:
+        self._thread = threading.get_ident()
         self.enabled = False
         self.in_writing_check = False
         self.allowed = 0  # writing_check's MIN all-reduces
@@ -60,6 +64,8 @@ class CollectiveCounter:
     def _wrap(self, name: str, original: Callable) -> Callable:
         @functools.wraps(original)
         def counted(*args, **kwargs):
+            if threading.get_ident() != self._thread:
+                return original(*args, **kwargs)
             if self.enabled and self._depth == 0:
                 self._record(name, args, kwargs)
             self._depth += 1

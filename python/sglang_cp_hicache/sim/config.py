@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 # Planted bugs that prove the checkers can fail (debug only, never on by default). Each line
-# plants the ones it has a seam for (0.5.23: all but shift_mirror and the draft's); the
+# plants the ones it has a seam for (0.5.23: all but shift_mirror); the
 # descriptions name the 0.5.12.post1 seam, sim/v0_5_23/faults.py the 0.5.23 one.
 FAULTS = {
     "roll_load_owners": "load-back allocates device pages with owners rolled by one page, "
@@ -22,12 +22,22 @@ FAULTS = {
     "the MTP draft's (needs draft=True): a draft-only loss behind a target hit",
     "pd_wrong_owner": "each prefill rank's PD owner filter sends the next rank's lane from "
     "its own slots (needs pd=True): both sides report Success, decode holds wrong KV",
+    "storage_wrong_bytes": "the last rank's L3 reads land the first page of each read in "
+    "host memory with wrong bytes (needs storage_backend): caught only by the hit check",
+    "early_layer_ack": "the last rank's per-layer D2H backup acks its forward one layer early "
+    "(0.5.23, per-layer backup): the last layer never reaches its host pages",
+    "skip_backup_layer": "every rank's forward stores layer 0 without reporting it to the "
+    "per-layer D2H backup (0.5.23, per-layer backup): the backup must refuse the forward",
 }
 
 # Which sharding the main column runs (``SimConfig.shard_impl``): the plugin's (upstream's
 # sharding with the plugin's hooks where the line has it, the plugin's own CP shared KV on
 # 0.5.12.post1), or upstream's native KV sharding alone (0.5.23 and later).
 SHARD_IMPLS = ("plugin", "native")
+
+# HiCache L3 backends the simulator attaches (``SimConfig.storage_backend``): the plugin's
+# proven set under CP shared KV; the cp-1 upstream column runs upstream's own of each.
+STORAGE_BACKENDS = ("file", "mooncake")
 
 # Named workloads: overrides of the SimConfig defaults (``default`` is the defaults).
 # ``long``: long system prompts and turns, prompts up to ~3.8K tokens, a 4096-token device
@@ -45,6 +55,10 @@ WORKLOADS: Dict[str, Dict[str, Any]] = {
         max_prompt_len=3840,
         physical_tokens=4096,
     ),
+    # ``l3``: the default generator with 16 sessions open at once on a 1.5x host tier, so
+    # host eviction drops pages of sessions that come back (HiCache L3 storage hits at
+    # cp 2 and 4, not only at cp 1): the storage figures' workload.
+    "l3": dict(max_active_sessions=16, hicache_ratio=1.5),
 }
 
 
@@ -93,8 +107,8 @@ class SimConfig:
     # New leaves' backups reserved before the forward move during it, layer by layer (the
     # forward reports each layer's end as the NSA hook does); False: all layers at once at
     # the insert. Hit-count and write-back backups are all-layer either way. None: the
-    # line's default (0.5.12.post1: per layer; 0.5.23: all layers, the only way upstream
-    # backs up, so True is refused there).
+    # line's default (0.5.12.post1: per layer; 0.5.23: per layer on the plugin column with
+    # layer_first, all layers on page_first; native and upstream columns: all layers).
     per_layer_backup: Optional[bool] = None
     # ---- one rank's stack (nsa_stack.StackConfig)
     layer_num: int = 2
@@ -103,8 +117,9 @@ class SimConfig:
     hicache_ratio: float = 2.0  # host pool per rank = ratio x device pool per rank
     io_backend: Optional[str] = None  # None: the line's ("direct" on 0.5.12.post1, "kernel" on 0.5.23)
     mem_layout: str = "layer_first"
-    # The MTP draft: a 1-layer NSA pool beside the target's (CP ranks; not the baseline),
-    # kept on host with it from the same budget; every hit checks target and draft bytes.
+    # The MTP draft: a 1-layer NSA pool beside the target's (0.5.12.post1: CP ranks, not the
+    # baseline, kept on host from the same budget; 0.5.23: every column, packed by upstream
+    # as the host pools' tail layer in the same slots); every hit checks target and draft.
     draft: bool = False
     # ---- columns
     # The main column: "plugin" (the plugin's CP shared KV; on 0.5.23 upstream's sharding
@@ -119,6 +134,15 @@ class SimConfig:
     # transfer engine on loopback TCP and checked there byte for byte (sim/pd.py). Off by
     # default: it adds the decode and bootstrap processes and one transfer per request.
     pd: bool = False
+    # ---- HiCache L3 storage (0.5.23 line): None, "file" or "mooncake". The plugin column
+    # writes and reads with owner-free keys, the cp-1 upstream column with upstream's own
+    # backend; the native column runs without (upstream refuses storage under sharding).
+    # Every storage hit loads back like a host hit and is byte-checked the same way.
+    storage_backend: Optional[str] = None
+    # The file backend's folder (one subfolder per column), kept between runs: a later run
+    # at any cp size reads the pages an earlier one stored. None: a temporary folder.
+    # Mooncake: the run starts its own mooncake_master on loopback and stops it at the end.
+    storage_dir: Optional[str] = None
     # ---- run
     tree_digest_every: int = 8  # steps between full radix-tree digests in the decision log
     progress: bool = False  # tqdm on rank 0 (stderr)
@@ -163,6 +187,12 @@ class SimConfig:
             bad("fault 'pd_wrong_owner' needs pd=True")
         if self.pd and self.cp_size < 2:
             bad("pd=True needs cp_size >= 2 (the prefill ranks shard the KV they send)")
+        if self.storage_backend is not None and self.storage_backend not in STORAGE_BACKENDS:
+            bad(f"storage_backend must be one of {list(STORAGE_BACKENDS)}, got {self.storage_backend!r}")
+        if self.storage_dir is not None and self.storage_backend != "file":
+            bad("storage_dir is the file backend's folder: it needs storage_backend='file'")
+        if self.fault == "storage_wrong_bytes" and self.storage_backend is None:
+            bad("fault 'storage_wrong_bytes' needs storage_backend")
         if self.pd and self.page_size != 64:
             bad(f"pd=True runs the PD harness's page size 64, got page_size={self.page_size}")
         if self.chunked_prefill_size < 0 or self.chunked_prefill_size % self.page_size:

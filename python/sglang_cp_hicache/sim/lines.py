@@ -8,9 +8,10 @@ SGLang (the entry points import it inside the rank processes).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Any, Callable, ContextManager, List, Optional, Tuple
 
 from sglang_cp_hicache.core.releases import installed_release, line_package
 from sglang_cp_hicache.sim.config import SimConfig
@@ -44,9 +45,28 @@ class LineSim:
     per_layer_backup: Optional[bool]  # the line's default; None: not on this line
     sharded_main: Callable
     upstream_main: Callable
+    # HiCache L3 backends the line attaches (SimConfig.storage_backend), and its run-scoped
+    # set-up ``open_storage(cfg)``: a context manager yielding what the columns' ranks get
+    # (folders, a local store), or None without storage. Empty: storage is refused.
+    storage_backends: Tuple[str, ...] = ()
+    open_storage: Optional[Callable[[SimConfig], ContextManager[Any]]] = None
+    # The planted faults (``config.FAULTS`` keys) this line's replay plants; any other is
+    # refused rather than run as a clean replay that cannot fail.
+    faults: Tuple[str, ...] = ()
 
     def check(self, cfg: SimConfig) -> None:
         """Refuse what this line cannot run, with one message (ValueError)."""
+        if cfg.fault is not None and cfg.fault not in self.faults:
+            raise ValueError(
+                f"fault {cfg.fault!r} is not planted on the SGLang {self.release} line "
+                f"(it plants {', '.join(self.faults) or 'none'})"
+            )
+        if cfg.storage_backend is not None and cfg.storage_backend not in self.storage_backends:
+            raise ValueError(
+                f"storage_backend={cfg.storage_backend!r}: the SGLang {self.release} line runs no "
+                "HiCache L3 storage under CP shared KV (its flag refuses "
+                "--hicache-storage-backend); use the 0.5.23 line"
+            )
         if cfg.shard_impl == "native" and not self.native_sharding:
             raise ValueError(
                 f"shard_impl='native': SGLang {self.release} has no native KV sharding "
@@ -64,14 +84,22 @@ class LineSim:
             return cfg.per_layer_backup
         return bool(self.per_layer_backup)
 
-    def columns(self, cfg: SimConfig) -> List[Column]:
-        """The replays ``cfg`` asks for on this line, main column first."""
+    def storage(self, cfg: SimConfig) -> ContextManager[Any]:
+        """The run's L3 set-up (yields None without ``cfg.storage_backend``)."""
+        if cfg.storage_backend is None or self.open_storage is None:
+            return contextlib.nullcontext(None)
+        return self.open_storage(cfg)
+
+    def columns(self, cfg: SimConfig, storage: Any = None) -> List[Column]:
+        """The replays ``cfg`` asks for on this line, main column first; with ``storage``
+        (what :meth:`storage` yielded) the entries get it as their last argument."""
+        extra = () if storage is None else (storage,)
         main = Column(
             cfg.shard_impl,
             f"cp={cfg.cp_size} {cfg.shard_impl}",
             cfg.cp_size,
             self.sharded_main,
-            (cfg.shard_impl,),
+            (cfg.shard_impl, *extra),
         )
         columns = [main]
         if cfg.runs_native_column() and self.native_sharding:
@@ -79,7 +107,7 @@ class LineSim:
                 Column("native", f"cp={cfg.cp_size} native", cfg.cp_size, self.sharded_main, ("native",))
             )
         if cfg.baseline:
-            columns.append(Column("upstream", "cp=1 upstream", 1, self.upstream_main))
+            columns.append(Column("upstream", "cp=1 upstream", 1, self.upstream_main, extra))
         return columns
 
 

@@ -20,10 +20,10 @@ import logging
 import multiprocessing.connection
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from sglang_cp_hicache.sim.config import SimConfig
-from sglang_cp_hicache.sim.results import PDDecodeStats, RankResult
+from sglang_cp_hicache.sim.results import PDDecodeStats, PDRankStats, RankResult
 from sglang_cp_hicache.sim.workload import Request
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,98 @@ class LinePD:
 
     prefill_role: Callable
     decode_role: Callable
+
+
+_ROOM_BASE = 1 << 20  # bootstrap rooms of one run: unique per transfer, equal on every rank
+
+
+class PrefillLink:
+    """One prefill rank's transfers: every finished request, whole prompt as one last chunk.
+
+    ``server`` is the line's harness ``PrefillRank`` over the driver's own stack (its
+    ``send_prefilled``), so the pages sent are the ones the trace left, at their physical
+    ids; ``owned(page_locs)`` is the line's owner test of a request's first logical slot of
+    each page. Rank 0 announces each transfer to the harness (relayed to decode) before it
+    bootstraps; every rank then takes the same request through upstream's path, in the
+    same order.
+    """
+
+    def __init__(self, channel: Any, rank: int, server: Any, page_size: int, owned: Callable[[Any], Any]):
+        self.channel, self.rank, self.server = channel, rank, server
+        self.page_size, self.owned = page_size, owned
+        kv_args = server.kv_manager.kv_args
+        page_bytes = sum(kv_args.kv_item_lens) + sum(sum(lens) for lens in kv_args.state_item_lens)
+        self.stats = PDRankStats(page_bytes=page_bytes)
+
+    def transfer(self, rid: str, token_ids: Sequence[int], req_pool_idx: int) -> None:
+        """Send one finished prefill (its KV at ``req_to_token[req_pool_idx]``) and wait for
+        the CP-wide outcome; a failure is recorded, the run goes on."""
+        import torch
+
+        from sglang_cp_hicache.testing.pd import PDRequest
+
+        spec = PDRequest(rid, tuple(token_ids), room=_ROOM_BASE + self.stats.requests)
+        if self.rank == 0:
+            self.channel.event(TRANSFER_EVENT, spec)
+        out = self.server.send_prefilled(spec, req_pool_idx)
+        row = self.server.stack.req_to_token_pool.req_to_token[req_pool_idx, : len(token_ids)]
+        owned_at = self.owned(row[:: self.page_size].to(torch.int64)).nonzero().flatten().tolist()
+        s = self.stats
+        s.requests += 1
+        s.tokens += len(token_ids)
+        s.pages += -(-len(token_ids) // self.page_size)
+        s.owned_pages += out.owned_pages
+        s.sent_bytes += out.payload_bytes
+        s.transfer_s.append(out.transfer_s)
+        s.engine_s += out.engine_s
+        s.count_owned_positions(owned_at)
+        if not out.success:
+            s.failures.append(f"{rid}: {out.failure or 'failed'}")
+
+
+_pending: Optional[Callable[[Any], PrefillLink]] = None  # this process's link to be
+
+
+def expect(open_link: Callable[[Any], PrefillLink]) -> None:
+    """This process is a PD prefill role: the driver built next gets ``open_link(stack)``."""
+    global _pending
+    _pending = open_link
+
+
+def attach(stack: Any) -> Optional[PrefillLink]:
+    """The driver's link to decode, over its ``stack``, if this process is a PD prefill
+    role (:func:`expect` ran before the rank body built the stack); else None. Every rank
+    waits on a CP barrier after registering with the bootstrap server (in ``open_link``):
+    decode asks for the prefill's parallel info at the first transfer and gives up after a
+    few tries, so a rank still building its stack would fail it."""
+    global _pending
+    if _pending is None:
+        return None
+    open_link, _pending = _pending, None
+    return open_link(stack)
+
+
+def serve_relayed(channel: Any, timeout_s: float, server: Any, free_slots: Callable[[], int]) -> PDDecodeStats:
+    """The decode role's loop, either line: each relayed request received and checked by
+    ``server`` (the line harness's ``DecodeServer``) and released, until the harness sends
+    None; then the off-grant and leak checks (``free_slots()``: the decode allocator's)."""
+    free_before = free_slots()
+    channel.event("ready")
+    stats = PDDecodeStats()
+    while (spec := channel.wait(DECODE_REQUEST, timeout_s=timeout_s)) is not None:
+        out = server.serve(spec, keep=False)
+        stats.requests += 1
+        stats.transfer_s.append(out.transfer_s)
+        if not out.success:
+            stats.failures.append(f"{spec.rid}: {out.failure}")
+            continue
+        stats.tokens += len(spec.token_ids)
+        stats.kv_mismatches += out.kv_mismatches
+        stats.draft_kv_mismatches += out.draft_mismatches
+        stats.aux_mismatches += int(not out.aux_ok)
+    stats.off_grant_pages_changed = server.report([]).off_grant_pages_changed
+    stats.leaked_tokens = free_before - free_slots()
+    return stats
 
 
 def line_pd(line_module: str) -> LinePD:
@@ -116,4 +208,15 @@ def _relay(cluster, names: List[str], decode, timeout_s: float) -> dict:
     return {r.name: r.result for r in ranks}
 
 
-__all__ = ["LinePD", "TRANSFER_EVENT", "DECODE_REQUEST", "decode_pages_for", "line_pd", "run_pd_column"]
+__all__ = [
+    "DECODE_REQUEST",
+    "LinePD",
+    "PrefillLink",
+    "TRANSFER_EVENT",
+    "attach",
+    "decode_pages_for",
+    "expect",
+    "line_pd",
+    "run_pd_column",
+    "serve_relayed",
+]

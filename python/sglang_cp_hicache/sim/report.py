@@ -34,6 +34,9 @@ class BaselineSummary:
     kv_mismatches: int
     rejected_insert_tokens: int = 0
     rejected_insert_hit_tokens: int = 0
+    storage_hit_tokens: int = 0  # of host_hit_tokens, prefetched from L3 first
+    storage_written_bytes: int = 0
+    storage_read_bytes: int = 0
 
 
 @dataclass
@@ -66,6 +69,94 @@ class ColumnSummary:
     h2d_bytes_per_rank: List[int]
     hot_path_collectives: int
     leaked_slots: int  # device + req + host slots over ranks
+    # L3 storage (SimConfig.storage_backend; empty where the column ran without it)
+    storage_backend_class: str = ""
+    storage_hit_tokens: int = 0  # of host_hit_tokens, prefetched from L3 first
+    storage_written_bytes_per_rank: List[int] = field(default_factory=list)
+    storage_read_bytes_per_rank: List[int] = field(default_factory=list)
+    storage_prior_run_read_pages: int = 0  # pages read that an earlier run had stored
+
+
+@dataclass
+class StorageSummary:
+    """The main column's L3 figures against the cp-1 upstream column's on the same trace,
+    and the issue's targets (reported, not checks: every storage hit's bytes are checked
+    like any host hit's, in ``kv_mismatches``)."""
+
+    backend: str
+    backend_class: str
+    hit_tokens: int
+    written_bytes_per_rank: List[int]
+    read_bytes_per_rank: List[int]
+    written_vs_logical: float  # max-rank / (bytes over ranks / cp): each page by its owner
+    read_vs_logical: float
+    prior_run_read_pages: int
+    rejected_reads: int
+    prefetches_issued: int = 0  # replicated: rank 0's
+    anchor_skips: int = 0  # the plugin's prefetches not issued under a pending backup
+    requeries: int = 0  # re-issued at admission after a prefix was lost in the queue
+    upstream_prefetches_issued: Optional[int] = None
+    upstream_hit_tokens: Optional[int] = None
+    upstream_written_bytes: Optional[int] = None
+    upstream_read_bytes: Optional[int] = None
+    upstream_hit_tokens_total: Optional[int] = None  # upstream's device + host hits
+    hit_tokens_total: int = 0  # the main column's device + host hits
+    native_note: Optional[str] = None  # why the native column ran without L3
+    targets: Dict[str, bool] = field(default_factory=dict)
+
+
+def _storage_summary(
+    results: List[RankResult], upstream: Optional[List[RankResult]], native_ran: bool,
+    hot_path: int, upstream_hot_path: Optional[int],
+) -> Optional[StorageSummary]:  # fmt: skip
+    ranks = [r.storage for r in results]
+    if ranks[0] is None:
+        return None
+    c = results[0].counters
+    written, read = [s.written_bytes for s in ranks], [s.read_bytes for s in ranks]
+    summary = StorageSummary(
+        backend=ranks[0].backend,
+        backend_class=ranks[0].backend_class,
+        hit_tokens=c.storage_hit_tokens,
+        written_bytes_per_rank=written,
+        read_bytes_per_rank=read,
+        written_vs_logical=_vs_logical(written, sum(written)),
+        read_vs_logical=_vs_logical(read, sum(read)),
+        prior_run_read_pages=sum(s.prior_run_read_pages for s in ranks),
+        rejected_reads=sum(s.rejected_reads for s in ranks),
+        prefetches_issued=ranks[0].prefetches_issued,
+        anchor_skips=ranks[0].anchor_skips,
+        requeries=ranks[0].requeries,
+        hit_tokens_total=c.device_hit_tokens + c.host_hit_tokens,
+        native_note=_STORAGE_NATIVE_NOTE if native_ran else None,
+    )
+    mismatches = sum(r.counters.kv_mismatches for r in results)
+    summary.targets = {
+        "0 mismatches": mismatches == 0,
+        "max-rank written <= 1.10x logical/cp": summary.written_vs_logical <= 1.10,
+        "max-rank read <= 1.10x logical/cp": summary.read_vs_logical <= 1.10,
+    }
+    base = upstream[0] if upstream else None
+    if base is not None and base.storage is not None:
+        b = base.counters
+        summary.upstream_hit_tokens = b.storage_hit_tokens
+        summary.upstream_prefetches_issued = base.storage.prefetches_issued
+        summary.upstream_written_bytes = base.storage.written_bytes
+        summary.upstream_read_bytes = base.storage.read_bytes
+        summary.upstream_hit_tokens_total = b.device_hit_tokens + b.host_hit_tokens
+        summary.targets["storage hit tokens >= upstream cp 1"] = c.storage_hit_tokens >= b.storage_hit_tokens
+        summary.targets["all hit tokens >= upstream cp 1"] = (
+            summary.hit_tokens_total >= summary.upstream_hit_tokens_total
+        )
+        summary.targets["scheduler-path collectives <= upstream's"] = hot_path <= (upstream_hot_path or 0)
+    return summary
+
+
+_STORAGE_NATIVE_NOTE = (
+    "native column ran without L3: upstream 0.5.23 refuses --hicache-storage-backend with "
+    "--enable-kv-cache-sharding (arg_groups/kv_shard_hook.py:176-181; at runtime attach "
+    "storage_attachment.py:78-84)"
+)
 
 
 def max_over_mean(values: Sequence[float]) -> float:
@@ -148,6 +239,9 @@ class PDSummary:
     transfer_ms: Dict[str, float]  # prefill side: last chunk sent -> CP-wide Success
     decode_transfer_ms: Dict[str, float]  # decode side: preallocated -> transferred
     engine_ms_per_request: float  # the busiest rank's time inside the engine's writes
+    # Per rank, pages sent by position-page in the prompt (shared prefixes are the first):
+    # where the send balance comes from.
+    owned_by_position_per_rank: List[List[int]]
     problems: List[str]
 
 
@@ -200,6 +294,7 @@ def _pd_summary(results: List[RankResult], decode: PDDecodeStats) -> PDSummary:
         transfer_ms=_ms_stats([t for s in ranks for t in s.transfer_s]),
         decode_transfer_ms=_ms_stats(decode.transfer_s),
         engine_ms_per_request=max(s.engine_s for s in ranks) * 1000.0 / max(1, first.requests),
+        owned_by_position_per_rank=[list(s.owned_by_position) for s in ranks],
         problems=problems,
     )
 
@@ -242,6 +337,9 @@ class SimReport:
     pending_rolled_back: int
     deferred_splits: int
     backups_skipped_host_full: int
+    per_layer_forwards: int  # forwards whose reserved backups went to host layer by layer
+    per_layer_layers: int  # the layers they reported to the backup
+    per_layer_acks: int  # the acks they appended (one per forward)
     # ---- memory and traffic
     bytes_per_token: int
     logical_host_bytes: int  # peak, logical (what a replicated host tier holds per rank)
@@ -282,6 +380,13 @@ class SimReport:
     pd_kv_mismatches: int = 0  # decode-side, tokens (target KV/indexer or draft)
     pd_sent_bytes_per_rank: List[int] = field(default_factory=list)
     pd_summary: Optional[PDSummary] = None
+    # ---- L3 storage (SimConfig.storage_backend): the main column's, and beside it the
+    # cp-1 upstream column's in storage_summary (and columns["upstream"])
+    storage_backend: Optional[str] = None
+    storage_hit_tokens: int = 0  # of host_hit_tokens, prefetched from L3 first
+    storage_written_bytes_per_rank: List[int] = field(default_factory=list)
+    storage_read_bytes_per_rank: List[int] = field(default_factory=list)
+    storage_summary: Optional[StorageSummary] = None
 
     @property
     def passed(self) -> bool:
@@ -432,6 +537,20 @@ def _column_summary(column: "Column", results: List[RankResult], problems: List[
         h2d_bytes_per_rank=[r.h2d_bytes for r in results],
         hot_path_collectives=sum(_hot_by_name(results).values()),
         leaked_slots=device_leaks + host_leaks,
+        **_column_storage(results),
+    )
+
+
+def _column_storage(results: List[RankResult]) -> Dict[str, Any]:
+    ranks = [r.storage for r in results]
+    if ranks[0] is None:
+        return {}
+    return dict(
+        storage_backend_class=ranks[0].backend_class,
+        storage_hit_tokens=results[0].counters.storage_hit_tokens,
+        storage_written_bytes_per_rank=[s.written_bytes for s in ranks],
+        storage_read_bytes_per_rank=[s.read_bytes for s in ranks],
+        storage_prior_run_read_pages=sum(s.prior_run_read_pages for s in ranks),
     )
 
 
@@ -494,6 +613,9 @@ def build_report(
             kv_mismatches=b.kv_mismatches,
             rejected_insert_tokens=b.rejected_insert_tokens,
             rejected_insert_hit_tokens=b.rejected_insert_hit_tokens,
+            storage_hit_tokens=b.storage_hit_tokens,
+            storage_written_bytes=baseline.storage.written_bytes if baseline.storage else 0,
+            storage_read_bytes=baseline.storage.read_bytes if baseline.storage else 0,
         )
     series.update(
         requests=[p.requests for p in results[0].series],
@@ -504,6 +626,11 @@ def build_report(
     if baseline is not None:
         series["baseline_requests"] = [p.requests for p in baseline.series]
         series["baseline_hit_rate"] = _hit_rates(baseline)
+    upstream_hot = summaries["upstream"].hot_path_collectives if "upstream" in summaries else None
+    storage = _storage_summary(
+        results, results_by_column.get("upstream"), "native" in summaries,
+        sum(hot_by_name.values()), upstream_hot,
+    )  # fmt: skip
     native_note = None
     if cfg.runs_native_column() and not line.native_sharding:
         native_note = f"SGLang {line.release} has no native KV sharding"
@@ -541,6 +668,9 @@ def build_report(
         pending_rolled_back=c.pending_rolled_back,
         deferred_splits=c.deferred_splits,
         backups_skipped_host_full=c.backups_skipped_host_full,
+        per_layer_forwards=c.per_layer_forwards,
+        per_layer_layers=c.per_layer_layers,
+        per_layer_acks=c.per_layer_acks,
         bytes_per_token=bpt,
         logical_host_bytes=results[0].host_peak_logical_bytes,
         host_bytes_per_rank=[r.host_peak_physical_bytes for r in results],
@@ -573,6 +703,11 @@ def build_report(
         pd_kv_mismatches=pd.kv_mismatches if pd else 0,
         pd_sent_bytes_per_rank=pd.sent_bytes_per_rank if pd else [],
         pd_summary=pd,
+        storage_backend=cfg.storage_backend,
+        storage_hit_tokens=storage.hit_tokens if storage else 0,
+        storage_written_bytes_per_rank=storage.written_bytes_per_rank if storage else [],
+        storage_read_bytes_per_rank=storage.read_bytes_per_rank if storage else [],
+        storage_summary=storage,
     )
 
 
@@ -649,6 +784,9 @@ def _cache_rows(report: SimReport) -> List[str]:
     row("prompt tokens", lambda s: s.prompt_tokens)
     row("device hit tokens", lambda s: s.device_hit_tokens)
     row("host hit tokens (loaded back)", lambda s: s.host_hit_tokens)
+    if report.storage_summary is not None:
+        row("  of which from L3 storage",
+            lambda s: s.storage_hit_tokens if s.storage_backend_class else "no L3")  # fmt: skip
     row("host-hit load-backs", lambda s: s.load_backs)
     row("hit rate", lambda s: f"{s.hit_rate:.3f}")
     row("device evicted tokens", lambda s: s.device_evicted_tokens)
@@ -668,6 +806,9 @@ def _cache_rows(report: SimReport) -> List[str]:
     row("deferred splits (request-rounds)",
         lambda s: f"{report.deferred_splits} ({report.deferred_requests})", main_only=True)  # fmt: skip
     row("backups skipped, host full", lambda s: report.backups_skipped_host_full, main_only=True)
+    row("per-layer fwds/layers/acks (0.5.23)",
+        lambda s: f"{report.per_layer_forwards}/{report.per_layer_layers}/{report.per_layer_acks}",
+        main_only=True)  # fmt: skip
     row("writing_check all-reduces/rank", lambda s: report.writing_check_all_reduces[0], main_only=True)
     if report.native_column_note:
         lines.append(f"native column n/a: {report.native_column_note}")
@@ -780,11 +921,38 @@ def _pd_rows(report: SimReport) -> List[str]:
     ]
 
 
+def _storage_rows(report: SimReport) -> List[str]:
+    """The main column's L3 traffic beside the cp-1 upstream column's, and the targets."""
+    st = report.storage_summary
+    lines = [
+        f"L3 storage: {st.backend} ({st.backend_class}); hit tokens {st.hit_tokens}"
+        + (f" (upstream cp 1: {st.upstream_hit_tokens})" if st.upstream_hit_tokens is not None else "")
+        + f"; pages read that an earlier run stored: {st.prior_run_read_pages}"
+        + f"; rejected reads: {st.rejected_reads}",
+        f"  prefetches issued {st.prefetches_issued}"
+        + (f" (upstream cp 1: {st.upstream_prefetches_issued})" if st.upstream_prefetches_issued is not None else "")
+        + f", not issued under a pending backup {st.anchor_skips}, re-issued at admission "
+        f"{st.requeries}",
+        f"  written per rank: {', '.join(_mib(b) for b in st.written_bytes_per_rank)}  "
+        f"(max-rank / (logical/cp) {st.written_vs_logical:.3f}x)"
+        + (f"; upstream cp 1: {_mib(st.upstream_written_bytes)}" if st.upstream_written_bytes is not None else ""),
+        f"  read per rank:    {', '.join(_mib(b) for b in st.read_bytes_per_rank)}  "
+        f"(max-rank / (logical/cp) {st.read_vs_logical:.3f}x)"
+        + (f"; upstream cp 1: {_mib(st.upstream_read_bytes)}" if st.upstream_read_bytes is not None else ""),
+        "  targets: " + ", ".join(f"{name} {'yes' if ok else 'NO'}" for name, ok in st.targets.items()),
+    ]
+    if st.native_note:
+        lines.append(f"  {st.native_note}")
+    return lines
+
+
 def format_table(report: SimReport) -> str:
     """The human-readable report (stdout of the CLI)."""
     lines = _headline(report) + [""] + _cache_rows(report) + [""] + _rank_rows(report)
     if report.pd_summary is not None:
         lines += [""] + _pd_rows(report)
+    if report.storage_summary is not None:
+        lines += [""] + _storage_rows(report)
     lines += [""] + _balance_rows(report)
     lines += [""] + _op_rows(report)
     if report.invariant_violations:

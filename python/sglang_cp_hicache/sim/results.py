@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 # Scheduler-path operations timed per prefill batch.
 OPS = ("match_prefix", "load_back", "alloc", "insert", "check_events", "evict")
@@ -36,6 +36,12 @@ class RankCounters:
     pending_rolled_back: int = 0  # reservations freed without a commit (CP; flush included)
     deferred_splits: int = 0  # matches that stopped above a pending backup (CP)
     backups_skipped_host_full: int = 0  # no host room on a short lane after the retry (CP)
+    # Per-layer D2H backup (0.5.23's plugin column): forwards that carried reserved backups,
+    # the layers they reported to the backup (each layer's store) and the acks they appended
+    # (one per forward, after its last layer). Replicated: a rank owning none acks too.
+    per_layer_forwards: int = 0
+    per_layer_layers: int = 0
+    per_layer_acks: int = 0
     # Inserts the tree refused (0.5.23 under sharding: the key would join two rotation
     # runs; the request keeps its own pages, freed at release), and the hits they cost:
     # later prompt tokens a refused key would have matched beyond the real match (an upper
@@ -43,6 +49,9 @@ class RankCounters:
     rejected_inserts: int = 0
     rejected_insert_tokens: int = 0
     rejected_insert_hit_tokens: int = 0
+    # L3 storage (SimConfig.storage_backend): prompt tokens of first chunks that came from
+    # storage (prefetched to host, then loaded back with the host hit). 0 without storage.
+    storage_hit_tokens: int = 0
     # Per rank (not replicated): the owned shard of every hit was checked.
     kv_checked_tokens: int = 0  # owned tokens of hits compared with the pattern
     kv_mismatches: int = 0
@@ -96,6 +105,15 @@ class PDRankStats:
     transfer_s: List[float] = field(default_factory=list)  # last chunk sent -> CP-wide Success
     engine_s: float = 0.0  # inside the engine's batch writes, all requests
     failures: List[str] = field(default_factory=list)
+    # Pages this rank sent, by position-page in the prompt (index P: how many requests'
+    # page P it owned): where the send balance comes from (shared prefixes are the first P).
+    owned_by_position: List[int] = field(default_factory=list)
+
+    def count_owned_positions(self, position_pages: Sequence[int]) -> None:
+        for page in position_pages:
+            if page >= len(self.owned_by_position):
+                self.owned_by_position.extend([0] * (page + 1 - len(self.owned_by_position)))
+            self.owned_by_position[page] += 1
 
 
 @dataclass
@@ -111,6 +129,31 @@ class PDDecodeStats:
     leaked_tokens: int = 0  # KV slots not back after every request was released
     failures: List[str] = field(default_factory=list)
     transfer_s: List[float] = field(default_factory=list)  # preallocated -> transferred
+
+
+@dataclass
+class StorageRankStats:
+    """One rank's L3 traffic (``SimConfig.storage_backend``): KV pages through the
+    controller's page functions, each counted as a whole page of every component."""
+
+    backend: str
+    backend_class: str  # the backend the factory built (owner-free or upstream's)
+    written_pages: int = 0
+    read_pages: int = 0
+    prior_run_read_pages: int = 0  # of the reads, pages an earlier run had stored (file)
+    page_bytes: int = 0  # bytes of one page over every host pool (KV + indexer)
+    rejected_reads: int = 0  # reads the owner-free file backend refused (wrong size)
+    prefetches_issued: int = 0  # arrivals whose L3 prefetch was submitted
+    requeries: int = 0  # prefetches re-issued at admission: a prefix lost in the queue
+    anchor_skips: int = 0  # prefetches the plugin did not issue: match below a pending backup
+
+    @property
+    def written_bytes(self) -> int:
+        return self.written_pages * self.page_bytes
+
+    @property
+    def read_bytes(self) -> int:
+        return self.read_pages * self.page_bytes
 
 
 @dataclass
@@ -145,3 +188,4 @@ class RankResult:
     draft_h2d_bytes: int = 0
     draft_host_peak_bytes: int = 0
     pd: Optional[PDRankStats] = None  # SimConfig.pd: this rank's transfers to decode
+    storage: Optional[StorageRankStats] = None  # SimConfig.storage_backend: this rank's L3

@@ -36,21 +36,23 @@ def run_simulation(cfg: SimConfig) -> SimReport:
     start = time.perf_counter()
     requests = load_workload(cfg)
     steps = plan_steps(requests, cfg)
-    columns = line.columns(cfg)
-    logger.info(
-        "%d requests in %d prefill batches; columns %s on SGLang %s",
-        len(requests), len(steps), [c.label for c in columns], line.release,
-    )  # fmt: skip
     pd_stats = None
     results = {}
-    for column in columns:
-        if cfg.pd and column is columns[0]:
-            # The main column's ranks as PD prefill servers, each finished prefill sent to
-            # and checked on a decode process (sim/pd.py).
-            results[column.name], pd_stats = run_pd_column(pd_roles, cfg, steps, *column.args)
-        else:
-            results[column.name] = run_ranks(
-                column.world_size, column.entry, cfg, steps, *column.args, timeout_s=cfg.timeout_s
-            )
+    with line.storage(cfg) as storage:  # L3 folders or a local store, for this run only
+        columns = line.columns(cfg, storage)
+        logger.info(
+            "%d requests in %d prefill batches; columns %s on SGLang %s",
+            len(requests), len(steps), [c.label for c in columns], line.release,
+        )  # fmt: skip
+        for column in columns:
+            if cfg.pd and column is columns[0]:
+                # The main column's ranks as PD prefill servers, each finished prefill sent
+                # to and checked on a decode process (sim/pd.py).
+                results[column.name], pd_stats = run_pd_column(pd_roles, cfg, steps, *column.args)
+            else:
+                results[column.name] = run_ranks(
+                    column.world_size, column.entry, cfg, steps, *column.args,
+                    timeout_s=cfg.timeout_s,
+                )  # fmt: skip
     wall_s = time.perf_counter() - start
     return build_report(cfg, line, columns, results, len(requests), len(steps), wall_s, pd_stats)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, List
 
 from sglang_cp_hicache.sim.config import SimConfig
-from sglang_cp_hicache.sim.pd import DECODE_REQUEST, LinePD
+from sglang_cp_hicache.sim.pd import LinePD, serve_relayed
 from sglang_cp_hicache.sim.results import PDDecodeStats, RankResult
 from sglang_cp_hicache.sim.v0_5_12 import pd_link
 from sglang_cp_hicache.sim.workload import Request
@@ -46,25 +46,9 @@ def decode_role(channel: Any, cfg: SimConfig, ports: Any, decode_pages: int) -> 
         cp_size=1, steps=(), draft=cfg.draft, layer_num=cfg.layer_num,
         decode_pages=decode_pages, seed=cfg.seed,
     )  # fmt: skip
-    stats = PDDecodeStats()
     with scheduler_batch.cpu_scheduler_server_args(cfg.page_size):
         server = pd_harness.DecodeServer(scenario, ports)
-        free_before = server.stack.allocator.available_size()
-        channel.event("ready")
-        while (spec := channel.wait(DECODE_REQUEST, timeout_s=cfg.timeout_s)) is not None:
-            out = server.serve(spec, keep=False)
-            stats.requests += 1
-            stats.transfer_s.append(out.transfer_s)
-            if not out.success:
-                stats.failures.append(f"{spec.rid}: {out.failure}")
-                continue
-            stats.tokens += len(spec.token_ids)
-            stats.kv_mismatches += out.kv_mismatches
-            stats.draft_kv_mismatches += out.draft_mismatches
-            stats.aux_mismatches += int(not out.aux_ok)
-        stats.off_grant_pages_changed = server.report([]).off_grant_pages_changed
-        stats.leaked_tokens = free_before - server.stack.allocator.available_size()
-    return stats
+        return serve_relayed(channel, cfg.timeout_s, server, server.stack.allocator.available_size)
 
 
 PD = LinePD(prefill_role=prefill_role, decode_role=decode_role)

@@ -17,6 +17,13 @@ from sglang_cp_hicache.sim.results import RankResult
 from sglang_cp_hicache.sim.workload import Request
 from sglang_cp_hicache.testing.dist import RankContext
 
+# The faults this line plants: sim/v0_5_12/faults.py's (named here, since that module
+# imports SGLang) and the PD owner filter's (sim/v0_5_12/pd.py).
+PLANTED_FAULTS = (
+    "roll_load_owners", "drop_last_rank_loads", "hot_path_barrier", "diverge_last_rank",
+    "leak_tail", "shift_mirror", "drop_last_rank_draft_loads", "pd_wrong_owner",
+)  # fmt: skip
+
 # SGLang (and everything importing it) loads only inside the rank processes: they fork
 # from a server that has it imported already, while the parent stays light.
 
@@ -153,4 +160,5 @@ LINE = LineSim(
     per_layer_backup=PER_LAYER_BACKUP_DEFAULT,
     sharded_main=cp_rank_main,
     upstream_main=baseline_rank_main,
+    faults=tuple(sorted(PLANTED_FAULTS)),
 )

@@ -81,17 +81,41 @@ def write_prefill_kv(
         pool.index_k_with_scale_buffer[layer][pages.unsqueeze(1), cols] = expected_index_bytes(tokens, at, layer)
 
 
+def store_prefill_layer(
+    stack: RankStack, layer: Any, logical_locs: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """Layer ``layer`` (a ``RadixAttention``) of one forward's stores, as the model issues
+    them: the DSA indexer's K/scale bytes of this rank's owned rows, then the MLA latent of
+    every new slot of the batch in one call of the pool's own ``set_mla_kv_buffer`` (the
+    sharded pool keeps its owned rows; the plugin's store hook reports the layer there, on
+    every rank, also one owning none of the slots). Same bytes as :func:`write_prefill_kv`."""
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    pool = stack.kv_pool
+    layer_id = layer.layer_id
+    owned, rows = owned_rows(stack, logical_locs)
+    if len(owned):
+        pages, cols = _index_byte_offsets(rows, pool.page_size)
+        index_bytes = expected_index_bytes(token_ids[owned], positions[owned], layer_id)
+        pool.index_k_with_scale_buffer[layer_id][pages.unsqueeze(1), cols] = index_bytes
+    latent = expected_kv_rows(token_ids, positions, layer_id, stack.config.kv_cache_dim)
+    rank = stack.config.kv_lora_rank
+    pool.set_mla_kv_buffer(layer, KVWriteLoc(logical_locs), latent[..., :rank], latent[..., rank:])
+
+
 def poison_owned(stack: RankStack, logical_locs: torch.Tensor) -> None:
     """Overwrite this rank's owned rows of ``logical_locs`` (KV and indexer bytes, every
-    layer), so only a real host-to-device copy restores them."""
+    layer, the MTP draft's too), so only a real host-to-device copy restores them."""
     owned, rows = owned_rows(stack, logical_locs)
     if len(owned) == 0:
         return
-    pool = stack.kv_pool
-    pages, cols = _index_byte_offsets(rows, pool.page_size)
-    for layer in range(pool.layer_num):
-        pool.kv_buffer[layer][rows] = _POISON_KV
-        pool.index_k_with_scale_buffer[layer][pages.unsqueeze(1), cols] = _POISON_INDEX_BYTE
+    pages, cols = _index_byte_offsets(rows, stack.config.page_size)
+    for pool in (stack.kv_pool, stack.draft_kv_pool):  # the draft's rows load with the target's
+        if pool is None:
+            continue
+        for layer in range(pool.layer_num):
+            pool.kv_buffer[layer][rows] = _POISON_KV
+            pool.index_k_with_scale_buffer[layer][pages.unsqueeze(1), cols] = _POISON_INDEX_BYTE
 
 
 def verify_hit(
@@ -115,6 +139,86 @@ def verify_hit(
         index_bytes = pool.index_k_with_scale_buffer[layer][pages.unsqueeze(1), cols]
         bad |= (index_bytes != expected_index_bytes(tokens, at, layer)).any(dim=1)
     return int(bad.sum()), len(owned)
+
+
+# ------------------------------------------------------------------ the MTP draft
+# The draft's pattern uses layer ids past the target's (its host tail layers,
+# ``layer_num + i``), so its bytes differ from every target layer's: a host tail holding
+# the target's last layer, or a target-only load-back, reads as a draft mismatch.
+
+
+def _draft_pattern_layer(stack: RankStack, draft_layer: int) -> int:
+    return stack.config.layer_num + draft_layer
+
+
+def write_draft_kv(
+    stack: RankStack, logical_locs: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """What the MTP draft's forward stores on this rank: its owned rows in the draft pool."""
+    owned, rows = owned_rows(stack, logical_locs)
+    if len(owned) == 0:
+        return
+    pool = stack.draft_kv_pool
+    pages, cols = _index_byte_offsets(rows, pool.page_size)
+    tokens, at = token_ids[owned], positions[owned]
+    for layer in range(pool.layer_num):
+        pattern = _draft_pattern_layer(stack, layer)
+        pool.kv_buffer[layer][rows] = expected_kv_rows(tokens, at, pattern, stack.config.kv_cache_dim)
+        pool.index_k_with_scale_buffer[layer][pages.unsqueeze(1), cols] = expected_index_bytes(tokens, at, pattern)
+
+
+def store_draft_layer(
+    stack: RankStack, layer: Any, logical_locs: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """The draft forward's layer ``layer`` (a ``RadixAttention`` with the draft pool's layer
+    id) stores, through the draft pool's own ``set_mla_kv_buffer`` (the plugin's store hook
+    reports it to the per-layer backup's draft stage). Same bytes as :func:`write_draft_kv`."""
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    pool = stack.draft_kv_pool
+    pattern = _draft_pattern_layer(stack, layer.layer_id)
+    owned, rows = owned_rows(stack, logical_locs)
+    if len(owned):
+        pages, cols = _index_byte_offsets(rows, pool.page_size)
+        index_bytes = expected_index_bytes(token_ids[owned], positions[owned], pattern)
+        pool.index_k_with_scale_buffer[layer.layer_id][pages.unsqueeze(1), cols] = index_bytes
+    latent = expected_kv_rows(token_ids, positions, pattern, stack.config.kv_cache_dim)
+    rank = stack.config.kv_lora_rank
+    pool.set_mla_kv_buffer(layer, KVWriteLoc(logical_locs), latent[..., :rank], latent[..., rank:])
+
+
+def verify_draft_hit(
+    stack: RankStack, logical_locs: torch.Tensor, token_ids: torch.Tensor
+) -> Tuple[int, int]:
+    """(owned tokens with wrong draft KV/indexer bytes, owned tokens checked) of a hit."""
+    if len(logical_locs) == 0:
+        return 0, 0
+    positions = torch.arange(len(logical_locs))
+    owned, rows = owned_rows(stack, logical_locs)
+    if len(owned) == 0:
+        return 0, 0
+    pool = stack.draft_kv_pool
+    pages, cols = _index_byte_offsets(rows, pool.page_size)
+    tokens, at = token_ids[owned], positions[owned]
+    bad = torch.zeros(len(owned), dtype=torch.bool)
+    for layer in range(pool.layer_num):
+        pattern = _draft_pattern_layer(stack, layer)
+        kv = pool.kv_buffer[layer][rows]
+        expected = expected_kv_rows(tokens, at, pattern, stack.config.kv_cache_dim)
+        bad |= (kv != expected).reshape(len(owned), -1).any(dim=1)
+        index_bytes = pool.index_k_with_scale_buffer[layer][pages.unsqueeze(1), cols]
+        bad |= (index_bytes != expected_index_bytes(tokens, at, pattern)).any(dim=1)
+    return int(bad.sum()), len(owned)
+
+
+def draft_bytes_per_token(stack: RankStack) -> int:
+    """The draft's share of the host pools' bytes per token: its tail layers (upstream
+    packs the draft in the target's host slots, so every pool's layers include them)."""
+    draft = stack.config.draft_layer_num
+    return sum(
+        entry.host_pool.size_per_token * draft // entry.host_pool.layer_num
+        for entry in stack.host_pool_group.entry_map.values()
+    )
 
 
 # ----------------------------------------------------------------------- the tree

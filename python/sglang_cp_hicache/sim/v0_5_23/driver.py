@@ -17,7 +17,11 @@ Per step (``Scheduler.get_next_batch_to_run`` -> ``_get_new_batch_prefill_raw`` 
    ``alloc_paged_token_slots_extend`` with its eviction and, sharded, the rotation bases,
    the ``req_to_token`` rows);
 5. "forward": the hit's bytes checked on this rank's owned rows, the pattern KV and
-   indexer bytes of the new tokens written into them;
+   indexer bytes of the new tokens written into them; with per-layer D2H backup (the
+   plugin column's default), ``Scheduler.run_batch``'s hook first reserves host slots
+   for the batch's new leaves, and the forward stores layer by layer through the pool's
+   own ``set_mla_kv_buffer`` (its store hook backs each layer up) inside
+   ``ModelRunner.forward``'s hook (the forward's end), as ``layer_backup.py`` expects;
 6. a middle chunk: ``checkpoint_kv_cache``; the last chunk: ``checkpoint_kv_cache``, then
    (the KV transfer done) ``release_kv_cache(checkpoint=True)`` and ``finish``; a
    retraction: ``release_kv_cache(checkpoint=False)``, the request re-queued.
@@ -50,16 +54,23 @@ from sglang_cp_hicache.sim.engine import (
 )
 from sglang_cp_hicache.sim.results import LaneUsage, RankCounters, RankResult, SeriesPoint
 from sglang_cp_hicache.sim.v0_5_23.checks import (
+    draft_bytes_per_token,
     poison_owned,
     rotation_problems,
+    store_draft_layer,
+    store_prefill_layer,
     tree_summary,
+    verify_draft_hit,
     verify_hit,
+    write_draft_kv,
     write_prefill_kv,
 )
-from sglang_cp_hicache.sim.v0_5_23.invariants import PoolLedger
+from sglang_cp_hicache.sim.v0_5_23.invariants import LayerBackupLedger, PoolLedger
+from sglang_cp_hicache.sim.v0_5_23 import pd_link
 from sglang_cp_hicache.sim.v0_5_23.observed_cache import CacheObserver, DeclinedInsert
 from sglang_cp_hicache.sim.workload import Request
 from sglang_cp_hicache.testing import device_module
+from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import fresh_write_plan
 from sglang_cp_hicache.testing.v0_5_23.stack import RankStack
 
 logger = logging.getLogger(__name__)
@@ -143,8 +154,10 @@ class RankDriver(StepLoop):
         hooks: FaultHooks,
         tree_digest_every: int,
         features: SchedulerFeatures,
+        storage: Optional[Any] = None,
     ) -> None:
         self.stack = stack
+        self.storage = storage  # sim.v0_5_23.storage.StorageTier: the L3 tier, if attached
         self.cache = stack.cache
         self.allocator = stack.allocator
         self.req_pool = stack.req_to_token_pool
@@ -160,7 +173,9 @@ class RankDriver(StepLoop):
         self._chunked: Optional[SimReq] = None  # mid-prefill: its next chunk runs next step
         self._in_flight: List[tuple] = []  # (step, event hold) of the writes in flight
         host_pools = stack.host_pool_group.entry_map.values()  # KV anchor + DSA indexer
-        self.bytes_per_token = sum(e.host_pool.size_per_token for e in host_pools)
+        # With the MTP draft its tail layers ride in the same host pools: counted apart.
+        self.draft_bytes_per_token = draft_bytes_per_token(stack) if stack.draft_kv_pool is not None else 0
+        self.bytes_per_token = sum(e.host_pool.size_per_token for e in host_pools) - self.draft_bytes_per_token
 
         self.counters = RankCounters()
         self.timer = OpTimer(counter)
@@ -182,6 +197,45 @@ class RankDriver(StepLoop):
             before_load=lambda locs: poison_owned(stack, locs),
         )
         self.observer.attach(stack)
+        self.layer_backup, self.layer_ledger = self._attach_layer_backup(features.per_layer_backup)
+        self.attention_layers = self._attention_layers() if self.layer_backup is not None else []
+        self.draft_attention_layers = self._draft_attention_layers()
+        # SimConfig.pd: every finished prefill goes to the decode process (prefill roles only).
+        self.pd = pd_link.attach(stack) if stack.sharded else None
+
+    def _attach_layer_backup(self, per_layer: bool) -> Tuple[Any, Optional[LayerBackupLedger]]:
+        """The stack's per-layer D2H backup when the column runs it (the plugin's flag on a
+        layer_first host layout attaches it at ``init_hicache``), observed and checked;
+        (None, None) for upstream's all-layer path."""
+        from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of
+
+        if not per_layer:
+            return None, None
+        backup = layer_backup_of(self.cache)
+        if backup is None:
+            raise SimulationError("per_layer_backup: the stack has no per-layer D2H backup attached")
+        self.observer.attach_layer_backup(backup, self.stack)
+        return backup, LayerBackupLedger(backup, self.stack, self.counters, self._violation)
+
+    def _attention_layers(self) -> List[Any]:
+        """The model's attention layers, as the pool's store door takes them."""
+        from sglang.srt.layers.radix_attention import RadixAttention
+
+        dim = self.stack.config.kv_cache_dim
+        return [
+            RadixAttention(num_heads=1, head_dim=dim, scaling=1.0, num_kv_heads=1, layer_id=layer_id)
+            for layer_id in range(self.stack.config.layer_num)
+        ]
+
+    def _draft_attention_layers(self) -> List[Any]:
+        """The MTP draft's attention layers (its own pool's layer ids); none without it."""
+        from sglang.srt.layers.radix_attention import RadixAttention
+
+        dim = self.stack.config.kv_cache_dim
+        return [
+            RadixAttention(num_heads=1, head_dim=dim, scaling=1.0, num_kv_heads=1, layer_id=layer_id)
+            for layer_id in range(self.stack.config.draft_layer_num)
+        ]
 
     # ----------------------------------------------------------------- steps
     def run(self, steps: Sequence[Sequence[Request]], progress: Any = None) -> RankResult:
@@ -206,6 +260,12 @@ class RankDriver(StepLoop):
         with self._op("check_events"):
             self.cache.check_hicache_events()
         self.ledger.check_idle(self._running())
+        if self.layer_ledger is not None:
+            self.layer_ledger.check_between_batches(writes_in_flight=self.features.inflight_steps > 0)
+        if self.storage is not None:
+            # Arrivals' L3 prefetches, then storage I/O runs to its end (sim/v0_5_23/storage.py).
+            self.storage.arrive(new_reqs, self._op)
+            self.storage.settle()
         records: List[tuple] = []
         batch, loads = self._admit(new_reqs, records)
         if not (batch or new_reqs or self._in_flight or self.cache.ongoing_write_through):
@@ -218,10 +278,12 @@ class RankDriver(StepLoop):
         with self._op("load_back" if loads else None):
             self.cache.ready_to_load_host_cache()
         if batch:
-            records.append(self._alloc(batch))
+            schedule_batch, alloc_record = self._alloc(batch)
+            records.append(alloc_record)
+            # Opened before the forward: per-layer backups are submitted during it.
             hold = device_module().hold_events() if self.features.inflight_steps else None
             try:
-                self._forward(batch)
+                self._run_batch(schedule_batch, batch)
                 records += [self._finish(sreq) for sreq in batch]
             finally:
                 if hold is not None:
@@ -264,7 +326,11 @@ class RankDriver(StepLoop):
                 stop = True
                 self._waiting.append(sreq)
                 continue
+            if self.storage is not None:
+                self.storage.before_match(sreq, self._op)
             self._match(sreq)
+            if self.storage is not None:
+                self.storage.after_match(sreq, self._op, lambda: self._match(sreq))
             req = sreq.req
             with self._op(None):
                 has_chunked = self._chunked is not None
@@ -323,13 +389,14 @@ class RankDriver(StepLoop):
         self.counters.aborted_requests += 1
 
     # ------------------------------------------------------------ allocation
-    def _alloc(self, batch: List[SimReq]) -> tuple:
+    def _alloc(self, batch: List[SimReq]) -> Tuple[Any, tuple]:
         """SGLang's ``alloc_for_extend`` on a ``ScheduleBatch`` with the fields
-        ``prepare_for_extend`` sets before it."""
+        ``prepare_for_extend`` sets before it; the batch and the decision record."""
         from types import SimpleNamespace
 
         from sglang.srt.managers.schedule_batch import ScheduleBatch
         from sglang.srt.mem_cache.allocation import alloc_for_extend
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
         reqs = [sreq.req for sreq in batch]
         schedule_batch = ScheduleBatch(
@@ -340,6 +407,7 @@ class RankDriver(StepLoop):
             model_config=SimpleNamespace(is_encoder_decoder=False),
             device="cpu",
         )
+        schedule_batch.forward_mode = ForwardMode.EXTEND
         schedule_batch.prefix_lens = [req.prefix_len for req in reqs]
         schedule_batch.extend_lens = [req.extend_len for req in reqs]
         seq_lens = [req.extend_end for req in reqs]
@@ -357,12 +425,53 @@ class RankDriver(StepLoop):
                     f"{self.ledger.device_lane_free()}, evictable {self.cache.evictable_size()}): "
                     f"{str(exc).splitlines()[0]}"
                 ) from None
-        return ("alloc", available_before, self.allocator.available_size())
+        return schedule_batch, ("alloc", available_before, self.allocator.available_size())
 
     # --------------------------------------------------------------- forward
-    def _forward(self, batch: List[SimReq]) -> None:
-        """What the model does with the batch: read the hit, write the new tokens' KV."""
+    def _run_batch(self, schedule_batch: Any, batch: List[SimReq]) -> None:
+        """``Scheduler.run_batch``. With per-layer backup, through the plugin's hooks as a
+        scheduler runs them: ``run_batch``'s reserves host slots for the batch's new leaves
+        (``reserve_batch``), then the model forward inside ``ModelRunner.forward``'s (the
+        forward's end); only what they read of the scheduler and the model runner is
+        stood in. A forward the backup refuses (a layer skipped) stops every rank."""
+        if self.layer_backup is None:
+            self._forward(batch)
+            return
+        from types import SimpleNamespace
+
+        from sglang_cp_hicache.core.per_layer_backup import PerLayerBackupIncomplete
+        from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import model_forward_around, run_batch_around
+
+        runner = SimpleNamespace(token_to_kv_pool=self.stack.kv_pool)  # the pool is the runner's
+        new_kv: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+        def model_forward(runner: Any, fb: Any) -> None:
+            new_kv.append(self._forward(batch))
+
+        def draft_forward(runner: Any, fb: Any) -> None:
+            fresh_write_plan(self.stack.draft_kv_pool)  # the draft pool caches its own plan
+            for layer in self.draft_attention_layers:
+                store_draft_layer(self.stack, layer, *new_kv[0])
+
+        def upstream_run_batch(scheduler: Any, sb: Any) -> None:
+            with self.layer_ledger.forward():
+                model_forward_around(model_forward, runner, None)
+                if self.stack.draft_kv_pool is not None:  # the EAGLE draft's extend, after the target's
+                    draft_runner = SimpleNamespace(token_to_kv_pool=self.stack.draft_kv_pool)
+                    model_forward_around(draft_forward, draft_runner, None)
+
+        try:
+            run_batch_around(upstream_run_batch, SimpleNamespace(tree_cache=self.cache), schedule_batch)
+        except PerLayerBackupIncomplete as exc:
+            raise SimulationError(f"per-layer backup refused the forward: {exc}") from None
+
+    def _forward(self, batch: List[SimReq]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the model does with the batch: read the hit (target and MTP draft bytes),
+        write the new tokens' KV (with per-layer backup, layer by layer over the whole batch
+        through the pool; the draft's layer is then the draft forward's, in
+        :meth:`_run_batch`). Returns the batch's new (locs, tokens, positions)."""
         rows = self.req_pool.req_to_token
+        new_kv: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for sreq in batch:
             req = sreq.req
             locs = rows[req.kv.req_pool_idx, : req.extend_end].to(torch.int64)
@@ -376,8 +485,33 @@ class RankDriver(StepLoop):
                         "tokens have wrong KV/indexer bytes"
                     )
                 self._count_first_chunk(sreq, mismatches, checked)
+                if self.stack.draft_kv_pool is not None:
+                    self._check_draft_hit(sreq, locs[:prefix_len], tokens[:prefix_len])
             positions = torch.arange(prefix_len, req.extend_end)
-            write_prefill_kv(self.stack, locs[prefix_len:], tokens[prefix_len:], positions)
+            new_kv.append((locs[prefix_len:], tokens[prefix_len:], positions))
+        batch_kv = tuple(torch.cat(parts) for parts in zip(*new_kv))
+        if self.layer_backup is None:
+            for locs, tokens, positions in new_kv:
+                write_prefill_kv(self.stack, locs, tokens, positions)
+                if self.stack.draft_kv_pool is not None:
+                    write_draft_kv(self.stack, locs, tokens, positions)
+            return batch_kv
+        fresh_write_plan(self.stack.kv_pool)  # what begin_shard_extend does to the pool's plan
+        for layer in self.attention_layers:
+            store_prefill_layer(self.stack, layer, *batch_kv)
+        return batch_kv
+
+    def _check_draft_hit(self, sreq: SimReq, hit_locs: torch.Tensor, hit_tokens: torch.Tensor) -> None:
+        """Every hit checks the MTP draft's bytes too: a target hit whose draft bytes were
+        lost (not backed up, not loaded back) is a draft mismatch, never a good hit."""
+        mismatches, checked = verify_draft_hit(self.stack, hit_locs, hit_tokens)
+        if mismatches:
+            self._violation(
+                f"request {sreq.request.index}: {mismatches} of {checked} owned hit tokens "
+                "have wrong MTP draft KV/indexer bytes"
+            )
+        self.counters.draft_kv_mismatches += mismatches
+        self.counters.draft_kv_checked_tokens += checked
 
     def _count_first_chunk(self, sreq: SimReq, mismatches: int, checked: int) -> None:
         sreq.started = True
@@ -392,6 +526,8 @@ class RankDriver(StepLoop):
         c.host_hit_tokens += loaded
         c.load_backs += int(loaded > 0)
         c.load_back_failures += int(sreq.host_hit > 0 and loaded == 0)
+        if self.storage is not None:
+            c.storage_hit_tokens += self.storage.hit_tokens(sreq)
         offered = sreq.device_hit + sreq.host_hit
         c.rejected_insert_hit_tokens += max(0, self.rejected.potential_match(sreq.prompt) - offered)
 
@@ -406,6 +542,10 @@ class RankDriver(StepLoop):
         draw = self.features.draw(f"retract@{req.extend_end}", sreq.request.index, sreq.attempt)
         retract = draw < self.features.retract_prob
         last = sreq.last_chunk
+        if self.pd is not None and last and not retract:
+            # As the PD prefill server: the KV goes to decode before the cache takes it back
+            # (not timed: upstream's transfer and its CP poll are not cache calls).
+            self.pd.transfer(sreq.rid, sreq.prompt, req.kv.req_pool_idx)
         with self._op("insert"):
             if retract:
                 release_kv_cache(req, self.cache, checkpoint=False)
@@ -478,5 +618,21 @@ class RankDriver(StepLoop):
         return bool(self.cache.ongoing_write_through)
 
     def _finish_run(self, stopped: Optional[str]) -> RankResult:
+        if self.storage is not None and stopped is None:
+            # The last backups reach L3 before the flush (their host copies are locked).
+            with self._op(None):
+                self.cache.check_hicache_events()
+            self.storage.settle()
         summary, leaks = self._final_checks(stopped)
-        return self._rank_result(stopped, summary, leaks, self.stack.sharded)
+        if self.layer_ledger is not None and stopped is None:
+            self.layer_ledger.check_between_batches(writes_in_flight=False)
+        pd = None if self.pd is None else self.pd.stats
+        storage = None if self.storage is None else self.storage.stats()
+        draft_bpt = self.draft_bytes_per_token
+        draft = dict(
+            draft_bytes_per_token=draft_bpt,
+            draft_d2h_bytes=self.observer.d2h_tokens * draft_bpt,
+            draft_h2d_bytes=self.observer.h2d_tokens * draft_bpt,
+            draft_host_peak_bytes=self.host_peak_physical // max(1, self.bytes_per_token) * draft_bpt,
+        )
+        return self._rank_result(stopped, summary, leaks, self.stack.sharded, pd=pd, storage=storage, **draft)

@@ -1,8 +1,8 @@
 """Planted bugs (``SimConfig.fault``) on the 0.5.23 line: each one must make a checker fail.
 
 They patch this rank's process and stack only (each rank is its own process), and only on
-the sharded columns. :data:`SUPPORTED` lists the faults this line plants; the others
-(``shift_mirror``, ``drop_last_rank_draft_loads``) are 0.5.12.post1 seams and refused here.
+the sharded columns. :data:`SUPPORTED` lists the faults this line plants; the other
+(``shift_mirror``) is a 0.5.12.post1 seam and refused here.
 """
 
 from __future__ import annotations
@@ -17,7 +17,12 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED = frozenset(
     ("roll_load_owners", "drop_last_rank_loads", "hot_path_barrier", "diverge_last_rank", "leak_tail")
-)
+) | {"pd_wrong_owner"}  # planted by the PD prefill role in upstream's filter (sim/v0_5_23/pd.py)
+SUPPORTED |= {"storage_wrong_bytes"}  # planted in the L3 tier's reads (sim/v0_5_23/storage.py)
+#: Faults planted in the per-layer D2H backup (the plugin column with per_layer_backup).
+PER_LAYER_FAULTS = frozenset(("early_layer_ack", "skip_backup_layer"))
+SUPPORTED |= PER_LAYER_FAULTS
+SUPPORTED |= {"drop_last_rank_draft_loads"}  # the packed MTP draft's loads (SimConfig.draft)
 
 
 def apply_fault(name: Optional[str], stack: RankStack, cp_group: Any, num_steps: int) -> FaultHooks:
@@ -34,13 +39,55 @@ def apply_fault(name: Optional[str], stack: RankStack, cp_group: Any, num_steps:
         # The copies vanish but the load still acks: the device rows keep their poison.
         for entry in stack.host_pool_group.entry_map.values():
             entry.host_pool.load_to_device_per_layer_physical = lambda *a, **k: None
+    elif name == "drop_last_rank_draft_loads" and last_rank:
+        _drop_draft_loads(stack)
     elif name == "hot_path_barrier":
         plant_match_prefix_barrier(stack.cache, cp_group)
     elif name == "diverge_last_rank" and last_rank:
         hooks.extra_eviction_at_step = num_steps // 2
     elif name == "leak_tail":
         _drop_partial_page_frees(stack)
+    elif name in PER_LAYER_FAULTS:
+        _plant_in_layer_backup(name, stack, last_rank)
     return hooks
+
+
+def _plant_in_layer_backup(name: str, stack: RankStack, last_rank: bool) -> None:
+    """``early_layer_ack``: the last rank's pipeline counts one layer less, so it acks after
+    the forward's last-but-one layer and takes the last one for a forward with nothing held.
+    ``skip_backup_layer``: the store hook's report of layer 0 is lost on every rank (so the
+    ranks stop together), the next layer arrives first. The native column has no backup."""
+    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of
+
+    backup = layer_backup_of(stack.cache)
+    if backup is None:
+        return
+    if name == "early_layer_ack" and last_rank:
+        backup.pipeline.layer_num -= 1
+    elif name == "skip_backup_layer":
+        layer_stored = backup.layer_stored
+
+        def drop_layer0(layer_id: int, num_locs: int) -> None:
+            if layer_id != 0:
+                layer_stored(layer_id, num_locs)
+
+        backup.layer_stored = drop_layer0
+
+
+def _drop_draft_loads(stack: RankStack) -> None:
+    """The last rank's load-backs copy the target's layers but not the packed draft's tail
+    layer (upstream's ``L2Transfer.is_draft`` copies): the draft rows keep their poison
+    behind a good target hit."""
+    for entry in stack.host_pool_group.entry_map.values():
+        host_pool = entry.host_pool
+        load = host_pool.load_to_device_per_layer_physical
+
+        def target_only(*args, is_draft: bool = False, _load=load, **kwargs):
+            if not is_draft:
+                return _load(*args, **kwargs)
+            return None
+
+        host_pool.load_to_device_per_layer_physical = target_only
 
 
 def _roll_load_owners(stack: RankStack) -> None:

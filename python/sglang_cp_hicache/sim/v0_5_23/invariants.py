@@ -1,4 +1,5 @@
-"""One 0.5.23 rank's memory accounting: what must hold between batches, and the final flush.
+"""One 0.5.23 rank's memory accounting: what must hold between batches, and the final flush;
+with per-layer D2H backup, its contract (:class:`LayerBackupLedger`).
 
 Lanes: under sharding, owner class ``r`` of the ``PageInterleavePoolAllocator`` (device)
 and of the ``PageInterleaveHostPool``'s slots (host) is rank ``r``'s physical pool; every
@@ -9,8 +10,10 @@ CPU runtime's copies are synchronous) and after the flush, the pools must add up
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections import Counter
-from typing import Any, Callable, ContextManager, List, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Sequence, Tuple
 
 from sglang_cp_hicache.sim.common_checks import check_lock_refs, pending_io
 from sglang_cp_hicache.sim.engine import TreeSummary
@@ -153,3 +156,152 @@ class PoolLedger:
             self.host_capacity - self.host_free_tokens(),
             self.start_req_slots - self.req_pool.available_size(),
         )
+
+
+class LayerBackupLedger:
+    """The per-layer D2H backup contract on one rank (``v0_5_23/mem_cache/layer_backup.py``),
+    observed at the backup's own seams (instance wrappers that count, never decide):
+
+    * a forward that carries reserved backups reports every layer to the backup and appends
+      exactly one write ack, after its last layer (none before it), on every rank, a rank
+      owning none of the pages too: the counters are replicated, so the cross-rank check
+      compares them;
+    * a node that claimed reserved host slots stays write-through pending and device-locked
+      (not host-visible) until its ticket's ack, and is published at that ack;
+    * every reservation is claimed by its insert or settled (checkpoint, release) in its own
+      batch, and one left unclaimed is rolled back; with no write in flight no ticket is left.
+
+    ``layer_num`` is the stack's (not the pipeline's): an ack the pipeline appends early
+    is caught. With an MTP draft, :meth:`forward` spans the target's and the draft's
+    forward, and the one ack must come after the draft's layer: none at a target layer.
+    """
+
+    def __init__(self, backup: Any, stack: RankStack, counters: Any, violation: Callable[[str], None]) -> None:
+        self.backup = backup
+        self.cache = stack.cache
+        self.ack_queue = stack.controller.ack_write_queue
+        self.layer_num = stack.config.layer_num
+        self.counters = counters
+        self.violation = violation
+        self._claimed: Dict[int, int] = {}  # ticket -> node id, claimed before its ack
+        self._committed: List[int] = []  # node ids whose ack committed them since the last check
+        self._forward_tickets: List[int] = []  # held by the running forward
+        self._forward_layers = 0
+        _wrap(backup, "layer_stored", self._layer_stored)
+        reservations = backup.reservations
+        _wrap(reservations, "claim", self._claim)
+        _wrap(reservations, "settle", self._settle)
+        _wrap(reservations, "land", self._land)
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """One model forward (with an MTP draft: the target's, then the draft's): its
+        reported layers and appended acks are checked at its end."""
+        self._forward_tickets = list(self.backup.pipeline.held_ack_ids)
+        self._forward_layers = 0
+        acks_before = len(self.ack_queue)
+        yield
+        tickets, self._forward_tickets = self._forward_tickets, []
+        acks = len(self.ack_queue) - acks_before
+        if not tickets:
+            return
+        c = self.counters
+        c.per_layer_forwards += 1
+        c.per_layer_acks += acks
+        if self._forward_layers != self.layer_num or acks != 1:
+            self.violation(
+                f"per-layer backups {tickets}: the forward reported {self._forward_layers} of "
+                f"{self.layer_num} layers and appended {acks} acks (one, after the last layer)"
+            )
+
+    def check_between_batches(self, writes_in_flight: bool) -> None:
+        """After ``check_hicache_events``: pending nodes not published before their ack,
+        published at it; no reservation left unsettled; none in flight unless allowed."""
+        for ticket, node_id in self._claimed.items():
+            node = self._node(node_id)
+            if node is not None and (node.write_through_pending_id is None or _lock_ref(node) <= 0):
+                self.violation(
+                    f"node {node_id} is host-visible (pending {node.write_through_pending_id}, lock "
+                    f"{_lock_ref(node)}) before the ack of its per-layer backup (ticket {ticket})"
+                )
+        for node_id in self._committed:
+            node = self._node(node_id)
+            if node is not None and node.write_through_pending_id is not None:
+                self.violation(f"node {node_id} still pending after its per-layer backup's ack")
+        self._committed = []
+        reservations = self.backup.reservations
+        if reservations.rids():
+            self.violation(f"reservations of requests {reservations.rids()} neither claimed nor settled")
+        if not writes_in_flight and reservations.tickets_in_flight():
+            self.violation(f"per-layer backups {reservations.tickets_in_flight()} still in flight")
+
+    def _node(self, node_id: int) -> Any:
+        """The tree's node ``node_id``; None once it left the tree (evicted, e.g. by a flush)."""
+        try:
+            return self.cache.tree_core.node_by_id(node_id)
+        except KeyError:
+            return None
+
+    # ------------------------------------------------------------------ wrappers
+    def _layer_stored(self, original: Callable, layer_id: int, num_locs: int) -> None:
+        acks_before = len(self.ack_queue)
+        original(layer_id, num_locs)
+        if not self._forward_tickets:
+            return
+        self._forward_layers += 1
+        self.counters.per_layer_layers += 1
+        last_layer = layer_id == self.layer_num - 1 and not self.backup.pipeline.draft_layer_num
+        if len(self.ack_queue) != acks_before and not last_layer:
+            self.violation(
+                f"per-layer backups {self._forward_tickets} acked at layer {layer_id} of "
+                f"{self.layer_num}, before the last layer (the draft's, with an MTP draft) "
+                "reached the host"
+            )
+
+    def _claim(self, original: Callable, node: int, pages: Any) -> Any:
+        from sglang_cp_hicache.core.forward_reservations import Next
+
+        transition = original(node, pages)
+        if transition is not None and transition.reservation.ticket is not None:
+            if transition.next is Next.AWAIT_ACK:
+                self._claimed[transition.reservation.ticket] = node
+            elif transition.next is Next.COMMIT:  # its ack landed before the insert
+                self.counters.pending_committed += 1
+        return transition
+
+    def _settle(self, original: Callable, rid: str) -> Any:
+        from sglang_cp_hicache.core.forward_reservations import Next
+
+        transition = original(rid)
+        if transition is not None and transition.next is Next.ROLL_BACK:
+            self.counters.pending_rolled_back += 1
+        return transition
+
+    def _land(self, original: Callable, ticket: int) -> Any:
+        from sglang_cp_hicache.core.forward_reservations import Next
+
+        transition = original(ticket)
+        node = self._claimed.pop(ticket, None)
+        if transition.next is Next.COMMIT:
+            self.counters.pending_committed += 1
+            self._committed.append(node)
+        elif transition.next is Next.ROLL_BACK:
+            self.counters.pending_rolled_back += 1
+        return transition
+
+
+def _lock_ref(node: Any) -> int:
+    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+
+    return node.component_data[ComponentType.FULL].lock_ref
+
+
+def _wrap(owner: Any, name: str, around: Callable) -> None:
+    """Replace ``owner.name`` on the instance by ``around(original, *args, **kwargs)``."""
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def wrapped(*args, **kwargs):
+        return around(original, *args, **kwargs)
+
+    setattr(owner, name, wrapped)

@@ -9,6 +9,7 @@ wrapped method unchanged, before or after counting:
   wherever the scheduler path calls them; ``init_load_back`` timed as ``load_back``;
 * ``_sync_hicache_ready_counts`` / ``writing_check`` / ``loading_check``: upstream's own MIN
   all-reduces of ready acks, the only collectives allowed on the scheduler path;
+* ``_execute_kv_backup``: backups skipped for want of host room (it returns None);
 * ``insert``: inserts the tree declines (``rotation_tail_declined``: the key would join two
   rotation runs, ``unified_tree_core.py:1158-1229``);
 * the tree core's KV-event recorder (``record_remove``, called on every device and host
@@ -16,7 +17,9 @@ wrapped method unchanged, before or after counting:
 * the controller's ``start_writing`` / ``start_loading``: logical tokens of every D2H and
   H2D operation, and (loads) the owned rows poisoned before the copy runs;
 * the L2 engine's ``submit_device_to_host`` / ``submit_host_to_device``: this rank's
-  physical rows of the KV anchor pool, i.e. what it really moves.
+  physical rows of the KV anchor pool, i.e. what it really moves;
+* per-layer D2H backup (:meth:`CacheObserver.attach_layer_backup`): its reservations
+  (timed, logical tokens) and the anchor host pool's one-layer D2H op (physical rows).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class CacheObserver:
         for name in ("_sync_hicache_ready_counts", "writing_check", "loading_check"):
             _wrap(cache, name, self._allowed)
         _wrap(cache, "insert", self._insert)
+        _wrap(cache, "_execute_kv_backup", self._backup)
         _wrap(cache.tree_core.kv_events, "record_remove", self._record_remove)
         _wrap(controller, "start_writing", self._start_writing)
         _wrap(controller, "start_loading", self._start_loading)
@@ -69,6 +73,15 @@ class CacheObserver:
         engine = controller.l2_transfer_engine
         _wrap(engine, "submit_device_to_host", self._physical("d2h_tokens", anchor))
         _wrap(engine, "submit_host_to_device", self._physical("h2d_tokens", anchor))
+
+    def attach_layer_backup(self, backup: Any, stack: Any) -> None:
+        """Per-layer D2H backup: its reservations timed as ``alloc`` (before the forward)
+        and counted as written (logical), the one-layer D2H copies of the KV anchor pool
+        counted as this rank's physical rows (once per backup, at layer 0)."""
+        _wrap(backup, "reserve", self._reserve)
+        anchor = stack.host_pool_group.anchor_entry.host_pool
+        native = getattr(anchor, "host_pool", anchor)  # PageInterleaveHostPool wraps one
+        _wrap(native, "_backup_from_device_per_layer", self._layer_copy)
 
     def take_declined(self) -> List[DeclinedInsert]:
         taken, self.declined = self.declined, []
@@ -92,6 +105,12 @@ class CacheObserver:
             tokens = tuple(int(t) for t in params.key.raw_token_ids())
             self.declined.append(DeclinedInsert(tokens, int(result.prefix_len)))
         return result
+
+    def _backup(self, original: Callable, *args, **kwargs):
+        host_indices = original(*args, **kwargs)
+        if host_indices is None:  # no host room: upstream skips the backup
+            self.counters.backups_skipped_host_full += 1
+        return host_indices
 
     def _record_remove(self, original: Callable, node, medium=None):
         from sglang.srt.disaggregation.kv_events import StorageMedium
@@ -122,6 +141,18 @@ class CacheObserver:
             self.counters.logical_loaded_tokens += len(op.device_indices)
             self.before_load(op.device_indices)
         return original(*args, **kwargs)
+
+    def _reserve(self, original: Callable, rid, device_locs, *args, **kwargs):
+        with self.timed_op("alloc"):
+            ticket = original(rid, device_locs, *args, **kwargs)
+        if ticket is not None:
+            self.counters.logical_written_tokens += len(device_locs)
+        return ticket
+
+    def _layer_copy(self, original: Callable, host_indices, device_indices, layer_id, *args, is_draft=False, **kwargs):
+        if layer_id == 0 and not is_draft:
+            self.d2h_tokens += len(host_indices)
+        return original(host_indices, device_indices, layer_id, *args, is_draft=is_draft, **kwargs)
 
     def _physical(self, attr: str, anchor: Any) -> Callable:
         def around(original: Callable, transfers, *args, **kwargs):

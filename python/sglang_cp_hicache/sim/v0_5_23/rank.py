@@ -9,23 +9,27 @@ Columns on this line, all on the real 0.5.23 cache stack (``testing.v0_5_23.stac
 * ``plugin``: the same stack in a process where the plugin's 0.5.23 hooks are applied the
   way ``load_plugins`` applies them (refused if one is missing), and the plugin's flag on
   the stack's record (``StackConfig.cp_shared_kv``, marked before the record is resolved).
-  Of the plugin's scheduler-path deltas this column runs lane-aware device eviction; the
-  per-layer backup hooks are installed, but the driver reserves no host slots before a
-  forward yet, so its backups take upstream's all-layer path;
+  Of the plugin's scheduler-path deltas this column runs lane-aware device eviction and
+  per-layer D2H backup (``SimConfig.per_layer_backup``, on by default on layer_first, as
+  the flag attaches it there; ``--all-layer-backup`` or page_first: upstream's all-layer
+  path after the forward);
 * ``upstream``: the unsharded stack on one rank with the same per-rank memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import List
+from typing import List, Optional
 
 from sglang_cp_hicache.sim.collectives import CollectiveCounter, all_ranks_equal
 from sglang_cp_hicache.sim.config import SimConfig
 from sglang_cp_hicache.sim.engine import max_context_len, run_with_progress, setup_rank_process
 from sglang_cp_hicache.sim.lines import LineSim
 from sglang_cp_hicache.sim.results import RankResult
+from sglang_cp_hicache.sim.v0_5_23.faults import PER_LAYER_FAULTS
 from sglang_cp_hicache.sim.v0_5_23.faults import SUPPORTED as SUPPORTED_FAULTS
+from sglang_cp_hicache.sim.v0_5_23.storage import BACKENDS as STORAGE_BACKENDS
+from sglang_cp_hicache.sim.v0_5_23.storage import StorageRun, open_storage
 from sglang_cp_hicache.sim.workload import Request
 from sglang_cp_hicache.testing.dist import RankContext
 
@@ -34,6 +38,7 @@ RELEASE = "0.5.23"
 # (arg_groups/kv_shard_hook.py:185-193); the DSA indexer needs 64-token pages.
 IO_BACKEND = "kernel"
 MEM_LAYOUTS = ("layer_first", "page_first")
+PER_LAYER_LAYOUT = "layer_first"  # layer_backup.per_layer_problem: page_first keeps all-layer
 PAGE_SIZE = 64
 
 
@@ -71,6 +76,7 @@ def stack_config(cfg: SimConfig, steps: List[List[Request]]):
         context_len=context_len,
         chunk_tokens=-(-chunk // cfg.page_size) * cfg.page_size,
         max_num_reqs=max(8, 2 * cfg.batch_size),
+        mtp_draft=cfg.draft,  # every column: upstream packs the draft in the host slots natively
     )
 
 
@@ -80,8 +86,11 @@ def _agrees_alone(decision_hash: int) -> bool:
 
 
 def _drive(
-    stack, cfg: SimConfig, steps, counter, agree, hooks, show: bool, desc: str
+    stack, cfg: SimConfig, steps, counter, agree, hooks, show: bool, desc: str, per_layer: bool = False,
+    storage=None,
 ) -> RankResult:
+    """One rank's replay; ``per_layer``: the plugin's per-layer D2H backup (else upstream's
+    all-layer path)."""
     from sglang_cp_hicache.sim.v0_5_23.driver import RankDriver
 
     driver = RankDriver(
@@ -90,16 +99,19 @@ def _drive(
         agree=agree,
         hooks=hooks,
         tree_digest_every=cfg.tree_digest_every,
-        features=cfg.scheduler_features(LINE.resolved_per_layer_backup(cfg)),
+        features=cfg.scheduler_features(per_layer),
+        storage=storage,
     )
     return run_with_progress(lambda bar: driver.run(steps, bar), show, len(steps), desc)
 
 
 def sharded_rank_main(
-    ctx: RankContext, cfg: SimConfig, steps: List[List[Request]], shard_impl: str
+    ctx: RankContext, cfg: SimConfig, steps: List[List[Request]], shard_impl: str,
+    storage_run: Optional[StorageRun] = None,
 ) -> RankResult:
     """One shard rank (the CP group is the shard group): upstream's sharded stack, with
-    (``plugin``) or without (``native``) the plugin's hooks."""
+    (``plugin``) or without (``native``) the plugin's hooks; with ``storage_run`` (plugin
+    only) the run's L3 backend attached with the plugin's owner-free keys."""
     from sglang_cp_hicache.sim.v0_5_23.faults import apply_fault
     from sglang_cp_hicache.testing.v0_5_23.stack import build_sharded_stack
 
@@ -110,8 +122,11 @@ def sharded_rank_main(
     if shard_impl == "plugin":
         config = dataclasses.replace(config, cp_shared_kv=True)
     stack = build_sharded_stack(ctx, config)
+    storage = None
     try:
         hooks = apply_fault(cfg.fault, stack, ctx.cp_group, len(steps))
+        if storage_run is not None and shard_impl == "plugin":
+            storage = _attach_storage(stack, cfg, storage_run, "plugin", ctx.cp_group)
         counter = CollectiveCounter()
         counter.install()
         try:
@@ -119,31 +134,54 @@ def sharded_rank_main(
             return _drive(
                 stack, cfg, steps, counter, lambda value: all_ranks_equal(value, ctx.cp_group),
                 hooks, show, f"cp={cfg.cp_size} {shard_impl}",
+                per_layer=shard_impl == "plugin" and LINE.resolved_per_layer_backup(cfg),
+                storage=storage,
             )  # fmt: skip
         finally:
             counter.uninstall()
     finally:
+        if storage is not None:
+            storage.close()
         stack.close()
 
 
-def upstream_rank_main(ctx: RankContext, cfg: SimConfig, steps: List[List[Request]]) -> RankResult:
+def _attach_storage(stack, cfg: SimConfig, run: StorageRun, column: str, group):
+    """The column's L3 tier on this rank (the ``storage_wrong_bytes`` fault: the last
+    rank of the plugin column reads wrong bytes)."""
+    from sglang_cp_hicache.sim.v0_5_23.storage import StorageTier
+
+    wrong = cfg.fault == "storage_wrong_bytes" and column == "plugin"
+    wrong = wrong and stack.shard_rank == stack.shard_size - 1
+    return StorageTier(stack, run, column, group, wrong_reads=wrong)
+
+
+def upstream_rank_main(
+    ctx: RankContext, cfg: SimConfig, steps: List[List[Request]],
+    storage_run: Optional[StorageRun] = None,
+) -> RankResult:
     """Upstream's unsharded cache (cp 1) with the same per-rank pools. No plugin hooks:
-    SGLang as shipped."""
+    SGLang as shipped; with ``storage_run``, upstream's own L3 backend attached."""
     from sglang_cp_hicache.sim.v0_5_23.faults import FaultHooks
     from sglang_cp_hicache.testing.v0_5_23.stack import build_unsharded_stack
 
     setup_rank_process(cfg, "upstream")
     stack = build_unsharded_stack(ctx.attn_tp_group, stack_config(cfg, steps))
+    storage = None
     try:
+        if storage_run is not None:
+            storage = _attach_storage(stack, cfg, storage_run, "upstream", None)
         counter = CollectiveCounter()
         counter.install()
         try:
             return _drive(
-                stack, cfg, steps, counter, _agrees_alone, FaultHooks(), cfg.progress, "upstream cp=1"
-            )
+                stack, cfg, steps, counter, _agrees_alone, FaultHooks(), cfg.progress,
+                "upstream cp=1", storage=storage,
+            )  # fmt: skip
         finally:
             counter.uninstall()
     finally:
+        if storage is not None:
+            storage.close()
         stack.close()
 
 
@@ -162,18 +200,53 @@ class _Line023(LineSim):
         if cfg.mem_layout not in MEM_LAYOUTS:
             layouts = list(MEM_LAYOUTS)
             problems.append(f"mem_layout must be one of {layouts} (kv_shard_hook.py:185-193)")
-        if cfg.draft:
-            problems.append("draft=True: the MTP draft column is on the 0.5.12.post1 line only")
-        if cfg.fault is not None and cfg.fault not in SUPPORTED_FAULTS:
-            problems.append(f"fault {cfg.fault!r} is planted on the 0.5.12.post1 line only")
+        if cfg.per_layer_backup and cfg.shard_impl == "native":
+            problems.append("per_layer_backup=True: upstream's native sharding backs up all layers at once")
+        if cfg.per_layer_backup and cfg.mem_layout != PER_LAYER_LAYOUT:
+            problems.append(
+                f"per_layer_backup=True needs mem_layout={PER_LAYER_LAYOUT!r} (0.5.23 has no one-layer "
+                "D2H op into the DSA indexer's page_first host pool; the flag keeps all-layer there)"
+            )
+        if cfg.draft and cfg.pd:
+            problems.append("draft=True with pd=True: the MTP draft's PD send is not simulated on this line yet")
+        if cfg.storage_backend is not None:
+            problems += _storage_problems(cfg)
+        if cfg.fault in PER_LAYER_FAULTS and (cfg.shard_impl != "plugin" or not self.resolved_per_layer_backup(cfg)):
+            problems.append(f"fault {cfg.fault!r} needs the plugin column's per-layer backup")
+        if cfg.fault == "early_layer_ack" and cfg.layer_num < 2:
+            problems.append("fault 'early_layer_ack' needs layer_num >= 2")
         if problems:
             raise ValueError(f"SGLang {RELEASE} line: " + "; ".join(problems))
+
+    def resolved_per_layer_backup(self, cfg: SimConfig) -> bool:
+        """Unset: per layer where the flag attaches it (layer_first), else all layers."""
+        if cfg.per_layer_backup is None:
+            return cfg.mem_layout == PER_LAYER_LAYOUT
+        return cfg.per_layer_backup
+
+
+def _storage_problems(cfg: SimConfig) -> List[str]:
+    """What this line's L3 set-up cannot run."""
+    problems = []
+    if cfg.shard_impl == "native":
+        problems.append(
+            "storage_backend with shard_impl='native': upstream refuses --hicache-storage-backend "
+            "under --enable-kv-cache-sharding (kv_shard_hook.py:176-181)"
+        )
+    if cfg.storage_backend == "mooncake" and cfg.mem_layout != "page_first":
+        problems.append("storage_backend='mooncake' needs mem_layout='page_first' (its zero-copy I/O)")
+    if cfg.pd:
+        problems.append("storage_backend with pd=True: not combined in the simulator yet")
+    return problems
 
 
 LINE = _Line023(
     release=RELEASE,
     native_sharding=True,
-    per_layer_backup=None,  # upstream backs up all layers at once (l2_transfer.py:132-143)
+    per_layer_backup=True,  # the plugin column (layer_first); native and upstream: all layers
     sharded_main=sharded_rank_main,
     upstream_main=upstream_rank_main,
+    storage_backends=STORAGE_BACKENDS,
+    open_storage=open_storage,
+    faults=tuple(sorted(SUPPORTED_FAULTS)),
 )

@@ -12,6 +12,14 @@ instead of through ``KVCacheConfigurator``:
 * unsharded (the replicated reference): ``DSATokenToKVPool``,
   ``PagedTokenToKVPoolAllocator`` and plain host pools.
 
+``StackConfig.mtp_draft`` adds the EAGLE MTP draft's device pool (one NextN layer) as a
+PD prefill worker builds it: sharded, a ``PageInterleaveDSATokenToKVPool`` with the target's
+shard spec and group and its own buffers (``_build_mtp_kv_shard_pool``,
+``kv_cache_configurator.py:1922``); unsharded, a one-layer ``DSATokenToKVPool``. It is
+handed to ``init_hicache`` as ``CacheInitParams.mtp_draft_device_pools`` (what
+``_build_hicache_draft_plan``'s PACKED mode sets), so upstream packs the draft's latent KV
+and indexer as the tail host layer of the target's host pools, in the same host slots.
+
 Both share ``ReqToTokenPool`` and ``UnifiedRadixCache`` with the Python tree core (the only
 core sharding accepts). The radix tree, allocator and ``req_to_token`` are logical and
 identical on every rank; the device and host pools are physical, per rank. Call
@@ -37,6 +45,9 @@ logger = logging.getLogger(__name__)
 #: Upstream sizes the scratch prefix region for eight full contexts
 #: (``page_interleave._KV_SHARD_SCRATCH_PREFIX_CONTEXTS``); the default here follows it.
 SCRATCH_PREFIX_CONTEXTS = 8
+
+#: Upstream shards only a one-NextN-layer EAGLE draft (``kv_shard_hook.py:105-118``).
+MTP_DRAFT_LAYERS = 1
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,9 @@ class StackConfig:
     # record is resolved, with what the flag requires of it (prefill CP interleave on a
     # PD prefill worker), as a launch with --enable-nsa-prefill-cp-shared-kv builds it.
     cp_shared_kv: bool = False
+    # The EAGLE MTP draft (one NextN layer, upstream's only sharded draft) packed in the
+    # target's host slots; its device pool is RankStack.draft_kv_pool.
+    mtp_draft: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_tokens % self.page_size:
@@ -80,6 +94,11 @@ class StackConfig:
     @property
     def kv_cache_dim(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def draft_layer_num(self) -> int:
+        """Device layers of the MTP draft (host tail layers ``layer_num + i``)."""
+        return MTP_DRAFT_LAYERS if self.mtp_draft else 0
 
     def scratch_prefix_tokens(self, shard_size: int) -> int:
         """The scratch prefix region: given, or eight contexts each rounded up to a
@@ -109,7 +128,8 @@ class RankStack:
 
     Invariants: ``allocator.get_kvcache() is kv_pool``; ``cache.cache_controller`` is the
     HybridCacheController built by ``init_hicache``; logical locs come from ``allocator``
-    and index ``kv_pool`` only through ``placement`` (sharded) or directly (unsharded).
+    and index ``kv_pool`` (and ``draft_kv_pool``, which shares the allocator and the
+    placement) only through ``placement`` (sharded) or directly (unsharded).
     """
 
     config: StackConfig
@@ -123,6 +143,7 @@ class RankStack:
     params: Any  # CacheInitParams
     shard_group: Optional[GlooShardGroup] = None
     placement: Any = None  # PageInterleavePlacement
+    draft_kv_pool: Any = None  # the MTP draft's device pool (StackConfig.mtp_draft)
     _closed: bool = field(default=False, repr=False)
 
     @property
@@ -303,13 +324,14 @@ def _publish_server_args(config: StackConfig, sharded: bool) -> Any:
     return server_args
 
 
-def _dsa_pool_kwargs(config: StackConfig) -> dict:
+def _dsa_pool_kwargs(config: StackConfig, layer_num: Optional[int] = None) -> dict:
+    """A DSA device pool's geometry: the target's, or ``layer_num`` layers (the draft)."""
     return dict(
         page_size=config.page_size,
         kv_lora_rank=config.kv_lora_rank,
         dtype=config.dtype,
         qk_rope_head_dim=config.qk_rope_head_dim,
-        layer_num=config.layer_num,
+        layer_num=config.layer_num if layer_num is None else layer_num,
         device="cpu",
         index_head_dim=config.index_head_dim,
         enable_memory_saver=False,
@@ -323,8 +345,10 @@ def _build_cache(
     allocator: Any,
     req_to_token_pool: Any,
     groups: dict,
+    draft_kv_pool: Any = None,
 ) -> tuple[Any, Any]:
-    """UnifiedRadixCache (Python core, FULL component) with HiCache initialised."""
+    """UnifiedRadixCache (Python core, FULL component) with HiCache initialised; a draft
+    pool is packed into the host pools as upstream's PACKED draft plan does."""
     from sglang.srt.environ import envs
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
@@ -336,6 +360,7 @@ def _build_cache(
         token_to_kv_pool_allocator=allocator,
         page_size=config.page_size,
         tree_components=(ComponentType.FULL,),
+        mtp_draft_device_pools=() if draft_kv_pool is None else (draft_kv_pool,),
         **groups,
     )
     # Sharding forces the Python core (kv_shard_hook.py:132-144); so does the reference.
@@ -381,6 +406,15 @@ def build_sharded_stack(ctx: RankContext, config: StackConfig = StackConfig()) -
         shard_group=shard_group,
         **_dsa_pool_kwargs(config),
     )
+    draft_kv_pool = None
+    if config.mtp_draft:  # upstream's _build_mtp_kv_shard_pool: the target's spec and group
+        draft_kv_pool = PageInterleaveDSATokenToKVPool(
+            kv_pool.size,
+            shard_spec=kv_pool.shard_spec,
+            shard_group=kv_pool.shard_group,
+            index_kpool=1,
+            **_dsa_pool_kwargs(config, layer_num=config.draft_layer_num),
+        )
     allocator = PageInterleavePoolAllocator(
         config.device_rows_per_rank,
         physical_page_size=config.page_size,
@@ -399,7 +433,9 @@ def build_sharded_stack(ctx: RankContext, config: StackConfig = StackConfig()) -
         attn_cp_rank=spec.shard_rank,
         attn_cp_size=spec.shard_size,
     )
-    cache, params = _build_cache(config, server_args, allocator, req_to_token_pool, groups)
+    cache, params = _build_cache(
+        config, server_args, allocator, req_to_token_pool, groups, draft_kv_pool
+    )
     return RankStack(
         config=config,
         shard_rank=spec.shard_rank,
@@ -412,6 +448,7 @@ def build_sharded_stack(ctx: RankContext, config: StackConfig = StackConfig()) -
         params=params,
         shard_group=shard_group,
         placement=PageInterleavePlacement(spec),
+        draft_kv_pool=draft_kv_pool,
     )
 
 
@@ -423,6 +460,11 @@ def build_unsharded_stack(tp_group: Any, config: StackConfig = StackConfig()) ->
 
     server_args = _publish_server_args(config, sharded=False)
     kv_pool = DSATokenToKVPool(config.device_rows_per_rank, **_dsa_pool_kwargs(config))
+    draft_kv_pool = None
+    if config.mtp_draft:
+        draft_kv_pool = DSATokenToKVPool(
+            config.device_rows_per_rank, **_dsa_pool_kwargs(config, config.draft_layer_num)
+        )
     allocator = PagedTokenToKVPoolAllocator(
         config.device_rows_per_rank,
         page_size=config.page_size,
@@ -433,7 +475,8 @@ def build_unsharded_stack(tp_group: Any, config: StackConfig = StackConfig()) ->
     )
     req_to_token_pool = _req_to_token_pool(config)
     cache, params = _build_cache(
-        config, server_args, allocator, req_to_token_pool, dict(tp_cache_group=tp_group)
+        config, server_args, allocator, req_to_token_pool, dict(tp_cache_group=tp_group),
+        draft_kv_pool,
     )
     return RankStack(
         config=config,
@@ -445,10 +488,12 @@ def build_unsharded_stack(tp_group: Any, config: StackConfig = StackConfig()) ->
         req_to_token_pool=req_to_token_pool,
         cache=cache,
         params=params,
+        draft_kv_pool=draft_kv_pool,
     )
 
 
 __all__ = [
+    "MTP_DRAFT_LAYERS",
     "RankStack",
     "SCRATCH_PREFIX_CONTEXTS",
     "StackConfig",

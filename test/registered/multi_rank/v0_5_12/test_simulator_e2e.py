@@ -22,6 +22,7 @@ from sglang_cp_hicache.sim import (
 from sglang_cp_hicache.sim.cli import config_from_args, parse_args
 from sglang_cp_hicache.sim.report import max_over_mean
 from sglang_cp_hicache.sim.results import OPS
+from sglang_cp_hicache.sim.v0_5_12.rank import LINE
 from sglang_cp_hicache.sim.workload import plan_steps
 
 REPO = Path(__file__).resolve().parents[4]
@@ -131,7 +132,7 @@ def test_long_workload_preset() -> None:
     assert len(plan_steps(requests, cfg)) == len(requests)  # every prompt fits the pools
     with pytest.raises(ValueError, match="workload must be one of"):
         SimConfig.preset("huge")
-    assert set(WORKLOADS) == {"default", "long"}
+    assert set(WORKLOADS) == {"default", "long", "l3"}  # l3: the 0.5.23 line's storage runs
 
 
 def test_cli_workload_sets_defaults_and_flags_override() -> None:
@@ -214,7 +215,20 @@ def test_every_fault_has_a_test() -> None:
     tested = {"roll_load_owners", "drop_last_rank_loads", "hot_path_barrier"}
     tested |= {"diverge_last_rank", "leak_tail", "shift_mirror", "drop_last_rank_draft_loads"}
     tested |= {"pd_wrong_owner"}  # test_simulator_pd.py
-    assert set(FAULTS) == tested
+    assert set(LINE.faults) == tested
+    # 0.5.23 only: test_simulator_per_layer.py, test_simulator_storage.py
+    assert set(FAULTS) == tested | {"early_layer_ack", "skip_backup_layer", "storage_wrong_bytes"}
+
+
+@pytest.mark.parametrize(
+    "fault, needs",
+    [("early_layer_ack", {}), ("skip_backup_layer", {}), ("storage_wrong_bytes", {"storage_backend": "file"})],
+)
+def test_a_fault_this_line_does_not_plant_is_refused(fault, needs) -> None:
+    """A fault planted only on the 0.5.23 line would replay clean here (a checker test
+    that cannot fail): it is refused before any rank starts."""
+    with pytest.raises(ValueError, match=f"fault '{fault}' is not planted on the SGLang 0.5.12.post1 line"):
+        run_simulation(SimConfig(fault=fault, baseline=False, **needs))
 
 
 @pytest.mark.parametrize("cp_size", [2, 3])

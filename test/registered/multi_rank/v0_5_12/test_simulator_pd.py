@@ -12,25 +12,9 @@ import pytest
 
 from sglang_cp_hicache.sim import SimConfig, run_simulation
 from sglang_cp_hicache.sim.cli import config_from_args, parse_args
+from sglang_cp_hicache.testing.pd import SIM_PD_SMALL_TRACE
 
-# Small pools so the trace hits on device and loads back from host; chunks and a retraction
-# so the transfers cover a finished chunked prefill and skip a retracted attempt.
-SMALL = dict(
-    cp_size=2,
-    seed=0,
-    num_requests=12,
-    physical_tokens=512,
-    max_prompt_len=448,
-    system_prompt_len=128,
-    turn_len_min=32,
-    turn_len_max=96,
-    reply_len=32,
-    chunked_prefill_size=128,
-    retract_prob=0.1,
-    baseline=False,
-    pd=True,
-    timeout_s=150,
-)
+SMALL = SIM_PD_SMALL_TRACE
 
 
 def test_every_finished_prefill_is_transferred_and_checked_on_decode() -> None:

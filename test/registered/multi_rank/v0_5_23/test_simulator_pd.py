@@ -1,20 +1,47 @@
-"""The simulator's ``--pd`` on the 0.5.23 line: refused before any process starts, with one
-message naming what is missing (the line's PD harness has no "send a request an existing
-sharded rank stack prefilled" entry yet), and pointing at the line that runs it. The
-0.5.12.post1 twin, ``multi_rank/v0_5_12/test_simulator_pd.py``, runs the transfers."""
+"""The simulator with PD on the 0.5.23 line (``SimConfig.pd``): every finished prefill of the
+main column (upstream's sharded stack, the plugin's flag on) goes from its CP ranks through
+upstream's own sharded PD send over a real Mooncake engine (loopback TCP) to one decode
+process with a full pool, and is checked there byte for byte against what the simulator's
+forward stored (``sim/pd.py``, ``sim/v0_5_23/pd.py``).
+
+Both sides of a transfer report Success even when the bytes are wrong, so the planted wrong
+owner below must fail the run on the decode side's check alone.
+"""
 
 from __future__ import annotations
 
-import pytest
-
 from sglang_cp_hicache.sim import SimConfig, run_simulation
-from sglang_cp_hicache.sim.cli import main
+from sglang_cp_hicache.testing.pd import SIM_PD_SMALL_TRACE
+
+SMALL = SIM_PD_SMALL_TRACE
 
 
-def test_pd_is_refused_naming_what_is_missing(capsys) -> None:
-    with pytest.raises(ValueError, match="testing/v0_5_23/pd_harness.py"):
-        run_simulation(SimConfig(pd=True, num_requests=2, baseline=False))
-    with pytest.raises(SystemExit) as exit_info:  # usage error: exit code 2, nothing ran
-        main(["--pd", "--num-requests", "2", "--no-progress"])
-    assert exit_info.value.code == 2
-    assert "0.5.12.post1" in capsys.readouterr().err
+def test_every_finished_prefill_is_transferred_and_checked_on_decode() -> None:
+    report = run_simulation(SimConfig(**SMALL))
+    pd = report.pd_summary
+    assert report.invariant_violations == [] and report.passed
+    # The trace covered device hits, host load-backs, chunked prefills and a retraction.
+    assert report.device_hit_tokens > 0 and report.host_hit_tokens > 0
+    assert report.prefill_chunks > 0 and report.retracted_requests > 0
+    # One transfer per finished prefill (the retracted attempt sent nothing; its retry did).
+    assert pd.transferred_requests == report.requests > 0
+    assert report.pd_transferred_tokens == pd.transferred_tokens > 0
+    assert report.pd_kv_mismatches == 0 and pd.aux_mismatches == 0 and pd.failed_transfers == 0
+    assert pd.off_grant_pages_changed == 0 and pd.decode_leaked_tokens == 0
+    # Each rank sends its own pages only: every logical page once over the ranks.
+    sent = report.pd_sent_bytes_per_rank
+    assert len(sent) == 2 and sum(sent) == pd.logical_bytes
+    assert all(0 < b < pd.logical_bytes for b in sent)
+    assert 1.0 <= pd.sent_bytes_vs_logical <= 1.25
+    assert pd.transfer_ms["p50"] > 0
+
+
+def test_planted_wrong_owner_fails_on_the_decode_side_only() -> None:
+    """Upstream's owner filter picks the next rank's lane from each rank's own rows: both
+    sides report Success, the prefill side's own checks pass, only decode's bytes fail."""
+    report = run_simulation(SimConfig(**{**SMALL, "num_requests": 4}, fault="pd_wrong_owner"))
+    pd = report.pd_summary
+    assert not report.passed
+    assert report.kv_mismatches == 0 and pd.failed_transfers == 0
+    assert report.pd_kv_mismatches > 0
+    assert [v for v in report.invariant_violations if v.startswith("PD: decode holds wrong bytes")]

@@ -1,0 +1,89 @@
+"""The 0.5.23 simulator's plugin column with per-layer D2H backup (the default there on
+layer_first): host slots reserved by ``Scheduler.run_batch``'s hook, each layer stored
+through the sharded pool's own door (its store hook backs the layer up), the forward ended
+by ``ModelRunner.forward``'s hook, one ack per forward, together with chunked prefill,
+aborts, retractions and writes in flight; and a planted fault in the per-layer path fails
+the run (so a green run means the checks ran)."""
+
+import pytest
+
+from sglang_cp_hicache.sim import SimConfig, SimReport, run_simulation
+
+LAYERS = 2
+# One column, cp 2: chunks, aborts, retractions and acks landing two steps late, with a
+# host tier small enough to evict (and so to serve host hits).
+WORKLOAD = dict(
+    cp_size=2, seed=0, num_requests=24, batch_size=2, chunked_prefill_size=256, abort_prob=0.1,
+    retract_prob=0.15, inflight_steps=2, hicache_ratio=1.5, layer_num=LAYERS, native_column=False,
+    baseline=False, timeout_s=120,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def report() -> SimReport:
+    return run_simulation(SimConfig(**WORKLOAD))
+
+
+def test_per_layer_backup_with_every_scheduler_feature_passes(report: SimReport) -> None:
+    assert report.passed, report.invariant_violations[:5]
+    assert report.invariant_violations == [] and report.kv_mismatches == 0
+    assert report.kv_checked_tokens == report.device_hit_tokens + report.host_hit_tokens
+    assert report.host_hit_tokens > 0  # host copies written layer by layer were read back
+    assert report.prefill_chunks > 0 and report.aborted_requests > 0 and report.retracted_requests > 0
+    assert report.leaked_device_slots == 0 and report.leaked_host_slots == 0
+    # Each logical page moved once, by its owner, per layer or all layers.
+    assert sum(report.d2h_bytes_per_rank) == report.replicated_d2h_bytes > 0
+
+
+def test_the_per_layer_path_ran_one_ack_per_forward_after_every_layer(report: SimReport) -> None:
+    assert report.per_layer_forwards > 0
+    assert report.per_layer_layers == LAYERS * report.per_layer_forwards
+    assert report.per_layer_acks == report.per_layer_forwards
+    # Claimed nodes were published at their ack; retracted requests' slots rolled back.
+    assert report.pending_committed > 0 and report.pending_rolled_back > 0
+
+
+def test_all_layer_backup_on_the_plugin_column_reserves_nothing() -> None:
+    report = run_simulation(SimConfig(**{**WORKLOAD, "num_requests": 6, "per_layer_backup": False}))
+    assert report.passed, report.invariant_violations[:5]
+    assert report.per_layer_forwards == report.per_layer_layers == report.pending_committed == 0
+    assert sum(report.d2h_bytes_per_rank) == report.replicated_d2h_bytes > 0
+
+
+@pytest.mark.parametrize(
+    "fault, caught",
+    [
+        # The last rank acks after layer 0: its ack-order check fires and its last layer
+        # never reaches host (the host hits' byte check too, once one is read back).
+        ("early_layer_ack", lambda r: any(v.startswith("rank 1 ") and "before the last layer" in v
+                                          for v in r.invariant_violations)),
+        # Layer 0's report is lost on every rank: the backup refuses the forward, every rank stops.
+        ("skip_backup_layer", lambda r: any("per-layer backup refused the forward" in v and "before layer 0" in v
+                                            for v in r.invariant_violations)),
+    ],
+)  # fmt: skip
+def test_a_fault_in_the_per_layer_path_fails_the_run(fault, caught) -> None:
+    report = run_simulation(SimConfig(**{**WORKLOAD, "num_requests": 8, "fault": fault}))
+    assert not report.passed
+    assert caught(report), report.invariant_violations[:5]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(per_layer_backup=True, mem_layout="page_first"), "needs mem_layout='layer_first'"),
+        (dict(per_layer_backup=True, shard_impl="native"), "native sharding backs up all layers"),
+        (dict(fault="early_layer_ack", per_layer_backup=False), "needs the plugin column's per-layer"),
+    ],
+)
+def test_the_line_refuses_per_layer_where_it_cannot_run(overrides, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        run_simulation(SimConfig(**overrides))
+
+
+def test_unset_means_per_layer_where_the_flag_attaches_it() -> None:
+    from sglang_cp_hicache.sim.v0_5_23.rank import LINE
+
+    assert LINE.resolved_per_layer_backup(SimConfig()) is True  # layer_first
+    assert LINE.resolved_per_layer_backup(SimConfig(mem_layout="page_first")) is False
+    assert LINE.resolved_per_layer_backup(SimConfig(per_layer_backup=False)) is False
