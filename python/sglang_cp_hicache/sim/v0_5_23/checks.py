@@ -122,22 +122,30 @@ def verify_hit(
     stack: RankStack, logical_locs: torch.Tensor, token_ids: torch.Tensor
 ) -> Tuple[int, int]:
     """(mismatched owned tokens, owned tokens checked) of a prefix hit at positions 0..n-1."""
+    return _verify_pool_hit(stack, stack.kv_pool, 0, logical_locs, token_ids)
+
+
+def _verify_pool_hit(
+    stack: RankStack, pool: Any, pattern_base: int, logical_locs: torch.Tensor, token_ids: torch.Tensor
+) -> Tuple[int, int]:
+    """(owned tokens with a wrong KV or indexer byte in ``pool``, owned tokens checked) of a
+    hit at positions 0..n-1; ``pool``'s layer ``i`` holds pattern layer ``pattern_base + i``."""
     if len(logical_locs) == 0:
         return 0, 0
     positions = torch.arange(len(logical_locs))
     owned, rows = owned_rows(stack, logical_locs)
     if len(owned) == 0:
         return 0, 0
-    pool = stack.kv_pool
     pages, cols = _index_byte_offsets(rows, pool.page_size)
     dim = stack.config.kv_cache_dim
+    tokens, at = token_ids[owned], positions[owned]
     bad = torch.zeros(len(owned), dtype=torch.bool)
     for layer in range(pool.layer_num):
-        tokens, at = token_ids[owned], positions[owned]
+        pattern = pattern_base + layer
         kv = pool.kv_buffer[layer][rows]
-        bad |= (kv != expected_kv_rows(tokens, at, layer, dim)).reshape(len(owned), -1).any(dim=1)
+        bad |= (kv != expected_kv_rows(tokens, at, pattern, dim)).reshape(len(owned), -1).any(dim=1)
         index_bytes = pool.index_k_with_scale_buffer[layer][pages.unsqueeze(1), cols]
-        bad |= (index_bytes != expected_index_bytes(tokens, at, layer)).any(dim=1)
+        bad |= (index_bytes != expected_index_bytes(tokens, at, pattern)).any(dim=1)
     return int(bad.sum()), len(owned)
 
 
@@ -191,24 +199,8 @@ def verify_draft_hit(
     stack: RankStack, logical_locs: torch.Tensor, token_ids: torch.Tensor
 ) -> Tuple[int, int]:
     """(owned tokens with wrong draft KV/indexer bytes, owned tokens checked) of a hit."""
-    if len(logical_locs) == 0:
-        return 0, 0
-    positions = torch.arange(len(logical_locs))
-    owned, rows = owned_rows(stack, logical_locs)
-    if len(owned) == 0:
-        return 0, 0
-    pool = stack.draft_kv_pool
-    pages, cols = _index_byte_offsets(rows, pool.page_size)
-    tokens, at = token_ids[owned], positions[owned]
-    bad = torch.zeros(len(owned), dtype=torch.bool)
-    for layer in range(pool.layer_num):
-        pattern = _draft_pattern_layer(stack, layer)
-        kv = pool.kv_buffer[layer][rows]
-        expected = expected_kv_rows(tokens, at, pattern, stack.config.kv_cache_dim)
-        bad |= (kv != expected).reshape(len(owned), -1).any(dim=1)
-        index_bytes = pool.index_k_with_scale_buffer[layer][pages.unsqueeze(1), cols]
-        bad |= (index_bytes != expected_index_bytes(tokens, at, pattern)).any(dim=1)
-    return int(bad.sum()), len(owned)
+    first_pattern = _draft_pattern_layer(stack, 0)
+    return _verify_pool_hit(stack, stack.draft_kv_pool, first_pattern, logical_locs, token_ids)
 
 
 def draft_bytes_per_token(stack: RankStack) -> int:
