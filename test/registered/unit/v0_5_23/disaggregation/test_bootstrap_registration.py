@@ -19,20 +19,25 @@ from sglang_cp_hicache.core.bootstrap_probe import PDBootstrapUnreachable
 from sglang_cp_hicache.v0_5_23.disaggregation.common.conn import register_topology_row_around
 
 
-@pytest.fixture
-def publish(monkeypatch):
-    """Publishes a record with or without the plugin's flag; restores the context after."""
-    from sglang.srt.runtime_context import restore_context, snapshot_context
-    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+# A prefill worker's arguments, the shape the plugin's flag accepts.
+PREFILL_ARGV = ["--model-path", "dummy", "--enable-prefill-cp", "--cp-strategy", "interleave",
+                "--disaggregation-mode", "prefill"]  # fmt: skip
 
-    from sglang_cp_hicache.v0_5_23.server_args import set_cp_shared_kv_enabled
+
+@pytest.fixture
+def publish(monkeypatch, plugins_loaded):
+    """Publishes a resolved prefill record with or without the plugin's flag (parsed and
+    resolved as SGLang does, the plugin loaded); restores the context after."""
+    from sglang.srt.runtime_context import restore_context, snapshot_context
+    from sglang.srt.server_args import prepare_server_args, set_global_server_args_for_scheduler
+
+    from sglang_cp_hicache.v0_5_23.server_args import CLI_FLAG
 
     monkeypatch.setattr(bootstrap_probe, "REGISTRATION_WAIT_S", 0.5)
     before = snapshot_context()
 
     def publish_record(flag: bool) -> None:
-        record = ServerArgs(model_path="dummy")
-        set_cp_shared_kv_enabled(record, flag)
+        record = prepare_server_args(PREFILL_ARGV + ([CLI_FLAG] if flag else []))
         set_global_server_args_for_scheduler(record)
 
     try:
