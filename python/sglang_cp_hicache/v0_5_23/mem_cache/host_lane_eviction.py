@@ -45,7 +45,7 @@ import functools
 import heapq
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Set
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Set, Tuple
 
 from sglang_cp_hicache.core.lane_eviction import cyclic_lane_counts, lane_deficit, plan_lane_victims
 from sglang_cp_hicache.v0_5_23.mem_cache.lane_eviction import lane_aware
@@ -61,6 +61,18 @@ class _BackupRoom:
 
     start_owner: Optional[int] = None
     pages: int = 0
+    # The backed-up node (tree core, node id) whose rotation phase is ``start_owner``,
+    # read only when the host is short: the phase walks the node's whole path, and most
+    # backups find room (no split runs between the spec and the host eviction).
+    node: Optional[Tuple[Any, Any]] = None
+
+    def resolve_owner(self) -> Optional[int]:
+        """``start_owner``, read off the recorded node on first use."""
+        if self.start_owner is None and self.node is not None:
+            tree_core, node_id = self.node
+            self.start_owner = tree_core.rotation_phase_of(node_id)
+            self.node = None
+        return self.start_owner
 
     def demand(self, lanes: int) -> List[int]:
         """Host pages per owner lane: a cyclic run from ``start_owner``."""
@@ -90,7 +102,10 @@ class HostLaneStats:
 STATS = HostLaneStats()
 
 
+@functools.lru_cache(maxsize=None)
 def _full_type() -> Any:
+    """``ComponentType.FULL``, imported on the first call only: ``evict_host_around``
+    reads it on every host eviction, the planner per node."""
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
     return ComponentType.FULL
@@ -255,7 +270,7 @@ def build_backup_spec_around(original: Callable, tree_core: Any, node_id: Any, *
     spec = original(tree_core, node_id, *args, **kwargs)
     room = _backup_room.get()
     if room is not None:
-        room.start_owner = tree_core.rotation_phase_of(node_id)
+        room.start_owner, room.node = None, (tree_core, node_id)
         room.pages = len(spec[0]) // tree_core.page_size
     return spec
 
@@ -268,8 +283,8 @@ def evict_host_around(original: Callable, cache: Any, num_tokens: int, *args: An
     component_type = args[0] if args else kwargs.get("component_type", _full_type())
     if (
         room is None
-        or room.start_owner is None
         or not room.pages
+        or room.resolve_owner() is None
         or component_type != _full_type()
         or cache.host_memory_mode == "buffer_only"
     ):

@@ -143,6 +143,15 @@ def _upstream() -> Tuple[Any, Any, Callable[[], Any]]:
     return UnifiedRadixCache, PageInterleavePoolAllocator, get_server_args
 
 
+@functools.lru_cache(maxsize=None)
+def _full_type() -> Any:
+    """``ComponentType.FULL``, imported on the first call only (the planner reads it per
+    node)."""
+    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+
+    return ComponentType.FULL
+
+
 def _flag_on() -> bool:
     return cp_shared_kv_enabled(_upstream()[2]())
 
@@ -195,11 +204,9 @@ class DeviceLaneEvictor:
         return [-(-tokens // span)] * self.lanes
 
     # ----------------------------------------------------------------- the planner's view
-    def _full(self, node: Any) -> Any:
-        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
-
-        return node.component_data[ComponentType.FULL]
-
+    # Runs per candidate and per planned victim: the component type is imported once (an
+    # in-function import costs microseconds) and the key is the strategy's bound
+    # ``get_priority`` (no wrapper frame per evictable leaf).
     def lane_pages(self, node: Any) -> List[int]:
         phase = self.cache.tree_core.rotation_phase_of(node.id)
         if phase is None:
@@ -207,10 +214,13 @@ class DeviceLaneEvictor:
                 f"cp_hicache lane eviction: device node {node.id} has no rotation base under "
                 "KV sharding; its pages' owner lanes are unknown"
             )
-        return cyclic_lane_counts(phase, len(self._full(node).value) // self.page_size, self.lanes)
+        pages = len(node.component_data[_full_type()].value) // self.allocator.page_size
+        return cyclic_lane_counts(phase, pages, self.allocator.shard_size)
 
-    def priority(self, node: Any) -> Any:
-        return self.cache.tree_core.eviction_strategy.get_priority(node)
+    @property
+    def priority(self) -> Callable[[Any], Any]:
+        """The tree's eviction key of a node (the strategy's bound ``get_priority``)."""
+        return self.cache.tree_core.eviction_strategy.get_priority
 
     def freed_parent(self, node: Any, planned: Set[Any]) -> Optional[Any]:
         """``node``'s parent if evicting the planned set makes it a device leaf (upstream's
@@ -218,16 +228,19 @@ class DeviceLaneEvictor:
         parent = node.parent
         if parent is None or parent is self.cache.tree_core.root_node or parent.evicted:
             return None
-        if any(cd.lock_ref > 0 for cd in parent.component_data):
-            return None
+        for cd in parent.component_data:
+            if cd.lock_ref > 0:
+                return None
+        full = _full_type()
         for child in parent.children.values():
-            if self._full(child).value is not None and child not in planned:
+            if child.component_data[full].value is not None and child not in planned:
                 return None
         return parent
 
     def candidates(self) -> Iterator[Any]:
         """The evictable device leaves in (priority, node id) order."""
-        heap = [(self.priority(n), n.id, n) for n in self.cache.tree_core.evictable_device_leaves]
+        priority = self.priority
+        heap = [(priority(n), n.id, n) for n in self.cache.tree_core.evictable_device_leaves]
         heapq.heapify(heap)
         while heap:
             yield heapq.heappop(heap)[2]
@@ -290,7 +303,7 @@ class DeviceLaneEvictor:
                 "cp_hicache %s: device lanes %s cannot cover %s from evictable leaves; "
                 "evicting nothing", path, free, list(demand),
             )  # fmt: skip
-        else:
+        elif logger.isEnabledFor(logging.DEBUG):  # its arguments cost a lane count per victim
             logger.debug(
                 "cp_hicache %s: device lanes %s, demand %s: victims %s freeing %s",
                 path, free, list(demand), [n.id for n in victims],
