@@ -79,6 +79,11 @@ def _parser(d: SimConfig) -> argparse.ArgumentParser:
                     help="the file backend's folder (a subfolder per column), kept between runs: a "
                     "second run, at any cp size, reads the pages the first one stored (default: "
                     "a temporary folder removed after the run)")  # fmt: skip
+    l3.add_argument("--storage-logical-baseline", action="store_true",
+                    default=d.storage_logical_baseline,
+                    help="also replay upstream cp 1 with cp-size x the per-rank device and host "
+                    "pools (the same logical L1 + L2 as the cp ranks together, its own L3 "
+                    "folder or master): the fair column for the storage-hit comparison")  # fmt: skip
 
     work = p.add_argument_group("workload")
     _workload_arg(work, d.workload)
@@ -169,6 +174,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         pd=args.pd,
         storage_backend=args.storage_backend,
         storage_dir=args.storage_dir,
+        storage_logical_baseline=args.storage_logical_baseline,
         progress=not args.no_progress,
         timeout_s=args.timeout_s,
         log_level=args.log_level,

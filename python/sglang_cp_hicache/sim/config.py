@@ -22,6 +22,8 @@ FAULTS = {
     "the MTP draft's (needs draft=True): a draft-only loss behind a target hit",
     "pd_wrong_owner": "each prefill rank's PD owner filter sends the next rank's lane from "
     "its own slots (needs pd=True): both sides report Success, decode holds wrong KV",
+    "pd_drop_draft": "each prefill rank's PD send drops the MTP draft's blocks (KV and indexer) "
+    "before its engine (0.5.23; needs pd=True and draft=True): Success, decode lacks the draft",
     "storage_wrong_bytes": "the last rank's L3 reads land the first page of each read in "
     "host memory with wrong bytes (needs storage_backend): caught only by the hit check",
     "early_layer_ack": "the last rank's per-layer D2H backup acks its forward one layer early "
@@ -59,6 +61,10 @@ WORKLOADS: Dict[str, Dict[str, Any]] = {
     # host eviction drops pages of sessions that come back (HiCache L3 storage hits at
     # cp 2 and 4, not only at cp 1): the storage figures' workload.
     "l3": dict(max_active_sessions=16, hicache_ratio=1.5),
+    # ``l3_large``: ``l3`` with 32 sessions open over 400 requests (each growing to 896
+    # tokens), more than even cp 4's logical device + host tiers hold (10K tokens), so L3
+    # serves ~90-150 pages a lane at cp 4 too: the read-balance figures' sample.
+    "l3_large": dict(num_requests=400, max_active_sessions=32, hicache_ratio=1.5),
 }
 
 
@@ -143,6 +149,13 @@ class SimConfig:
     # at any cp size reads the pages an earlier one stored. None: a temporary folder.
     # Mooncake: the run starts its own mooncake_master on loopback and stops it at the end.
     storage_dir: Optional[str] = None
+    # Beside the cp-1 upstream column (the same memory per rank), replay upstream cp 1 once
+    # more with cp_size x the per-rank device and host pools (the ``upstream_logical``
+    # column, its own L3 folder or master): the same logical L1 + L2 as the cp ranks'
+    # owner lanes together. The plugin's tiers hold cp x upstream's tokens per rank, so
+    # reuse upstream must fetch from L3 the plugin finds on device or host; "storage hit
+    # tokens >= upstream's" is judged against this column, where L2 holds the same.
+    storage_logical_baseline: bool = False
     # ---- run
     tree_digest_every: int = 8  # steps between full radix-tree digests in the decision log
     progress: bool = False  # tqdm on rank 0 (stderr)
@@ -185,12 +198,16 @@ class SimConfig:
             bad("fault 'drop_last_rank_draft_loads' needs draft=True")
         if self.fault == "pd_wrong_owner" and not self.pd:
             bad("fault 'pd_wrong_owner' needs pd=True")
+        if self.fault == "pd_drop_draft" and not (self.pd and self.draft):
+            bad("fault 'pd_drop_draft' needs pd=True and draft=True")
         if self.pd and self.cp_size < 2:
             bad("pd=True needs cp_size >= 2 (the prefill ranks shard the KV they send)")
         if self.storage_backend is not None and self.storage_backend not in STORAGE_BACKENDS:
             bad(f"storage_backend must be one of {list(STORAGE_BACKENDS)}, got {self.storage_backend!r}")
         if self.storage_dir is not None and self.storage_backend != "file":
             bad("storage_dir is the file backend's folder: it needs storage_backend='file'")
+        if self.storage_logical_baseline and self.storage_backend is None:
+            bad("storage_logical_baseline compares L3 hits: it needs storage_backend")
         if self.fault == "storage_wrong_bytes" and self.storage_backend is None:
             bad("fault 'storage_wrong_bytes' needs storage_backend")
         if self.pd and self.page_size != 64:

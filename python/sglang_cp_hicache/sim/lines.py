@@ -17,8 +17,9 @@ from sglang_cp_hicache.core.releases import installed_release, line_package
 from sglang_cp_hicache.sim.config import SimConfig
 
 #: Column names, in table order. ``plugin`` and ``native`` run on ``cp_size`` ranks;
-#: ``upstream`` is SGLang's unsharded cache on one rank with the same per-rank memory.
-COLUMNS = ("plugin", "native", "upstream")
+#: ``upstream`` is SGLang's unsharded cache on one rank with the same per-rank memory;
+#: ``upstream_logical`` the same with cp x the per-rank pools (SimConfig.storage_logical_baseline).
+COLUMNS = ("plugin", "native", "upstream", "upstream_logical")
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,10 @@ class LineSim:
             )
         if cfg.baseline:
             columns.append(Column("upstream", "cp=1 upstream", 1, self.upstream_main, extra))
+        if cfg.storage_logical_baseline:  # needs storage (SimConfig refuses it without)
+            label = f"cp=1 upstream x{cfg.cp_size}"
+            args = (storage, "upstream_logical")
+            columns.append(Column("upstream_logical", label, 1, self.upstream_main, args))
         return columns
 
 

@@ -100,6 +100,12 @@ class StorageSummary:
     upstream_written_bytes: Optional[int] = None
     upstream_read_bytes: Optional[int] = None
     upstream_hit_tokens_total: Optional[int] = None  # upstream's device + host hits
+    # The upstream_logical column (SimConfig.storage_logical_baseline): upstream cp 1 with
+    # cp x the per-rank pools, the same logical L1 + L2 as the main column's lanes.
+    logical_upstream_hit_tokens: Optional[int] = None
+    logical_upstream_hit_tokens_total: Optional[int] = None
+    logical_upstream_written_bytes: Optional[int] = None
+    logical_upstream_read_bytes: Optional[int] = None
     hit_tokens_total: int = 0  # the main column's device + host hits
     native_note: Optional[str] = None  # why the native column ran without L3
     targets: Dict[str, bool] = field(default_factory=dict)
@@ -108,6 +114,7 @@ class StorageSummary:
 def _storage_summary(
     results: List[RankResult], upstream: Optional[List[RankResult]], native_ran: bool,
     hot_path: int, upstream_hot_path: Optional[int],
+    logical: Optional[List[RankResult]] = None,
 ) -> Optional[StorageSummary]:  # fmt: skip
     ranks = [r.storage for r in results]
     if ranks[0] is None:
@@ -149,6 +156,19 @@ def _storage_summary(
             summary.hit_tokens_total >= summary.upstream_hit_tokens_total
         )
         summary.targets["scheduler-path collectives <= upstream's"] = hot_path <= (upstream_hot_path or 0)
+    same = logical[0] if logical else None
+    if same is not None and same.storage is not None:
+        b = same.counters
+        summary.logical_upstream_hit_tokens = b.storage_hit_tokens
+        summary.logical_upstream_hit_tokens_total = b.device_hit_tokens + b.host_hit_tokens
+        summary.logical_upstream_written_bytes = same.storage.written_bytes
+        summary.logical_upstream_read_bytes = same.storage.read_bytes
+        summary.targets["storage hit tokens >= upstream cp 1, same logical L2"] = (
+            c.storage_hit_tokens >= b.storage_hit_tokens
+        )
+        summary.targets["all hit tokens >= upstream cp 1, same logical L2"] = (
+            summary.hit_tokens_total >= summary.logical_upstream_hit_tokens_total
+        )
     return summary
 
 
@@ -588,7 +608,8 @@ def build_report(
         column_results = results_by_column[column.name]
         problems = _column_problems(column_results)
         if column is not main:
-            prefix = "baseline" if column.name == "upstream" else column.name
+            prefixes = {"upstream": "baseline", "upstream_logical": "logical baseline"}
+            prefix = prefixes.get(column.name, column.name)
             violations = violations + [f"{prefix}: {p}" for p in problems]
         summaries[column.name] = _column_summary(column, column_results, problems)
         series["columns"][column.name] = dict(label=column.label, **_column_series(column_results))
@@ -629,7 +650,7 @@ def build_report(
     upstream_hot = summaries["upstream"].hot_path_collectives if "upstream" in summaries else None
     storage = _storage_summary(
         results, results_by_column.get("upstream"), "native" in summaries,
-        sum(hot_by_name.values()), upstream_hot,
+        sum(hot_by_name.values()), upstream_hot, results_by_column.get("upstream_logical"),
     )  # fmt: skip
     native_note = None
     if cfg.runs_native_column() and not line.native_sharding:
@@ -758,6 +779,8 @@ def _table_slots(report: SimReport) -> List[tuple]:
     slots = []
     for name in COLUMNS:
         summary = report.columns.get(name)
+        if summary is None and name == "upstream_logical":
+            continue  # asked for by storage_logical_baseline only
         header = summary.label if summary else ("cp=1 upstream" if name == "upstream" else f"cp={cp} {name}")
         missing = "n/a" if name == "native" and report.native_column_note else "-"
         slots.append((header, summary, missing))
@@ -840,7 +863,7 @@ def _rank_rows(report: SimReport) -> List[str]:
             continue
         per_rank = zip(summary.host_bytes_per_rank, summary.d2h_bytes_per_rank, summary.h2d_bytes_per_rank)
         for rank, (host, d2h, h2d) in enumerate(per_rank):
-            label = "base" if name == "upstream" else name
+            label = {"upstream": "base", "upstream_logical": "base x cp"}.get(name, name)
             lines.append(line((label, rank, _mib(host), "", _mib(d2h), "", _mib(h2d), "")))
     if report.draft:
         lines.append("MTP draft KV (same host slots, included in no column above): host peak / D2H / H2D")
@@ -941,6 +964,13 @@ def _storage_rows(report: SimReport) -> List[str]:
         + (f"; upstream cp 1: {_mib(st.upstream_read_bytes)}" if st.upstream_read_bytes is not None else ""),
         "  targets: " + ", ".join(f"{name} {'yes' if ok else 'NO'}" for name, ok in st.targets.items()),
     ]
+    if st.logical_upstream_hit_tokens is not None:
+        lines.insert(-1, (
+            f"  same logical L1 + L2 (upstream cp 1, cp x the pools): L3 hit tokens "
+            f"{st.logical_upstream_hit_tokens}, all hit tokens {st.logical_upstream_hit_tokens_total} "
+            f"(plugin: {st.hit_tokens}, {st.hit_tokens_total}); written "
+            f"{_mib(st.logical_upstream_written_bytes)}, read {_mib(st.logical_upstream_read_bytes)}"
+        ))  # fmt: skip
     if st.native_note:
         lines.append(f"  {st.native_note}")
     return lines

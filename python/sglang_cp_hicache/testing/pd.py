@@ -18,6 +18,7 @@ and ends with ``os._exit``. A watchdog ends it after its lifetime even if no one
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing.connection
 import os
@@ -289,6 +290,18 @@ class PDCluster:
 #: decode asks the bootstrap server for the prefill's ranks at its first request and gives
 #: up after a few tries, so a cluster starts its decode once every prefill rank registered.
 REGISTERED = "registered"
+#: What a prefill role holding after :data:`REGISTERED` (``hold_after_registering``) waits for.
+GO = "go"
+#: How long a holding prefill role waits for :data:`GO`: a loaded box can take that long to
+#: start the decodes the harness waits for first (their lifetime ends the role anyway).
+_GO_WAIT_S = 180.0
+
+
+def hold_if_asked(channel: RoleChannel, scenario: Any) -> None:
+    """A prefill role, right after :data:`REGISTERED`: with ``scenario.hold_after_registering``
+    wait for the harness's :data:`GO` before the first request."""
+    if scenario.hold_after_registering:
+        channel.wait(GO, timeout_s=_GO_WAIT_S)
 
 
 def wait_registered(cluster: "PDCluster", names: List[str], timeout_s: float) -> None:
@@ -297,14 +310,29 @@ def wait_registered(cluster: "PDCluster", names: List[str], timeout_s: float) ->
         cluster.roles[name].wait_event(REGISTERED, timeout_s)
 
 
-def prefill_startup_failure(prefill_role: Callable[..., Any], scenario: Any, timeout_s: float) -> str:
+def _with_registration_wait(channel: RoleChannel, wait_s: float, role_ref: Tuple[str, str, str], *args: Any) -> Any:
+    """Role: ``role_ref``'s role with the plugin's bootstrap registration bound set to ``wait_s``."""
+    from sglang_cp_hicache.core import bootstrap_probe
+
+    bootstrap_probe.REGISTRATION_WAIT_S = wait_s  # read at each registration
+    return _resolve_function(role_ref)(channel, *args)
+
+
+def prefill_startup_failure(
+    prefill_role: Callable[..., Any], scenario: Any, timeout_s: float, registration_wait_s: float
+) -> str:
     """Start ``scenario.cp_size`` ranks of a line's ``prefill_role`` against a bootstrap
-    address nobody serves (the cluster starts no bootstrap server) and return the first
-    rank's failure (its traceback); raise AssertionError if every rank started and served."""
+    address nobody serves (the cluster starts no bootstrap server), each rank waiting
+    ``registration_wait_s`` for it (the plugin's bound, 10 s when served; a test needs no
+    more than a few), and return the first rank's failure (its traceback); raise
+    AssertionError if every rank started and served."""
     names = [f"prefill{r}" for r in range(scenario.cp_size)]
+    role_ref = _function_ref(prefill_role)
     with PDCluster() as cluster:
         for rank, name in enumerate(names):
-            cluster.start(name, prefill_role, rank, scenario, cluster.ports)
+            cluster.start(
+                name, _with_registration_wait, registration_wait_s, role_ref, rank, scenario, cluster.ports
+            )
         try:
             cluster.results(names, timeout_s)
         except RoleFailed as failed:
@@ -324,17 +352,24 @@ def run_fault_cluster(
     """The fault cluster of either line, at ``scenario.cp_size``: ``rids`` = (killed,
     no-env, next). decode-a serves the killed request and dies once its first chunk went
     out (the prefill ranks wait at their ``chunk-sent`` checkpoint meanwhile); decode-b,
-    started with ``no_env_decode``, serves no-env; decode-c serves next. Every role's
+    started with ``no_env_decode``, serves no-env; decode-c serves next. The prefill ranks
+    hold after registering until decode-a and decode-c are up, so ``prefill_env``'s
+    bootstrap timeout bounds the metadata's way only, not a decode's start. Every role's
     result by name (not decode-a's), and ``all_ended``."""
     killed, no_env, following = rids
     prefills = [f"prefill{r}" for r in range(scenario.cp_size)]
+    scenario = dataclasses.replace(scenario, hold_after_registering=True)
     with PDCluster() as cluster:
         cluster.start_bootstrap()
         for rank, name in enumerate(prefills):
             cluster.start(name, prefill_role, rank, scenario, cluster.ports, env=prefill_env)
         wait_registered(cluster, prefills, timeout_s)
-        cluster.start("decode-a", decode_role, scenario, cluster.ports, [killed])
-        cluster.start("decode-c", decode_role, scenario, cluster.ports, [following])
+        for name, rid in (("decode-a", killed), ("decode-c", following)):
+            cluster.start(name, decode_role, scenario, cluster.ports, [rid])
+        for name in ("decode-a", "decode-c"):
+            cluster.roles[name].wait_event("ready", timeout_s)
+        for name in prefills:
+            cluster.roles[name].reply(GO)
         for name in prefills:
             cluster.roles[name].wait_event("chunk-sent", timeout_s)
         cluster.kill("decode-a")
@@ -458,6 +493,7 @@ class DecodeReport:
     final_kv_mismatches: int  # every successful request re-checked after all transfers
     final_draft_mismatches: int
     off_grant_pages_changed: int  # pages never granted to a request whose bytes changed
+    final_planted_kv_mismatches: int  # the planted (negative-control) requests, re-checked apart
 
 
 # ------------------------------------------------------------------ the roles' shared steps
@@ -536,8 +572,10 @@ class DecodeChecks:
 
     The line's class sets ``scenario``, ``ports``, ``errors`` (an :class:`ErrorLog`),
     ``prealloc_queue``, ``transfer_queue``, ``granted`` (pages ever granted), ``served``
-    ((spec, locs) re-checked at the end) and defines ``_new_req(spec)``, ``_locs(req, n)``
-    (the request's decode slots), ``_mismatches(spec, locs)`` ((target, draft) tokens),
+    ((spec, locs) re-checked at the end), ``planted`` (the same, of planted requests: re-checked
+    apart, so one cluster serves the negative controls beside the clean requests) and defines
+    ``_new_req(spec)``, ``_locs(req, n)`` (the request's decode slots),
+    ``_mismatches(spec, locs)`` ((target, draft) tokens),
     ``_aux_ok(spec, req)``, ``_release(req)`` (a checked request given back),
     ``_keep(spec, locs, req)`` (a checked request held for the final re-check) and
     ``_changed_pages()`` (per page, whether any byte left the sentinel).
@@ -603,6 +641,7 @@ class DecodeChecks:
         """End of run: every kept request re-checked, and every page never granted still
         holds the sentinel."""
         final = [self._mismatches(spec, locs) for spec, locs in self.served]
+        planted = [self._mismatches(spec, locs) for spec, locs in self.planted]
         changed = self._changed_pages()
         off_grant = [p for p in changed.nonzero()[0].tolist() if p not in self.granted]
         return DecodeReport(
@@ -610,6 +649,7 @@ class DecodeChecks:
             final_kv_mismatches=sum(t for t, _ in final),
             final_draft_mismatches=sum(d for _, d in final),
             off_grant_pages_changed=len(off_grant),
+            final_planted_kv_mismatches=sum(t for t, _ in planted),
         )
 
 
@@ -698,6 +738,7 @@ __all__ = [
     "DecodeReport",
     "ErrorLog",
     "EvictDevice",
+    "GO",
     "LOOPBACK",
     "PDCluster",
     "PDEnv",
@@ -714,6 +755,7 @@ __all__ = [
     "SentBytesMeter",
     "Step",
     "free_port",
+    "hold_if_asked",
     "init_transfer_engine",
     "load_plugins",
     "prefill_startup_failure",

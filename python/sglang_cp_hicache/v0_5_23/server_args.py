@@ -5,6 +5,11 @@ Meaning: the flag is upstream's ``--enable-kv-cache-sharding`` (each prefill-CP 
 only the KV pages it owns, owner = logical page % cp_size) plus the plugin's deltas. Every
 upstream sharding rule applies unchanged: a resolution step declares
 ``enable_kv_cache_sharding=True`` before upstream's gate (``handle_kv_cache_sharding``) runs.
+On one prefill rank with L3 storage (``--tp 1 --hicache-storage-backend file|mooncake``: CP
+size 1, nothing to shard, and upstream refuses DSA sharding there) the flag means an
+unsharded stack whose L3 backend uses the plugin's owner-free keys, so it reads a sharded
+fleet's pages (``docs/l3_storage.md``): :func:`cp_shared_kv_enabled` (the sharding deltas)
+is off there, :func:`owner_free_storage_enabled` on.
 
 How the flag travels, given that 0.5.23's ``ServerArgs`` is a sealed msgspec struct whose
 Python ``__init__`` never runs:
@@ -21,7 +26,8 @@ Python ``__init__`` never runs:
   ``server_args=prepare_server_args([..., "--enable-nsa-prefill-cp-shared-kv"])``.
 * On the record it is the underscore attribute :data:`RECORD_ATTR`: the sealed record
   accepts underscore names before, during and after resolution, and its ``__reduce__``
-  carries them to spawned schedulers. :func:`cp_shared_kv_enabled` is the one reader.
+  carries them to spawned schedulers. :func:`cp_shared_kv_flag_given` is the one reader of
+  it; :data:`UNSHARDED_ATTR`, set by resolution on one prefill rank, travels the same way.
 
 Resolution steps (see ``v0_5_23.hooks.RESOLUTION_STEPS``):
 
@@ -72,6 +78,9 @@ FLAG = "enable_nsa_prefill_cp_shared_kv"  # argparse dest and Engine keyword
 CLI_FLAG = "--enable-nsa-prefill-cp-shared-kv"
 # Underscore: the sealed record takes it at any time and pickles it with its bookkeeping.
 RECORD_ATTR = "_enable_nsa_prefill_cp_shared_kv"
+# Set by resolution on a flagged record with one prefill rank (nothing to shard); pickled
+# with the record like RECORD_ATTR.
+UNSHARDED_ATTR = "_cp_shared_kv_unsharded"
 # The source our declarations carry in the record's resolution stash.
 DECLARATION_SOURCE = "sglang_cp_hicache.enable_nsa_prefill_cp_shared_kv"
 
@@ -96,19 +105,40 @@ class CpSharedKVConfigError(ValueError):
     """An unsupported server configuration together with CP shared KV."""
 
 
-def cp_shared_kv_enabled(server_args: Any) -> bool:
-    """Whether ``server_args`` (a record, or a resolution view of one) asks for CP shared KV.
+def cp_shared_kv_flag_given(server_args: Any) -> bool:
+    """Whether ``server_args`` (a record, or a resolution view of one) carries the flag, in
+    either mode (sharded, or one prefill rank).
 
-    Decided from the flag alone: only ``True`` stored by this module counts, so an object
-    that merely answers every attribute (a mock, a foreign config) reads as off.
+    Only ``True`` stored by this module counts, so an object that merely answers every
+    attribute (a mock, a foreign config) reads as off.
     """
     return getattr(server_args, RECORD_ATTR, False) is True
+
+
+def is_unsharded_mode(server_args: Any) -> bool:
+    """Whether resolution found one prefill rank under the flag (marked by
+    :func:`refuse_and_enable_sharding`): no KV sharding, only the owner-free L3 keys."""
+    marked = getattr(server_args, UNSHARDED_ATTR, False) is True
+    return marked and cp_shared_kv_flag_given(server_args)
+
+
+def cp_shared_kv_enabled(server_args: Any) -> bool:
+    """Whether CP shared KV's sharding and the plugin's deltas on it apply to ``server_args``:
+    the flag, except on one prefill rank (there it selects only the owner-free L3 keys,
+    :func:`owner_free_storage_enabled`)."""
+    return cp_shared_kv_flag_given(server_args) and not is_unsharded_mode(server_args)
+
+
+def owner_free_storage_enabled(server_args: Any) -> bool:
+    """Whether the L3 file / mooncake backends use the plugin's owner-free namespaced keys
+    and payload components: the flag, sharded or on one prefill rank."""
+    return cp_shared_kv_flag_given(server_args)
 
 
 def set_cp_shared_kv_enabled(server_args: Any, enabled: bool) -> None:
     """Store the flag on a record before it is resolved (resolution declares from it)."""
     if getattr(server_args, "_resolution_finished", False) and (
-        cp_shared_kv_enabled(server_args) != enabled
+        cp_shared_kv_flag_given(server_args) != enabled
     ):
         raise CpSharedKVConfigError(
             f"{CLI_FLAG}: this ServerArgs is already resolved, so the flag can no longer "
@@ -349,6 +379,40 @@ def unsupported_combinations(cfg: Any) -> List[str]:
     return problems
 
 
+def is_single_prefill_rank(cfg: Any) -> bool:
+    """Whether ``cfg`` (a record or a resolution view, before the model is resolved) asks
+    for the flag's one-prefill-rank mode: ``--tp 1``, so DSA interleave prefill CP resolves
+    to CP size 1 (``tp_size // attn_dp_size``, ``model_overrides/deepseek_v2.py``), with an
+    L3 backend the mode serves (file, mooncake) and no explicit ``--enable-kv-cache-sharding``.
+    Without L3 storage the flag would change nothing at cp 1, so it declares sharding as
+    everywhere and upstream's verdict stands ("DSA KV sharding requires ... CP > 1"). The
+    model step checks the resolved CP size."""
+    return (
+        cfg.tp_size == 1
+        and cfg.hicache_storage_backend in SUPPORTED_STORAGE_BACKENDS[1:]
+        and not cfg.enable_kv_cache_sharding
+    )
+
+
+def single_rank_problems(cfg: Any) -> List[str]:
+    """Why ``cfg`` cannot run the flag on one prefill rank, besides
+    :func:`unsupported_combinations` (empty when it can)."""
+    problems = []
+    if not cfg.enable_hierarchical_cache:
+        problems.append(
+            "on one prefill rank (--tp 1) the flag only reads and writes the L3 pages of "
+            "sharded servers (their owner-free keys), so --hicache-storage-backend "
+            f"{cfg.hicache_storage_backend} needs --enable-hierarchical-cache"
+        )
+    if cfg.pp_size != 1:
+        problems.append(
+            f"on one prefill rank needs --pp-size 1 (got {cfg.pp_size}): sharded servers "
+            "run PP 1 (upstream's DSA sharding rule), so a pipeline stage's pages would be "
+            "another L3 namespace"
+        )
+    return problems
+
+
 def unsupported_models(server_args: Any) -> List[str]:
     """Why the model of ``server_args`` cannot run CP shared KV (empty when it can).
     Needs the model config: call once resolution has resolved the model path."""
@@ -426,22 +490,57 @@ def refuse_and_enable_sharding(server_args: Any, previous: Callable[[Any], None]
     """Wraps ``validate_prefill_cp_platform``: refuse every unsupported configuration at
     once, then declare ``enable_kv_cache_sharding`` so every later step, upstream's gate
     first among them, sees sharding on. Runs twice per resolution (the step is called again
-    from ``handle_context_parallelism``), so it declares only once."""
-    if cp_shared_kv_enabled(server_args):
+    from ``handle_context_parallelism``), so it declares only once.
+
+    One prefill rank (:func:`is_single_prefill_rank`): upstream refuses DSA sharding at CP
+    size 1 and there is nothing to shard, so sharding is not declared; the record is marked
+    (:data:`UNSHARDED_ATTR`) and the flag selects only the owner-free L3 keys."""
+    if cp_shared_kv_flag_given(server_args):
         from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
 
         verify_hooks_installed(import_targets=False)
         cfg = resolving_view(server_args)
-        _refuse(unsupported_combinations(cfg))
-        if not cfg.enable_kv_cache_sharding:
+        unsharded = is_unsharded_mode(server_args) or is_single_prefill_rank(cfg)
+        problems = unsupported_combinations(cfg)
+        _refuse(problems + single_rank_problems(cfg) if unsharded else problems)
+        if unsharded and not is_unsharded_mode(server_args):
+            setattr(server_args, UNSHARDED_ATTR, True)
+            logger.info(
+                "%s on one prefill rank: no KV sharding; L3 %s uses the owner-free keys of "
+                "sharded servers",
+                CLI_FLAG,
+                cfg.hicache_storage_backend,
+            )
+        elif not unsharded and not cfg.enable_kv_cache_sharding:
             declare_resolution(server_args, DECLARATION_SOURCE, enable_kv_cache_sharding=True)
     previous(server_args)
+
+
+def _refuse_resharded_single_rank(server_args: Any) -> None:
+    """One prefill rank was decided before the model resolved the CP size; a resolved CP
+    size above 1 (or sharding declared elsewhere) contradicts it: refuse, never serve an
+    unsharded stack across CP ranks."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    cfg = resolving_view(server_args)
+    if cfg.attn_cp_size != 1 or cfg.enable_kv_cache_sharding:
+        raise CpSharedKVConfigError(
+            f"{CLI_FLAG}: --tp 1 was taken as one prefill rank (no KV sharding), but "
+            f"resolution gave attn_cp_size {cfg.attn_cp_size} and enable_kv_cache_sharding "
+            f"{cfg.enable_kv_cache_sharding}; give --tp equal to the prefill CP size"
+        )
 
 
 def refuse_unsupported_model(server_args: Any, previous: Callable[[Any], None]) -> None:
     """Wraps upstream's sharding gate: refuse a model outside the DSA family, then run the
     gate with every rule but its storage refusal (an admitted L3 backend is hidden from it,
-    :func:`storage_hidden_from_gate`)."""
+    :func:`storage_hidden_from_gate`). One prefill rank: the model rule, the resolved CP
+    size 1, then upstream's gate as is (sharding off, it checks nothing)."""
+    if is_unsharded_mode(server_args):
+        _refuse(unsupported_models(server_args))
+        _refuse_resharded_single_rank(server_args)
+        previous(server_args)
+        return
     if cp_shared_kv_enabled(server_args):
         from sglang.srt.arg_groups.overrides import resolving_view
 
@@ -457,4 +556,3 @@ def refuse_unsupported_model(server_args: Any, previous: Callable[[Any], None]) 
             previous(server_args)
         return
     previous(server_args)
-

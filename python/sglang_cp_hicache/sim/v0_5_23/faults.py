@@ -23,6 +23,7 @@ SUPPORTED |= {"storage_wrong_bytes"}  # planted in the L3 tier's reads (sim/v0_5
 PER_LAYER_FAULTS = frozenset(("early_layer_ack", "skip_backup_layer"))
 SUPPORTED |= PER_LAYER_FAULTS
 SUPPORTED |= {"drop_last_rank_draft_loads"}  # the packed MTP draft's loads (SimConfig.draft)
+SUPPORTED |= {"pd_drop_draft"}  # planted on the PD link's engine (sim/v0_5_23/pd_link.py)
 
 
 def apply_fault(name: Optional[str], stack: RankStack, cp_group: Any, num_steps: int) -> FaultHooks:

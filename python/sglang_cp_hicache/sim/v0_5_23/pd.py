@@ -5,7 +5,8 @@ A prefill role is one shard rank of the main column (``plugin`` or ``native``), 
 attached to its driver (``sim/v0_5_23/pd_link.py``): every finished prefill goes through
 upstream's own sharded PD send. The decode role is the harness's ``DecodeServer`` (a full
 cp-1 ``DSATokenToKVPool`` under upstream's decode queues), checking every token's MLA KV and
-DSA indexer K/scale against :data:`SIM_PATTERN`, what this line's simulated forward stores
+DSA indexer K/scale (with ``draft``, the MTP draft's too, sent from each rank's own draft
+pool) against :func:`sim_pattern`, what this line's simulated forward stores
 (``sim/v0_5_23/checks.py``), and releasing each request once checked.
 """
 
@@ -24,19 +25,21 @@ MISSING = ""  # this line has PD roles
 _PD_FAULTS = {"pd_wrong_owner": "wrong_owner"}  # SimConfig.fault -> the harness's plant
 
 
-def sim_pattern() -> Any:
-    """The harness's ``KVPattern`` of what the simulator's forward stores (``checks.py``)."""
+def sim_pattern(cfg: SimConfig) -> Any:
+    """The harness's ``KVPattern`` of what the simulator's forward stores (``checks.py``):
+    the draft's layer ``i`` is pattern layer ``layer_num + i`` (its host tail layer)."""
     from sglang_cp_hicache.sim.v0_5_23.checks import expected_index_bytes, expected_kv_rows
     from sglang_cp_hicache.testing.v0_5_23.pd_harness import KVPattern
 
-    return KVPattern(kv=expected_kv_rows, index=expected_index_bytes)
+    return KVPattern(kv=expected_kv_rows, index=expected_index_bytes, draft_first_layer=cfg.layer_num)
 
 
 def prefill_role(
     channel: Any, rank: int, cfg: SimConfig, steps: List[List[Request]], ports: Any, shard_impl: str
 ) -> RankResult:
     """Role: shard rank ``rank`` of the main column (``rank.sharded_rank_main``) with its
-    transfers; ``pd_wrong_owner`` plants the harness's wrong owner in upstream's filter."""
+    transfers; ``pd_wrong_owner`` plants the harness's wrong owner in upstream's filter
+    (``pd_drop_draft`` is planted on the link, ``pd_link.drop_draft_blocks``)."""
     from sglang_cp_hicache.sim.v0_5_23.rank import sharded_rank_main
     from sglang_cp_hicache.testing.dist import init_rank_groups
     from sglang_cp_hicache.testing.v0_5_23.pd_harness import planted_filter
@@ -56,7 +59,7 @@ def decode_role(channel: Any, cfg: SimConfig, ports: Any, decode_pages: int) -> 
     pd_harness.load_plugins()  # installed beside SGLang on the decode server too (flag off)
     # A request row as long as the whole pool: room for the longest prompt.
     scenario = pd_link.pd_scenario(cfg, decode_pages * cfg.page_size, decode_pages)
-    server = pd_harness.DecodeServer(scenario, ports, pattern=sim_pattern())
+    server = pd_harness.DecodeServer(scenario, ports, pattern=sim_pattern(cfg))
     return serve_relayed(channel, cfg.timeout_s, server, server.allocator.available_size)
 
 

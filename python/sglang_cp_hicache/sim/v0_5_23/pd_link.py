@@ -22,16 +22,14 @@ from sglang_cp_hicache.sim.pd import PrefillLink, attach
 
 
 def pd_scenario(cfg: SimConfig, context_len: int, decode_pages: int = 96) -> Any:
-    """The harness scenario of a simulator run: its geometry, no steps of its own. The MTP
-    draft's pool is not sent on this line's simulator yet: refused, never left unchecked."""
+    """The harness scenario of a simulator run: its geometry, no steps of its own. With
+    ``cfg.draft`` the prefill ranks send the stack's own MTP draft pool beside the target
+    (upstream's ``num_draft_entries``) and the decode checks it too."""
     from sglang_cp_hicache.testing.v0_5_23 import pd_harness
 
-    if cfg.draft:
-        raise ValueError("pd=True with draft=True: the 0.5.23 simulator's PD roles send no MTP draft pool yet")
-
     return pd_harness.PDScenario(
-        cp_size=cfg.cp_size, steps=(), layer_num=cfg.layer_num, decode_pages=decode_pages,
-        seed=cfg.seed, context_len=context_len,
+        cp_size=cfg.cp_size, steps=(), draft=cfg.draft, layer_num=cfg.layer_num,
+        decode_pages=decode_pages, seed=cfg.seed, context_len=context_len,
     )  # fmt: skip
 
 
@@ -42,8 +40,25 @@ def open_link(channel: Any, ctx: Any, cfg: SimConfig, ports: Any, stack: Any) ->
 
     scenario = pd_scenario(cfg, stack.config.context_len)
     server = pd_harness.PrefillRank(ctx, scenario, ports, stack=stack)
+    if cfg.fault == "pd_drop_draft":
+        drop_draft_blocks(server.kv_manager, server.draft_pool)
     torch.distributed.barrier(group=ctx.cp_group)
     return PrefillLink(channel, ctx.rank, server, cfg.page_size, stack.owned_mask)
+
+
+def drop_draft_blocks(kv_manager: Any, draft_pool: Any) -> None:
+    """Planted ``pd_drop_draft``: this rank's engine never gets the transfer blocks read
+    from the MTP draft pool's buffers (KV and indexer), the target's still go, and the send
+    reports Success: only decode's draft check can tell."""
+    buffers = (*draft_pool.kv_buffer, *draft_pool.index_k_with_scale_buffer)
+    spans = [(b.data_ptr(), b.data_ptr() + b.nbytes) for b in buffers]
+    transfer = kv_manager._transfer_data
+
+    def target_only(session_id: str, blocks: Any) -> int:
+        kept = [blk for blk in blocks if not any(lo <= blk[0] < hi for lo, hi in spans)]
+        return transfer(session_id, kept)
+
+    kv_manager._transfer_data = target_only
 
 
 def expect(channel: Any, ctx: Any, cfg: SimConfig, ports: Any) -> None:
@@ -51,4 +66,4 @@ def expect(channel: Any, ctx: Any, cfg: SimConfig, ports: Any) -> None:
     sim_pd.expect(functools.partial(open_link, channel, ctx, cfg, ports))
 
 
-__all__ = ["PrefillLink", "attach", "expect", "open_link", "pd_scenario"]
+__all__ = ["PrefillLink", "attach", "drop_draft_blocks", "expect", "open_link", "pd_scenario"]

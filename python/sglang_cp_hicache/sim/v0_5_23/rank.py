@@ -157,25 +157,30 @@ def _attach_storage(stack, cfg: SimConfig, run: StorageRun, column: str, group):
 
 def upstream_rank_main(
     ctx: RankContext, cfg: SimConfig, steps: List[List[Request]],
-    storage_run: Optional[StorageRun] = None,
+    storage_run: Optional[StorageRun] = None, column: str = "upstream",
 ) -> RankResult:
-    """Upstream's unsharded cache (cp 1) with the same per-rank pools. No plugin hooks:
+    """Upstream's unsharded cache (cp 1) with the same per-rank pools (``column``
+    ``upstream_logical``: cp_size x them, the cp ranks' logical L1 + L2). No plugin hooks:
     SGLang as shipped; with ``storage_run``, upstream's own L3 backend attached."""
     from sglang_cp_hicache.sim.v0_5_23.faults import FaultHooks
     from sglang_cp_hicache.testing.v0_5_23.stack import build_unsharded_stack
 
-    setup_rank_process(cfg, "upstream")
-    stack = build_unsharded_stack(ctx.attn_tp_group, stack_config(cfg, steps))
+    setup_rank_process(cfg, column)
+    config = stack_config(cfg, steps)
+    if column == "upstream_logical":
+        pages = config.device_pages_per_rank * cfg.cp_size  # the host pool follows (ratio)
+        config = dataclasses.replace(config, device_pages_per_rank=pages)
+    stack = build_unsharded_stack(ctx.attn_tp_group, config)
     storage = None
     try:
         if storage_run is not None:
-            storage = _attach_storage(stack, cfg, storage_run, "upstream", None)
+            storage = _attach_storage(stack, cfg, storage_run, column, None)
         counter = CollectiveCounter()
         counter.install()
         try:
             return _drive(
                 stack, cfg, steps, counter, _agrees_alone, FaultHooks(), cfg.progress,
-                "upstream cp=1", storage=storage,
+                f"{column} cp=1", storage=storage,
             )  # fmt: skip
         finally:
             counter.uninstall()
@@ -207,8 +212,6 @@ class _Line023(LineSim):
                 f"per_layer_backup=True needs mem_layout={PER_LAYER_LAYOUT!r} (0.5.23 has no one-layer "
                 "D2H op into the DSA indexer's page_first host pool; the flag keeps all-layer there)"
             )
-        if cfg.draft and cfg.pd:
-            problems.append("draft=True with pd=True: the MTP draft's PD send is not simulated on this line yet")
         if cfg.storage_backend is not None:
             problems += _storage_problems(cfg)
         if cfg.fault in PER_LAYER_FAULTS and (cfg.shard_impl != "plugin" or not self.resolved_per_layer_backup(cfg)):

@@ -1,13 +1,14 @@
 """HiCache's L3 storage tier in the 0.5.23 simulator (``SimConfig.storage_backend``).
 
 Parent side (:func:`open_storage`, no SGLang): the run's backend set-up. The file backend
-gets one folder per column under ``SimConfig.storage_dir`` (``cp_shared_kv/``, ``upstream/``;
-kept between runs, so a later run, at any cp size, reads what an earlier one wrote); the
-Mooncake store gets a ``mooncake_master`` on loopback per column, started here and stopped
-(by its pid) when the run ends. Columns: ``plugin`` attaches the backend with the plugin's
-owner-free keys, owner writes and owner reads; ``upstream`` (cp 1, unsharded) attaches
-upstream's own backend; ``native`` runs without storage (upstream refuses it under
-sharding; the report says so).
+gets one folder per column under ``SimConfig.storage_dir`` (``cp_shared_kv/``,
+``upstream/``, ``upstream_logical/``; kept between runs, so a later run, at any cp size,
+reads what an earlier one wrote); the Mooncake store gets a ``mooncake_master`` on
+loopback per column, started here and stopped (by its pid) when the run ends. Columns:
+``plugin`` attaches the backend with the plugin's owner-free keys, owner writes and owner
+reads; ``upstream`` (cp 1, unsharded) attaches upstream's own backend; ``upstream_logical``
+(``SimConfig.storage_logical_baseline``) the same with cp x the per-rank pools; ``native``
+runs without storage (upstream refuses it under sharding; the report says so).
 
 Rank side (:class:`StorageTier`): what a PD-prefill scheduler does with L3, through
 upstream's cache calls:
@@ -53,10 +54,15 @@ logger = logging.getLogger(__name__)
 
 #: The backends each column can run (the plugin's proven set; upstream's own at cp 1).
 BACKENDS = ("file", "mooncake")
-#: Each file column's folder under SimConfig.storage_dir.
-FOLDERS = {"plugin": "cp_shared_kv", "upstream": "upstream"}
+#: Each file column's folder under SimConfig.storage_dir (``upstream_logical``: upstream
+#: cp 1 with cp x the per-rank pools; a restart at another cp reads what the earlier
+#: run's logical baseline stored, as the plugin reads its own earlier run's).
+FOLDERS = {"plugin": "cp_shared_kv", "upstream": "upstream", "upstream_logical": "upstream_logical"}
 #: Mooncake: the segment each client mounts (objects live in their writers' segments).
 MOONCAKE_SEGMENT_BYTES = 256 << 20
+# The masters' read lease: long enough for upstream's start-up warm-up on a loaded box
+# (the segments never fill, so nothing waits on a lease to evict).
+MOONCAKE_LEASE_TTL_MS = 5000
 #: Bounded waits: storage that never settles stops the run instead of hanging it.
 SETTLE_TIMEOUT_S = 120.0
 _POLL_S = 0.001
@@ -83,11 +89,12 @@ def open_storage(cfg: SimConfig) -> Iterator[Optional[StorageRun]]:
     if cfg.storage_backend is None:
         yield None
         return
+    columns = [c for c in FOLDERS if c != "upstream_logical" or cfg.storage_logical_baseline]
     if cfg.storage_backend == "file":
         root, temporary = cfg.storage_dir, cfg.storage_dir is None
         if temporary:
             root = tempfile.mkdtemp(prefix="cp-hicache-sim-l3-")
-        folders = {column: os.path.join(root, name) for column, name in FOLDERS.items()}
+        folders = {column: os.path.join(root, FOLDERS[column]) for column in columns}
         for folder in folders.values():
             os.makedirs(folder, exist_ok=True)
         try:
@@ -102,8 +109,10 @@ def open_storage(cfg: SimConfig) -> Iterator[Optional[StorageRun]]:
     # registered for a while and would place the next column's objects there.
     with contextlib.ExitStack() as masters:
         configs = {}
-        for column in FOLDERS:
-            master = masters.enter_context(MooncakeMaster(*free_ports(2)))
+        for column in columns:
+            master = masters.enter_context(
+                MooncakeMaster(*free_ports(2), lease_ttl_ms=MOONCAKE_LEASE_TTL_MS)
+            )
             configs[column] = master.client_config(MOONCAKE_SEGMENT_BYTES)
         yield StorageRun("mooncake", mooncake=configs)
 

@@ -25,10 +25,11 @@ ranks; the collectives run on the real gloo groups.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -49,6 +50,7 @@ from sglang_cp_hicache.testing.pd import (
     RoleChannel,
     SentBytesMeter,
     Step,
+    hold_if_asked,
     init_transfer_engine,
     load_plugins,
 )
@@ -65,11 +67,16 @@ PLANTS = ("wrong_owner", "rank_skips_send")
 class PDScenario:
     """What every role of one cluster runs.
 
-    ``plant`` (a negative control) breaks the prefill side: ``wrong_owner`` makes each rank
-    send the pages of the next rank's lane from its own slots; ``rank_skips_send`` makes the
-    last rank send no pages (it still reports its status). ``pause_after_chunk`` names a
+    ``plants`` (negative controls) maps a request id to a bug planted in the plugin's owner
+    filter on the prefill ranks while that request is served: ``wrong_owner`` makes each
+    rank send the pages of the next rank's lane from its own slots; ``rank_skips_send``
+    makes the last rank send no pages (it still reports its status). The decode re-checks a
+    planted request at the end apart from the others (``final_planted_kv_mismatches``), so
+    one cluster serves both. ``pause_after_chunk`` names a
     request whose prefill ranks stop after their first chunk until the harness answers the
-    ``chunk-sent`` checkpoint (the decode-killed fault).
+    ``chunk-sent`` checkpoint (the decode-killed fault). ``hold_after_registering``: the
+    prefill ranks wait for the harness's ``go`` once registered (the fault cluster's decodes
+    start meanwhile).
     """
 
     cp_size: int
@@ -78,18 +85,23 @@ class PDScenario:
     layer_num: int = 2
     prefill_pages_per_rank: int = 32
     decode_pages: int = 160
-    plant: Optional[str] = None
+    plants: Tuple[Tuple[str, str], ...] = ()
     pause_after_chunk: Optional[str] = None
+    hold_after_registering: bool = False
     transfer_timeout_s: float = 60.0
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.plant is not None and self.plant not in PLANTS:
-            raise ValueError(f"plant {self.plant!r}: choose from {PLANTS}")
+        for rid, plant in self.plants:
+            if plant not in PLANTS:
+                raise ValueError(f"plant {plant!r} for {rid}: choose from {PLANTS}")
 
     @property
     def requests(self) -> List[PDRequest]:
         return [s for s in self.steps if isinstance(s, PDRequest)]
+
+    def plant_for(self, rid: str) -> Optional[str]:
+        return dict(self.plants).get(rid)
 
 
 # ------------------------------------------------------------------ SGLang stand-ins
@@ -190,10 +202,10 @@ class DecodeSchedulerFields:
 
 
 # ------------------------------------------------------------------ negative controls
-def plant_bug(plant: Optional[str], cp_rank: int, cp_size: int) -> None:
-    """Break this prefill rank's KV owner filter as ``plant`` says (negative controls)."""
+def _wrong_filter(plant: Optional[str], cp_rank: int, cp_size: int) -> Optional[Callable[..., Any]]:
+    """The broken KV owner filter ``plant`` gives this prefill rank (None: it keeps the right one)."""
     if plant is None:
-        return
+        return None
     from sglang_cp_hicache.core.cp_shared_kv_layout import CpSharedKVLayout
     from sglang_cp_hicache.v0_5_12.disaggregation import utils
 
@@ -204,15 +216,41 @@ def plant_bug(plant: Optional[str], cp_rank: int, cp_size: int) -> None:
             shifted = CpSharedKVLayout(layout.cp_size, (layout.cp_rank + 1) % layout.cp_size, layout.page_size)
             return right(shifted, kv_indices, index_slice)
 
-    elif cp_rank == cp_size - 1:  # rank_skips_send: the last rank sends no pages
+        return wrong
+    if cp_rank == cp_size - 1:  # rank_skips_send: the last rank sends no pages
 
-        def wrong(layout, kv_indices, index_slice):
+        def skip(layout, kv_indices, index_slice):
             src, dst = right(layout, kv_indices, index_slice)
             return src[:0], dst[:0]
 
-    else:
+        return skip
+    return None
+
+
+def plant_bug(plant: Optional[str], cp_rank: int, cp_size: int) -> None:
+    """Break this prefill rank's KV owner filter as ``plant`` says, for good (the simulator's fault)."""
+    from sglang_cp_hicache.v0_5_12.disaggregation import utils
+
+    wrong = _wrong_filter(plant, cp_rank, cp_size)
+    if wrong is not None:
+        utils.filter_kv_indices_for_shared_kv = wrong
+
+
+@contextlib.contextmanager
+def planted_filter(plant: Optional[str], cp_rank: int, cp_size: int) -> Iterator[None]:
+    """Within the block, this prefill rank's KV owner filter is broken as ``plant`` says;
+    restored after (the block ends once the request's transfer polled Success or Failed)."""
+    from sglang_cp_hicache.v0_5_12.disaggregation import utils
+
+    right, wrong = utils.filter_kv_indices_for_shared_kv, _wrong_filter(plant, cp_rank, cp_size)
+    if wrong is None:
+        yield
         return
     utils.filter_kv_indices_for_shared_kv = wrong
+    try:
+        yield
+    finally:
+        utils.filter_kv_indices_for_shared_kv = right
 
 
 # ------------------------------------------------------------------ pools
@@ -516,19 +554,20 @@ def prefill_rank_role(channel: RoleChannel, rank: int, scenario: PDScenario, por
     load_plugins()
     ctx = init_rank_groups(rank, scenario.cp_size, ports.gloo, timeout_s=scenario.transfer_timeout_s + 30)
     install_parallel_state(scenario.cp_size, rank)
-    plant_bug(scenario.plant, rank, scenario.cp_size)
     with scheduler_batch.cpu_scheduler_server_args(PAGE_SIZE):
         server = PrefillRank(ctx, scenario, ports)
         problems = unsupported_serving_modes(server.server_args)
         if problems:  # the plugin's launch check would refuse this prefill server
             raise RuntimeError("; ".join(problems))
         channel.event(REGISTERED)
+        hold_if_asked(channel, scenario)
         outcomes = []
         for step in scenario.steps:
             if isinstance(step, EvictDevice):
                 server.evict_device()
             elif step.bootstrap_port is None:  # requests to another bootstrap never reach prefill
-                outcomes.append(server.serve(channel, step))
+                with planted_filter(scenario.plant_for(step.rid), rank, scenario.cp_size):
+                    outcomes.append(server.serve(channel, step))
         return outcomes
 
 
@@ -552,6 +591,7 @@ class DecodeServer(DecodeChecks):
         self.prealloc_queue, self.transfer_queue = self._build_queues()
         self.granted: set = set()
         self.served: List[Tuple[PDRequest, Any]] = []
+        self.planted: List[Tuple[PDRequest, Any]] = []
 
     def _build_stack(self) -> Any:
         """Pools, allocator and request slots of an unsharded decode (``nsa_stack``'s
@@ -659,7 +699,8 @@ class DecodeServer(DecodeChecks):
         release_kv_cache(req, self.tree_cache, is_insert=False)
 
     def _keep(self, spec: PDRequest, locs: torch.Tensor, req: Any) -> None:
-        self.served.append((spec, locs))
+        kept = self.served if self.scenario.plant_for(spec.rid) is None else self.planted
+        kept.append((spec, locs))
 
     def _aux_ok(self, spec: PDRequest, req: Any) -> bool:
         if req.output_ids != [spec.next_token]:
@@ -692,6 +733,7 @@ __all__ = [
     "PDScenario",
     "PLANTS",
     "PrefillOutcome",
+    "planted_filter",
     "decode_role",
     "prefill_rank_role",
 ]

@@ -78,6 +78,7 @@ from sglang_cp_hicache.testing.pd import (
     RoleChannel,
     SentBytesMeter,
     Step,
+    hold_if_asked,
     init_transfer_engine,
     load_plugins,
     wait_registered,
@@ -105,6 +106,8 @@ class PDScenario:
     request is checked on its own outcome and left out of the decode's final re-check.
     ``pause_after_chunk`` names a request whose prefill ranks stop after their first chunk
     until the harness answers the ``chunk-sent`` checkpoint (the decode-killed fault).
+    ``hold_after_registering``: the prefill ranks wait for the harness's ``go`` once
+    registered (the fault cluster's decodes start meanwhile).
     ``draft``: the MTP draft's one-layer sharded pool beside the target on every prefill
     rank (upstream's ``num_draft_entries``), and its KV checked on the decode. The draft is
     not in the stack's host tier (``build_sharded_stack`` has no PACKED draft host layers),
@@ -119,6 +122,7 @@ class PDScenario:
     decode_pages: int = 96
     plants: Tuple[Tuple[str, str], ...] = ()
     pause_after_chunk: Optional[str] = None
+    hold_after_registering: bool = False
     transfer_timeout_s: float = 60.0
     seed: int = 0
     context_len: int = 2048  # the longest prompt a rank's and the decode's request rows hold
@@ -469,7 +473,10 @@ class PrefillRank(PrefillSteps):
 
         self.ctx, self.scenario = ctx, scenario
         self.stack = stack if stack is not None else build_sharded_stack(ctx, scenario.stack_config())
-        self.draft_pool = build_draft_pool(self.stack) if scenario.draft else None
+        self.draft_pool = None
+        if scenario.draft:  # a stack with its own MTP draft (a simulator rank's) sends that one
+            own = self.stack.draft_kv_pool
+            self.draft_pool = own if own is not None else build_draft_pool(self.stack)
         self.server_args = publish_pd_record("prefill", ports.bootstrap, self.stack.config)
         stamp_parallel(scenario.cp_size, ctx.rank, ctx.cp_group, ctx.attn_tp_group)
         self.meter = SentBytesMeter(init_transfer_engine())
@@ -738,6 +745,7 @@ def prefill_rank_role(channel: RoleChannel, rank: int, scenario: PDScenario, por
     ctx = init_rank_groups(rank, scenario.cp_size, ports.gloo, timeout_s=scenario.transfer_timeout_s + 30)
     server = PrefillRank(ctx, scenario, ports)
     channel.event(REGISTERED)
+    hold_if_asked(channel, scenario)
     outcomes = []
     for step in scenario.steps:
         if isinstance(step, EvictDevice):
@@ -773,6 +781,7 @@ class DecodeServer(DecodeChecks):
         self.prealloc_queue, self.transfer_queue = self._build_queues()
         self.granted: set = set()
         self.served: List[Tuple[PDRequest, torch.Tensor]] = []
+        self.planted: List[Tuple[PDRequest, torch.Tensor]] = []
 
     def _buffers(self) -> List[torch.Tensor]:
         pools = [self.kv_pool] + ([self.draft_pool] if self.draft_pool is not None else [])
@@ -880,9 +889,9 @@ class DecodeServer(DecodeChecks):
     def _keep(self, spec: PDRequest, locs: torch.Tensor, req: Any) -> None:
         """Decoding ends here: the row goes back; the pages stay held, so the final
         re-check sees whether a later transfer wrote into them (planted requests are
-        checked on their own outcome only)."""
-        if self.scenario.plant_for(spec.rid) is None:
-            self.served.append((spec, locs))
+        re-checked apart)."""
+        kept = self.served if self.scenario.plant_for(spec.rid) is None else self.planted
+        kept.append((spec, locs))
         self.req_to_token_pool.free(req)
 
     def _mismatches(self, spec: PDRequest, locs: torch.Tensor) -> Tuple[int, int]:

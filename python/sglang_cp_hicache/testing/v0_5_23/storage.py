@@ -80,11 +80,38 @@ def attach_storage(
     return controller.storage_backend
 
 
+def publish_single_rank_flag_record(stack: Any, backend: str) -> Any:
+    """Publish, for an unsharded ``stack``, the record of a ``--tp 1`` PD prefill server
+    with the plugin's flag and L3 ``backend`` (prefill CP interleave, HiCache with the
+    stack's options), resolved by the real pipeline (the plugin's one-prefill-rank step
+    marks it); call before :func:`attach_storage`, whose backend factory reads it."""
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    from sglang_cp_hicache.v0_5_23.server_args import set_cp_shared_kv_enabled
+
+    if stack.sharded:
+        raise ValueError("publish_single_rank_flag_record is for an unsharded stack")
+    config = stack.config
+    record = ServerArgs(
+        model_path="dummy", page_size=config.page_size, context_length=config.context_len,
+        chunked_prefill_size=config.chunk_tokens, enable_hierarchical_cache=True,
+        hicache_ratio=config.host_to_device_ratio, hicache_io_backend=config.io_backend,
+        hicache_mem_layout=config.mem_layout, hicache_write_policy=config.write_policy,
+        hicache_host_memory_mode="cache", hicache_storage_backend=backend,
+        enable_prefill_cp=True, cp_strategy="interleave", disaggregation_mode="prefill",
+    )  # fmt: skip
+    set_cp_shared_kv_enabled(record, True)
+    set_global_server_args_for_scheduler(record)  # resolves it
+    return record
+
+
 def detach_storage(stack: Any) -> None:
     stack.cache._storage_attachment.detach()
 
 
 def _all_ranks(stack: Any, done: bool) -> bool:
+    if stack.shard_group is None:  # an unsharded stack: one rank
+        return done
     flag = torch.tensor([int(done)], dtype=torch.int)
     torch.distributed.all_reduce(flag, torch.distributed.ReduceOp.MIN, group=stack.shard_group.cpu_group)
     return bool(flag.item())
@@ -213,6 +240,7 @@ __all__ = [
     "logical_kv",
     "owned_row_mismatches",
     "prefetch",
+    "publish_single_rank_flag_record",
     "store_request",
     "wait_backups_stored",
     "write_owned_rows",
@@ -227,6 +255,10 @@ class MooncakeMaster:
 
     rpc_port: int
     metrics_port: int
+    # How long a read object stays leased (unevictable). The eviction tests want it short;
+    # the simulator's masters a longer one: at load 40+ upstream's startup warm-up outlived
+    # 50 ms and failed with LEASE_EXPIRED.
+    lease_ttl_ms: int = 50
     process: Any = None
 
     @property
@@ -257,7 +289,7 @@ class MooncakeMaster:
             [binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}",
              "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
              "--rpc_thread_num=2", "--enable_metric_reporting=false",
-             "--default_kv_lease_ttl=50"],
+             f"--default_kv_lease_ttl={self.lease_ttl_ms}"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         deadline = time.monotonic() + timeout_s

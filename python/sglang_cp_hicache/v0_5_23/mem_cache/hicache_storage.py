@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 def storage_namespace(host_pool: Any, model_name: Optional[str]) -> StorageNamespace:
     """The namespace of ``host_pool``'s pages (the KV anchor; a sharded pool forwards its
-    format to the native pool it wraps). ``model_name``: the storage config's."""
+    format to the native pool it wraps, so one prefill rank's unsharded pool of the same
+    format has the same namespace). ``model_name``: the storage config's."""
     start_layer = getattr(host_pool, "start_layer", 0)
     return StorageNamespace(
         model=model_name or "unnamed-model",

@@ -5,7 +5,8 @@ decode process with a full pool, a bootstrap server, each process with its own e
 (:mod:`sglang_cp_hicache.testing.v0_5_12.pd_harness`). What every test reads is checked on
 the decode side, byte for byte: both sides report Success even when every page is wrong, so
 only the bytes tell (the planted controls below prove it). Each cluster runs once per
-module (memoized), whatever order the tests run in.
+module (memoized), whatever order the tests run in; the negative controls ride in the
+serving clusters (their last requests, re-checked apart on the decode).
 """
 
 from __future__ import annotations
@@ -42,10 +43,21 @@ INDEX_BYTES_PER_PAGE_LAYER = PS * 132  # fp8 indexer K + fp32 scale
 H = tuple(range(1000, 1000 + 5 * PS + 10))  # goes to host, comes back by load-back
 D = tuple(range(30000, 30000 + 4 * PS + 3))  # stays on device
 
+SERVED = ("fresh-chunked", "fresh", "host-hit", "device-hit")
+#: The negative controls (fresh tokens, served after every clean request): one whole
+#: prefill, one chunked.
+PLANTED = (
+    PDRequest("planted", tuple(range(40000, 40000 + 4 * PS + 3)), room=105),
+    PDRequest("planted-chunked", tuple(range(45000, 45000 + 5 * PS + 10)), room=106, chunk_tokens=3 * PS),
+)
+#: The bug planted in each non-draft serving cluster's negative controls.
+PLANT_AT = {2: "wrong_owner", 4: "rank_skips_send"}
 
-def _serving_steps(unreachable_port: int = None) -> Tuple[Any, ...]:
+
+def _serving_steps(unreachable_port: int = None, planted: bool = False) -> Tuple[Any, ...]:
     """(c) a fresh chunked prefill (chunks end mid-page), everything evicted to host, a fresh
-    prefill, (b) a request whose prefix is loaded back from host, (a) a device hit."""
+    prefill, (b) a request whose prefix is loaded back from host, (a) a device hit; with
+    ``planted``, the negative controls last."""
     steps = []
     if unreachable_port is not None:  # decode only: a bootstrap address nobody serves
         steps.append(PDRequest("unreachable", D, room=100, bootstrap_port=unreachable_port))
@@ -56,7 +68,7 @@ def _serving_steps(unreachable_port: int = None) -> Tuple[Any, ...]:
         PDRequest("host-hit", H[: 4 * PS] + tuple(range(50000, 50000 + PS + 5)), room=103),
         PDRequest("device-hit", D[: 3 * PS] + tuple(range(60000, 60000 + 2 * PS + 7)), room=104),
     ]
-    return tuple(steps)
+    return tuple(steps) + (PLANTED if planted else ())
 
 
 def _prefill_names(cp: int) -> List[str]:
@@ -82,7 +94,9 @@ def _run(scenario: PDScenario) -> Dict[str, Any]:
 @functools.lru_cache(maxsize=None)
 def _served(cp: int, draft: bool) -> Dict[str, Any]:
     unreachable = free_port() if (cp, draft) == (2, False) else None
-    results = _run(PDScenario(cp_size=cp, steps=_serving_steps(unreachable), draft=draft))
+    plants = () if draft else tuple((spec.rid, PLANT_AT[cp]) for spec in PLANTED)
+    steps = _serving_steps(unreachable, planted=bool(plants))
+    results = _run(PDScenario(cp_size=cp, steps=steps, draft=draft, plants=plants))
     results["unreachable_port"] = unreachable
     return results
 
@@ -99,8 +113,8 @@ GRID_IDS = [f"cp{cp}{'-mtp' if draft else ''}" for cp, draft in GRID]
 def test_decode_pool_holds_the_logical_kv_of_every_token(cp, draft):
     run = _served(cp, draft)
     report = run["decode"]
-    served = [o for o in report.outcomes if o.rid != "unreachable"]
-    assert [o.rid for o in served] == ["fresh-chunked", "fresh", "host-hit", "device-hit"]
+    served = [o for o in report.outcomes if o.rid in SERVED]
+    assert [o.rid for o in served] == list(SERVED)
     for o in served:
         assert o.success, o.failure
         assert (o.kv_mismatches, o.draft_mismatches) == (0, 0), o
@@ -140,7 +154,9 @@ def test_each_rank_sends_exactly_the_pages_it_owns(cp, draft):
 @pytest.mark.parametrize("cp,draft", GRID, ids=GRID_IDS)
 def test_prefill_pools_and_host_tier_unchanged_and_nothing_leaks(cp, draft):
     run = _served(cp, draft)
+    planted = [] if draft else [spec.rid for spec in PLANTED]
     for name in _prefill_names(cp):
+        assert [o.rid for o in run[name]] == list(SERVED) + planted
         for o in run[name]:
             assert o.success, f"{name} {o.rid}: {o.failure}"
             assert o.pools_unchanged, f"{name} {o.rid}: the send changed this rank's pools or host tier"
@@ -159,28 +175,30 @@ def test_unreachable_bootstrap_fails_naming_it_and_decode_serves_on():
 
 
 # ------------------------------------------------------------------ negative controls
-@functools.lru_cache(maxsize=None)
-def _planted(plant: str, cp: int) -> Dict[str, Any]:
-    steps = (PDRequest("fresh", D, room=301), PDRequest("second", H, room=302, chunk_tokens=3 * PS))
-    return _run(PDScenario(cp_size=cp, steps=steps, plant=plant))
-
-
-@pytest.mark.parametrize("plant,cp", [("wrong_owner", 2), ("rank_skips_send", 4)])
-def test_planted_filter_bug_fails_the_byte_check_not_the_status(plant, cp):
-    run = _planted(plant, cp)
-    outcomes = run["decode"].outcomes
+@pytest.mark.parametrize("cp", [2, 4], ids=[f"cp{cp}-{PLANT_AT[cp]}" for cp in (2, 4)])
+def test_planted_filter_bug_fails_the_byte_check_not_the_status(cp):
+    """cp 2: each rank sends the next rank's lane from its own slots; cp 4: the last rank
+    sends no pages. Both sides report Success; only the decode's bytes tell, at once and in
+    the end-of-run re-check."""
+    run = _served(cp, False)
+    rids = [spec.rid for spec in PLANTED]
+    outcomes = [o for o in run["decode"].outcomes if o.rid in rids]
+    assert [o.rid for o in outcomes] == rids
     assert all(o.success for o in outcomes)  # both sides report Success ...
-    assert all(o.success for name in _prefill_names(cp) for o in run[name])
+    assert all(_by_rid(run[name])[rid].success for name in _prefill_names(cp) for rid in rids)
     assert all(o.kv_mismatches > 0 for o in outcomes)  # ... only the bytes are wrong
-    assert run["decode"].final_kv_mismatches > 0
+    assert run["decode"].final_planted_kv_mismatches > 0
+    assert run["decode"].off_grant_pages_changed == 0  # wrong bytes, still in granted slots
 
 
 # ------------------------------------------------------------------ faults
 KILLED = PDRequest("killed", tuple(range(70000, 70000 + 9 * PS + 10)), room=401, chunk_tokens=2 * PS)
 NO_ENV = PDRequest("no-env", tuple(range(80000, 80000 + 3 * PS + 1)), room=402)
 NEXT = PDRequest("next", tuple(range(90000, 90000 + 3 * PS + 10)), room=403)
-FAULT_PREFILL_ENV = PDEnv(bootstrap_timeout_s=12)
-NO_ENV_DECODE = PDEnv(all_cp_ranks_transfer=False, waiting_timeout_s=6)
+# The decodes are up before the first request (run_fault_cluster): the bootstrap timeout
+# bounds the metadata's way only, and no-env's failure waits it out.
+FAULT_PREFILL_ENV = PDEnv(bootstrap_timeout_s=5)
+NO_ENV_DECODE = PDEnv(all_cp_ranks_transfer=False, waiting_timeout_s=5)
 
 
 @functools.lru_cache(maxsize=None)
@@ -258,5 +276,7 @@ def test_prefill_with_its_bootstrap_unreachable_stops_at_startup_naming_it():
     each rank's KV manager stops its startup within a bounded time with an error naming
     host:port (upstream alone retries ~15 s, logs "Connection refused" without the address,
     then serves on unregistered, every request failing later by timeout)."""
-    failure = prefill_startup_failure(prefill_rank_role, PDScenario(cp_size=2, steps=()), RUN_TIMEOUT_S)
+    scenario = PDScenario(cp_size=2, steps=())
+    failure = prefill_startup_failure(prefill_rank_role, scenario, RUN_TIMEOUT_S, registration_wait_s=2)
     assert "PDBootstrapUnreachable: PD prefill: bootstrap server 127.0.0.1:" in failure, failure
+    assert "did not accept a connection within 2 s" in failure, failure

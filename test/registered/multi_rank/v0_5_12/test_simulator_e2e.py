@@ -132,7 +132,8 @@ def test_long_workload_preset() -> None:
     assert len(plan_steps(requests, cfg)) == len(requests)  # every prompt fits the pools
     with pytest.raises(ValueError, match="workload must be one of"):
         SimConfig.preset("huge")
-    assert set(WORKLOADS) == {"default", "long", "l3"}  # l3: the 0.5.23 line's storage runs
+    # l3, l3_large: the 0.5.23 line's storage runs
+    assert set(WORKLOADS) == {"default", "long", "l3", "l3_large"}
 
 
 def test_cli_workload_sets_defaults_and_flags_override() -> None:
@@ -216,8 +217,8 @@ def test_every_fault_has_a_test() -> None:
     tested |= {"diverge_last_rank", "leak_tail", "shift_mirror", "drop_last_rank_draft_loads"}
     tested |= {"pd_wrong_owner"}  # test_simulator_pd.py
     assert set(LINE.faults) == tested
-    # 0.5.23 only: test_simulator_per_layer.py, test_simulator_storage.py
-    assert set(FAULTS) == tested | {"early_layer_ack", "skip_backup_layer", "storage_wrong_bytes"}
+    # 0.5.23 only: test_simulator_per_layer.py, test_simulator_storage.py, test_simulator_pd.py
+    assert set(FAULTS) == tested | {"early_layer_ack", "skip_backup_layer", "storage_wrong_bytes", "pd_drop_draft"}
 
 
 @pytest.mark.parametrize(

@@ -160,6 +160,7 @@ def test_planted_owner_filter_bug_fails_the_byte_check_not_the_status(cp):
     planted = _by_rid(run["decode"].outcomes)[PLANTED_RID]
     assert planted.success and all(_by_rid(run[name])[PLANTED_RID].success for name in prefill_names(cp))
     assert planted.kv_mismatches > 0
+    assert run["decode"].final_planted_kv_mismatches > 0  # the end-of-run re-check sees it too
     assert run["decode"].off_grant_pages_changed == 0  # wrong bytes, still in granted slots
 
 
@@ -240,5 +241,7 @@ def test_prefill_with_its_bootstrap_unreachable_stops_at_startup_naming_it():
     each rank's KV manager stops its startup within a bounded time with an error naming
     host:port (upstream alone retries ~15 s, then serves on unregistered, every request
     failing later by timeout)."""
-    failure = prefill_startup_failure(prefill_rank_role, PDScenario(cp_size=2, steps=()), RUN_TIMEOUT_S)
+    scenario = PDScenario(cp_size=2, steps=())
+    failure = prefill_startup_failure(prefill_rank_role, scenario, RUN_TIMEOUT_S, registration_wait_s=2)
     assert "PDBootstrapUnreachable: PD prefill: bootstrap server 127.0.0.1:" in failure, failure
+    assert "did not accept a connection within 2 s" in failure, failure

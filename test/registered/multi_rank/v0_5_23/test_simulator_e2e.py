@@ -171,7 +171,6 @@ def test_a_fault_in_a_comparison_column_fails_the_run() -> None:
     [
         (dict(per_layer_backup=True, mem_layout="page_first"), "needs mem_layout='layer_first'"),
         (dict(io_backend="direct"), "io_backend must be 'kernel'"),
-        (dict(draft=True, pd=True), "draft=True with pd=True"),
         (dict(fault="shift_mirror"), "fault .shift_mirror. is not planted on the SGLang 0.5.23 line"),
         (dict(cp_size=1), "cp_size must be >= 2"),
     ],

@@ -45,3 +45,20 @@ def test_planted_wrong_owner_fails_on_the_decode_side_only() -> None:
     assert report.kv_mismatches == 0 and pd.failed_transfers == 0
     assert report.pd_kv_mismatches > 0
     assert [v for v in report.invariant_violations if v.startswith("PD: decode holds wrong bytes")]
+
+
+def test_the_mtp_draft_is_sent_and_checked_on_decode_and_a_dropped_draft_send_fails() -> None:
+    """With ``draft`` each rank also sends its own draft pool's pages (KV and indexer),
+    checked on decode against the simulator's draft pattern; dropping the draft's blocks
+    before the engine still reports Success and fails on decode's draft check only."""
+    report = run_simulation(SimConfig(**{**SMALL, "num_requests": 6}, draft=True))
+    pd = report.pd_summary
+    assert report.passed and report.draft and report.draft_kv_checked_tokens > 0
+    assert pd.transferred_requests == report.requests and pd.kv_mismatches == pd.draft_kv_mismatches == 0
+    assert sum(report.pd_sent_bytes_per_rank) == pd.logical_bytes
+    dropped = run_simulation(SimConfig(**{**SMALL, "num_requests": 2}, draft=True, fault="pd_drop_draft"))
+    pd_dropped = dropped.pd_summary
+    assert not dropped.passed and pd_dropped.failed_transfers == 0 and dropped.draft_kv_mismatches == 0
+    assert pd_dropped.draft_kv_mismatches == pd_dropped.kv_mismatches == pd_dropped.transferred_tokens > 0
+    # One draft layer of three (layer_num 2): a third of every page's bytes never left.
+    assert sum(dropped.pd_sent_bytes_per_rank) * 3 == pd_dropped.logical_bytes * 2

@@ -5,17 +5,22 @@ and read their pages under owner-free keys, the cp-1 upstream column runs upstre
 backend; every storage hit loads back like a host hit and is byte-checked on its owner. A
 second run at cp 3 on the same folder (a restart) reads the first run's pages. A planted
 fault (the last rank's storage reads land wrong bytes in host memory) is caught by the hit
-check as mismatches. The line refuses what it cannot run before any rank starts.
+check as mismatches. The first run also replays upstream cp 1 with cp x the per-rank pools
+(``storage_logical_baseline``: the same logical L1 + L2 as the cp ranks), the column the
+storage-hit target is judged against. The line refuses what it cannot run before any rank
+starts.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
 
 from sglang_cp_hicache.sim import SimConfig, run_simulation
 from sglang_cp_hicache.sim.lines import LineSim
+from sglang_cp_hicache.sim.report import format_table
 
 #: Small pools and a 1.25x host tier: pages of sessions that return are evicted from the
 #: cp-2 host tier within 30 requests, so both columns hit storage. Later runs replay the
@@ -38,7 +43,7 @@ def folder(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def first(folder):
-    return run_simulation(_config(2, folder))
+    return run_simulation(_config(2, folder, storage_logical_baseline=True))
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +68,25 @@ def test_cp2_file_run_passes_with_byte_checked_storage_hits(first):
     assert upstream.storage_backend_class == "HiCacheFile"  # upstream's own keys at cp 1
     assert storage.upstream_hit_tokens == upstream.storage_hit_tokens > 0
     assert first.hot_path_collectives == 0
+
+
+def test_the_logical_baseline_runs_upstream_with_cp_times_the_pools_and_its_own_store(first, folder):
+    logical, upstream = first.columns["upstream_logical"], first.columns["upstream"]
+    assert list(first.columns) == ["plugin", "upstream", "upstream_logical"]
+    assert logical.passed and logical.world_size == 1 and logical.label == "cp=1 upstream x2"
+    assert logical.storage_backend_class == "HiCacheFile"
+    # Its host held more than the same-memory column's whole host pool can (768 x 1.25).
+    assert max(logical.host_bytes_per_rank) > int(768 * 1.25) * first.bytes_per_token
+    assert logical.device_evicted_tokens < upstream.device_evicted_tokens
+    assert os.listdir(os.path.join(folder, "upstream_logical")), "it writes its own folder"
+    storage = first.storage_summary
+    assert storage.logical_upstream_hit_tokens == logical.storage_hit_tokens
+    assert storage.logical_upstream_hit_tokens_total == logical.device_hit_tokens + logical.host_hit_tokens
+    assert storage.logical_upstream_written_bytes == logical.storage_written_bytes_per_rank[0] > 0
+    assert {"storage hit tokens >= upstream cp 1", "storage hit tokens >= upstream cp 1, same logical L2",
+            "all hit tokens >= upstream cp 1, same logical L2"} <= set(storage.targets)  # fmt: skip
+    table = format_table(first)
+    assert "cp=1 upstream x2" in table and "same logical L1 + L2" in table
 
 
 def test_restart_at_another_cp_size_reads_the_first_runs_pages(restart):

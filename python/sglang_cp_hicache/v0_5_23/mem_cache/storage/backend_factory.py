@@ -1,13 +1,15 @@
-"""Which L3 backend a sharded HiCache gets under ``--enable-nsa-prefill-cp-shared-kv``.
+"""Which L3 backend HiCache gets under ``--enable-nsa-prefill-cp-shared-kv``.
 
-AROUND ``StorageBackendFactory.create_backend``: when the host pool is upstream's
-``PageInterleaveHostPool`` and the plugin's flag is on, ``file`` becomes
+AROUND ``StorageBackendFactory.create_backend``: when the plugin's flag is on, sharded
+(upstream's ``PageInterleaveHostPool``) or on one prefill rank (an unsharded host pool,
+reading a sharded fleet's pages), ``file`` becomes
 :class:`~sglang_cp_hicache.v0_5_23.mem_cache.hicache_storage.OwnerFreeHiCacheFile` and
 ``mooncake`` becomes
 :class:`~sglang_cp_hicache.v0_5_23.mem_cache.storage.mooncake_store.mooncake_store.OwnerFreeMooncakeStore`
-(owner-free namespaced keys); any other backend is refused with one message. Flag off, or
-an unsharded host pool: upstream's factory, unchanged (the builtin registry is never
-rewritten, so other processes and flag-off pools see upstream's classes).
+(owner-free namespaced keys); any other backend is refused with one message. Flag off:
+upstream's factory, unchanged (the builtin registry is never rewritten, so other processes
+and flag-off servers see upstream's classes). The owner write / read rules apply only to a
+sharded pool (:func:`owner_storage_enabled`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Tuple
 
-from sglang_cp_hicache.v0_5_23.server_args import CLI_FLAG, cp_shared_kv_enabled
+from sglang_cp_hicache.v0_5_23.server_args import (
+    CLI_FLAG,
+    cp_shared_kv_enabled,
+    owner_free_storage_enabled,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +49,14 @@ def owner_storage_enabled(host_pool: Any) -> bool:
     return cp_shared_kv_enabled(get_server_args())
 
 
+def owner_free_keys_enabled() -> bool:
+    """Whether this process's L3 backend takes the owner-free keys: the plugin's flag on
+    the published record, sharded or on one prefill rank."""
+    from sglang.srt.runtime_context import get_server_args
+
+    return owner_free_storage_enabled(get_server_args())
+
+
 def refuse_unless_owner_free(backend_name: str) -> None:
     if backend_name not in OWNER_FREE_BACKENDS:
         raise UnsupportedShardedStorageError(
@@ -60,7 +74,7 @@ def create_backend_around(
     mem_pool_host: Any,
     **kwargs: Any,
 ) -> Any:
-    if not owner_storage_enabled(mem_pool_host):
+    if not owner_free_keys_enabled():
         return original(factory, backend_name, storage_config, mem_pool_host, **kwargs)
     refuse_unless_owner_free(backend_name)
     from sglang.srt.mem_cache.hicache_storage import (
@@ -95,6 +109,7 @@ __all__ = [
     "UnsupportedShardedStorageError",
     "create_backend_around",
     "is_kv_sharded_host_pool",
+    "owner_free_keys_enabled",
     "owner_storage_enabled",
     "refuse_unless_owner_free",
 ]

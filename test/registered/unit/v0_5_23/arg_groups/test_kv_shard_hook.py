@@ -17,13 +17,10 @@ from sglang.srt.arg_groups import kv_shard_hook as upstream_gate
 from sglang.srt.arg_groups.overrides import resolution_result
 from sglang.srt.server_args import prepare_server_args
 
+from sglang_cp_hicache.testing.v0_5_23.resolution import PD_PREFILL_CP, resolve
 from sglang_cp_hicache.v0_5_23.arg_groups.kv_shard_hook import ADMITTED, UPSTREAM_ADMITTED
 from sglang_cp_hicache.v0_5_23.server_args import CLI_FLAG, CpSharedKVConfigError
 
-PD_PREFILL_CP = [
-    "--enable-prefill-cp", "--cp-strategy", "interleave", "--disaggregation-mode", "prefill",
-    "--disaggregation-transfer-backend", "mooncake", "--attention-backend", "dsa",
-]  # fmt: skip
 BF16 = ["--kv-cache-dtype", "bfloat16"]
 FP8 = ["--kv-cache-dtype", "fp8_e4m3"]
 UPSTREAM_BACKEND_REFUSAL = "DSA KV sharding requires TRTLLM prefill/decode with fp8_e4m3"
@@ -35,20 +32,9 @@ EAGLE = ["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "1",
          "--speculative-num-steps", "1", "--speculative-num-draft-tokens", "2"]  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def _plugins(plugins_loaded):
-    """Resolution runs with the plugin loaded the way SGLang loads it."""
-
-
 @pytest.fixture(scope="module")
-def glm5(tmp_path_factory):
-    from transformers.models.glm_moe_dsa.configuration_glm_moe_dsa import GlmMoeDsaConfig
-
-    path = tmp_path_factory.mktemp("glm5")
-    GlmMoeDsaConfig(
-        num_hidden_layers=2, architectures=["GlmMoeDsaForCausalLM"], num_nextn_predict_layers=1
-    ).save_pretrained(path)
-    return ["--model-path", str(path), "--device", "cuda", "--tp", "2"] + PD_PREFILL_CP
+def glm5(glm5_path):
+    return ["--model-path", glm5_path, "--device", "cuda", "--tp", "2"] + PD_PREFILL_CP
 
 
 @pytest.fixture
@@ -59,12 +45,6 @@ def sm(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (major, 0))
 
     return set_major
-
-
-def resolve(argv):
-    record = prepare_server_args(argv)
-    record.resolve_once()
-    return record
 
 
 def _backends(record):

@@ -10,47 +10,21 @@ refuses, and with the flag off upstream's verdict is unchanged.
 """
 
 import pytest
-import torch
 from sglang.srt.arg_groups import kv_shard_hook as upstream_gate
 from sglang.srt.arg_groups.overrides import resolution_result
-from sglang.srt.server_args import prepare_server_args
 
+from sglang_cp_hicache.testing.v0_5_23.resolution import HICACHE, PD_PREFILL_CP, resolve
 from sglang_cp_hicache.v0_5_23.server_args import CLI_FLAG, CpSharedKVConfigError
 
-PD_PREFILL_CP = [
-    "--enable-prefill-cp", "--cp-strategy", "interleave", "--disaggregation-mode", "prefill",
-    "--disaggregation-transfer-backend", "mooncake", "--attention-backend", "dsa",
-]  # fmt: skip
-HICACHE = ["--enable-hierarchical-cache", "--hicache-size", "1"]
 UPSTREAM_STORAGE_REFUSAL = "supports HiCache host offload but not --hicache-storage-backend yet"
 
 
-@pytest.fixture(autouse=True)
-def _plugins(plugins_loaded):
-    """Resolution runs with the plugin loaded the way SGLang loads it."""
-
-
-@pytest.fixture(autouse=True)
-def _h200(monkeypatch):
-    """DSA resolution and the plugin's backend rule ask the GPU for its SM (9: an H200)."""
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+pytestmark = pytest.mark.usefixtures("h200")
 
 
 @pytest.fixture(scope="module")
-def glm5(tmp_path_factory):
-    from transformers.models.glm_moe_dsa.configuration_glm_moe_dsa import GlmMoeDsaConfig
-
-    path = tmp_path_factory.mktemp("glm5")
-    GlmMoeDsaConfig(
-        num_hidden_layers=2, architectures=["GlmMoeDsaForCausalLM"], num_nextn_predict_layers=1
-    ).save_pretrained(path)
-    return ["--model-path", str(path), "--device", "cuda", "--tp", "2"] + PD_PREFILL_CP + HICACHE
-
-
-def resolve(argv):
-    record = prepare_server_args(argv)
-    record.resolve_once()
-    return record
+def glm5(glm5_path):
+    return ["--model-path", glm5_path, "--device", "cuda", "--tp", "2"] + PD_PREFILL_CP + HICACHE
 
 
 def storage(backend):

@@ -86,9 +86,22 @@ def test_other_backends_are_refused_with_the_flag_named():
         refuse_unless_owner_free("hf3fs")
 
 
-def test_an_unsharded_host_pool_gets_upstreams_factory():
-    from sglang_cp_hicache.v0_5_23.mem_cache.storage.backend_factory import create_backend_around
+@pytest.mark.parametrize("flag", [False, True], ids=["flag_off", "flag_on"])
+def test_the_factory_follows_the_flag_on_an_unsharded_host_pool(monkeypatch, flag):
+    """Flag off: upstream's factory. Flag on: the owner-free choice even on an unsharded
+    host pool (one prefill rank reading a sharded fleet's pages), so hf3fs is refused."""
+    from sglang.srt import runtime_context
+    from sglang.srt.server_args import ServerArgs
 
+    from sglang_cp_hicache.v0_5_23.mem_cache.storage.backend_factory import (
+        UnsupportedShardedStorageError,
+        create_backend_around,
+    )
+    from sglang_cp_hicache.v0_5_23.server_args import set_cp_shared_kv_enabled
+
+    record = ServerArgs(model_path="dummy")
+    set_cp_shared_kv_enabled(record, flag)
+    monkeypatch.setattr(runtime_context, "get_server_args", lambda: record)
     calls = []
 
     def upstream(factory, name, config, pool, **kwargs):
@@ -96,5 +109,10 @@ def test_an_unsharded_host_pool_gets_upstreams_factory():
         return "upstream"
 
     pool = torch.zeros(1)  # any host pool that is not a PageInterleaveHostPool
-    assert create_backend_around(upstream, object, "hf3fs", None, pool) == "upstream"
-    assert calls == ["hf3fs"]
+    if flag:
+        with pytest.raises(UnsupportedShardedStorageError, match="hf3fs"):
+            create_backend_around(upstream, object, "hf3fs", None, pool)
+        assert calls == []
+    else:
+        assert create_backend_around(upstream, object, "hf3fs", None, pool) == "upstream"
+        assert calls == ["hf3fs"]
