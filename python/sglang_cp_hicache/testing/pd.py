@@ -444,6 +444,31 @@ class EvictDevice:
 
 Step = Union[PDRequest, EvictDevice]
 
+#: The negative controls both lines' harnesses plant in the prefill side's owner filter
+#: (what each breaks: the line's ``PDScenario``).
+PLANTS = ("wrong_owner", "rank_skips_send")
+
+
+class ScenarioSteps:
+    """What both lines' ``PDScenario`` (frozen dataclasses with ``steps`` and ``plants``,
+    request id -> one of :data:`PLANTS`) read of their steps."""
+
+    steps: Tuple[Step, ...]
+    plants: Tuple[Tuple[str, str], ...]
+
+    def check_plants(self) -> None:
+        for rid, plant in self.plants:
+            if plant not in PLANTS:
+                raise ValueError(f"plant {plant!r} for {rid}: choose from {PLANTS}")
+
+    @property
+    def requests(self) -> List[PDRequest]:
+        return [s for s in self.steps if isinstance(s, PDRequest)]
+
+    def plant_for(self, rid: str) -> Optional[str]:
+        """The bug planted while request ``rid`` is served (None: none)."""
+        return dict(self.plants).get(rid)
+
 
 @dataclass
 class PrefillOutcome:
@@ -743,6 +768,7 @@ __all__ = [
     "PDCluster",
     "PDEnv",
     "PDPorts",
+    "PLANTS",
     "PDRequest",
     "PrefillOutcome",
     "PrefillSteps",
@@ -752,6 +778,7 @@ __all__ = [
     "RoleProcess",
     "SENTINEL_BYTE",
     "SIM_PD_SMALL_TRACE",
+    "ScenarioSteps",
     "SentBytesMeter",
     "Step",
     "free_port",

@@ -389,7 +389,8 @@ def is_single_prefill_rank(cfg: Any) -> bool:
     model step checks the resolved CP size."""
     return (
         cfg.tp_size == 1
-        and cfg.hicache_storage_backend in SUPPORTED_STORAGE_BACKENDS[1:]
+        and cfg.hicache_storage_backend is not None
+        and cfg.hicache_storage_backend in SUPPORTED_STORAGE_BACKENDS
         and not cfg.enable_kv_cache_sharding
     )
 

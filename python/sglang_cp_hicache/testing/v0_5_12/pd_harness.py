@@ -43,11 +43,13 @@ from sglang_cp_hicache.testing.pd import (
     ErrorLog,
     EvictDevice,
     PDPorts,
+    PLANTS,
     PDRequest,
     PrefillOutcome,
     PrefillSteps,
     REGISTERED,
     RoleChannel,
+    ScenarioSteps,
     SentBytesMeter,
     Step,
     hold_if_asked,
@@ -60,11 +62,10 @@ HIDDEN_SIZE = 64  # the metadata buffers' hidden state (MTP: carried to decode)
 
 
 # ------------------------------------------------------------------ scenario
-PLANTS = ("wrong_owner", "rank_skips_send")
 
 
 @dataclass(frozen=True)
-class PDScenario:
+class PDScenario(ScenarioSteps):
     """What every role of one cluster runs.
 
     ``plants`` (negative controls) maps a request id to a bug planted in the plugin's owner
@@ -92,16 +93,7 @@ class PDScenario:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for rid, plant in self.plants:
-            if plant not in PLANTS:
-                raise ValueError(f"plant {plant!r} for {rid}: choose from {PLANTS}")
-
-    @property
-    def requests(self) -> List[PDRequest]:
-        return [s for s in self.steps if isinstance(s, PDRequest)]
-
-    def plant_for(self, rid: str) -> Optional[str]:
-        return dict(self.plants).get(rid)
+        self.check_plants()
 
 
 # ------------------------------------------------------------------ SGLang stand-ins

@@ -71,11 +71,13 @@ from sglang_cp_hicache.testing.pd import (
     PDCluster,
     PDEnv,
     PDPorts,
+    PLANTS,
     PDRequest,
     PrefillOutcome,
     PrefillSteps,
     REGISTERED,
     RoleChannel,
+    ScenarioSteps,
     SentBytesMeter,
     Step,
     hold_if_asked,
@@ -89,21 +91,21 @@ INDEX_KEY_BYTES = 128  # fp8 indexer key per token
 INDEX_SCALE_BYTES = 4  # fp32 scale per token
 HIDDEN_SIZE = 64  # the metadata buffers' hidden state
 DRAFT_LAYERS = 1  # one NextN layer (what upstream's sharded MTP admits)
-PLANTS = ("wrong_owner", "rank_skips_send")
 #: Where upstream's owner filter is bound by name (KV pages; DSA indexer pages).
 _FILTER_MODULES = ("sglang.srt.disaggregation.common.conn", "sglang.srt.disaggregation.mooncake.conn")
 
 
 # ------------------------------------------------------------------ scenario
 @dataclass(frozen=True)
-class PDScenario:
+class PDScenario(ScenarioSteps):
     """What every role of one 0.5.23 cluster runs.
 
     ``plants`` (negative controls) maps a request id to a bug planted in upstream's owner
     filter on the prefill ranks while that request is served: ``wrong_owner`` makes each
     rank pick the next rank's lane (its local ids, read from its own rows);
-    ``rank_skips_send`` makes the last rank send no pages (it still reports). A planted
-    request is checked on its own outcome and left out of the decode's final re-check.
+    ``rank_skips_send`` makes the last rank send no pages (it still reports). The decode
+    re-checks a planted request at the end apart from the others
+    (``final_planted_kv_mismatches``).
     ``pause_after_chunk`` names a request whose prefill ranks stop after their first chunk
     until the harness answers the ``chunk-sent`` checkpoint (the decode-killed fault).
     ``hold_after_registering``: the prefill ranks wait for the harness's ``go`` once
@@ -128,20 +130,11 @@ class PDScenario:
     context_len: int = 2048  # the longest prompt a rank's and the decode's request rows hold
 
     def __post_init__(self) -> None:
-        for rid, plant in self.plants:
-            if plant not in PLANTS:
-                raise ValueError(f"plant {plant!r} for {rid}: choose from {PLANTS}")
+        self.check_plants()
         if self.cp_size < 2:
             raise ValueError("the 0.5.23 PD harness shards KV: cp_size must be >= 2")
         if self.draft and any(isinstance(step, EvictDevice) for step in self.steps):
             raise ValueError("a draft scenario cannot load back from host: the draft has no host layers")
-
-    @property
-    def requests(self) -> List[PDRequest]:
-        return [s for s in self.steps if isinstance(s, PDRequest)]
-
-    def plant_for(self, rid: str) -> Optional[str]:
-        return dict(self.plants).get(rid)
 
     def stack_config(self) -> Any:
         """One prefill rank's ``StackConfig`` (the plugin's flag on)."""

@@ -292,8 +292,13 @@ class RankStack:
         self.close()
 
 
-def _publish_server_args(config: StackConfig, sharded: bool) -> Any:
-    """The process's ServerArgs, published the way the cache reads its config."""
+def publish_server_args(
+    config: StackConfig, sharded: bool, storage_backend: Optional[str] = None
+) -> Any:
+    """The process's ServerArgs, published the way the cache reads its config (publishing
+    resolves it). ``storage_backend``: HiCache with that L3 backend; with
+    ``config.cp_shared_kv`` on an unsharded stack it is the flag's one-prefill-rank mode
+    (a ``--tp 1`` server with the owner-free L3 keys), the only unsharded use of the flag."""
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
     flag_fields = (
@@ -301,6 +306,8 @@ def _publish_server_args(config: StackConfig, sharded: bool) -> Any:
         if config.cp_shared_kv
         else {}
     )
+    if storage_backend is not None:
+        flag_fields.update(enable_hierarchical_cache=True, hicache_storage_backend=storage_backend)
     server_args = ServerArgs(
         model_path="dummy",
         page_size=config.page_size,
@@ -315,8 +322,11 @@ def _publish_server_args(config: StackConfig, sharded: bool) -> Any:
         **flag_fields,
     )
     if config.cp_shared_kv:
-        if not sharded:
-            raise ValueError("StackConfig.cp_shared_kv needs a sharded stack")
+        if not sharded and storage_backend is None:
+            raise ValueError(
+                "StackConfig.cp_shared_kv needs a sharded stack (unsharded: only with an L3 "
+                "backend, the flag on one prefill rank)"
+            )
         from sglang_cp_hicache.v0_5_23.server_args import set_cp_shared_kv_enabled
 
         set_cp_shared_kv_enabled(server_args, True)  # publishing resolves the record
@@ -392,7 +402,7 @@ def build_sharded_stack(ctx: RankContext, config: StackConfig = StackConfig()) -
     shard_group = GlooShardGroup.from_rank_context(ctx)
     if shard_group.world_size < 2:
         raise ValueError("build_sharded_stack needs a shard group of at least 2 ranks")
-    server_args = _publish_server_args(config, sharded=True)
+    server_args = publish_server_args(config, sharded=True)
     spec = PageShardSpec(
         shard_rank=shard_group.rank_in_group,
         shard_size=shard_group.world_size,
@@ -458,7 +468,7 @@ def build_unsharded_stack(tp_group: Any, config: StackConfig = StackConfig()) ->
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 
-    server_args = _publish_server_args(config, sharded=False)
+    server_args = publish_server_args(config, sharded=False)
     kv_pool = DSATokenToKVPool(config.device_rows_per_rank, **_dsa_pool_kwargs(config))
     draft_kv_pool = None
     if config.mtp_draft:

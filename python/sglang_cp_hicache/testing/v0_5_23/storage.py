@@ -8,12 +8,13 @@ order (the cache's own collectives pair up across ranks); the extra MIN in
 
 from __future__ import annotations
 
+
 import logging
 import os
 import time
 from array import array
-from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -82,27 +83,15 @@ def attach_storage(
 
 def publish_single_rank_flag_record(stack: Any, backend: str) -> Any:
     """Publish, for an unsharded ``stack``, the record of a ``--tp 1`` PD prefill server
-    with the plugin's flag and L3 ``backend`` (prefill CP interleave, HiCache with the
-    stack's options), resolved by the real pipeline (the plugin's one-prefill-rank step
-    marks it); call before :func:`attach_storage`, whose backend factory reads it."""
-    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
-
-    from sglang_cp_hicache.v0_5_23.server_args import set_cp_shared_kv_enabled
+    with the plugin's flag and L3 ``backend`` (the stack's own record with the flag, the
+    real pipeline's one-prefill-rank step marks it); call before :func:`attach_storage`,
+    whose backend factory reads it."""
+    from sglang_cp_hicache.testing.v0_5_23.stack import publish_server_args
 
     if stack.sharded:
         raise ValueError("publish_single_rank_flag_record is for an unsharded stack")
-    config = stack.config
-    record = ServerArgs(
-        model_path="dummy", page_size=config.page_size, context_length=config.context_len,
-        chunked_prefill_size=config.chunk_tokens, enable_hierarchical_cache=True,
-        hicache_ratio=config.host_to_device_ratio, hicache_io_backend=config.io_backend,
-        hicache_mem_layout=config.mem_layout, hicache_write_policy=config.write_policy,
-        hicache_host_memory_mode="cache", hicache_storage_backend=backend,
-        enable_prefill_cp=True, cp_strategy="interleave", disaggregation_mode="prefill",
-    )  # fmt: skip
-    set_cp_shared_kv_enabled(record, True)
-    set_global_server_args_for_scheduler(record)  # resolves it
-    return record
+    config = replace(stack.config, cp_shared_kv=True)
+    return publish_server_args(config, sharded=False, storage_backend=backend)
 
 
 def detach_storage(stack: Any) -> None:
@@ -199,10 +188,20 @@ def owned_row_mismatches(stack: Any, logical_locs: torch.Tensor, kv: LogicalKV) 
     return bad
 
 
-def store_request(stack: Any, token_ids: Sequence[int], kv: LogicalKV) -> torch.Tensor:
-    """Extend, write the owned KV, insert, back up to host and to L3; the logical locs."""
+def store_request(
+    stack: Any,
+    token_ids: Sequence[int],
+    kv: LogicalKV,
+    draft: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+) -> torch.Tensor:
+    """Extend, write the owned KV (and the MTP draft's ``draft`` rows), insert, back up to
+    host and to L3; the logical locs."""
     locs, base = stack.alloc_extend(torch.empty((0,), dtype=torch.int64), len(token_ids))
     write_owned_rows(stack, locs, kv)
+    if draft is not None:
+        from sglang_cp_hicache.testing.v0_5_23.mtp_draft import write_draft_owned_rows
+
+        write_draft_owned_rows(stack, locs, draft)
     stack.insert(token_ids, locs, base)
     stack.cache.flush_pending_backups()
     wait_backups_stored(stack)

@@ -122,10 +122,7 @@ class HostLoadPlan:
 
     def device_locs(self, device_pages: np.ndarray) -> np.ndarray:
         """The loaded tokens' new logical device locs, ``device_pages`` holding the pages."""
-        run = self.host_run
-        if run.page_of_loc is None:  # whole pages (the usual node): relocate's first case
-            return page_token_locs(device_pages, run.page_size)
-        return run.relocate(device_pages)
+        return self.host_run.relocate(device_pages)
 
 
 class JoinedHostLoadPlan:
@@ -140,8 +137,7 @@ class JoinedHostLoadPlan:
 
     def __init__(self, plans: Sequence[HostLoadPlan]) -> None:
         self.parts = tuple(plans)
-        # map, not comprehensions: no Python frame per call (one is built per joined load)
-        self.lane_pages = list(map(sum, zip(*[plan.lane_pages for plan in plans])))
+        self.lane_pages = [sum(counts) for counts in zip(*(plan.lane_pages for plan in plans))]
 
 
 LoadPlan = Union[HostLoadPlan, JoinedHostLoadPlan]

@@ -250,10 +250,7 @@ class OwnerLaneFreePages:
 
         ``demand`` is :meth:`lane_demand` of the owners, checked with :meth:`fits`.
         """
-        taken = []
-        for lane, count in enumerate(demand):  # a loop, not a comprehension: no frame
-            if count:
-                taken.append(self._pop(lane, count))
+        taken = [self._pop(lane, count) for lane, count in enumerate(demand) if count]
         if len(taken) <= 1:  # one lane: already in input order
             return taken[0] if taken else np.empty(0, dtype=np.int64)
         # Grouped by lane; the stable sort of the owners says where each group goes.
@@ -277,9 +274,8 @@ class OwnerLaneFreePages:
     def merge_short(self, demand: List[int]) -> None:
         """Merge each lane whose free list is shorter than ``demand`` asks of it (what
         :meth:`_pop` of that many pages would do first)."""
-        for lane, (count, free) in enumerate(zip(demand, self.free_pages)):
-            if count > len(free):
-                self._merge_lane(lane)
+        for lane, count in enumerate(demand):
+            self._merge_if_short(lane, count)
 
     def merge_and_sort(self) -> None:
         for lane in range(self.cp_size):
@@ -294,13 +290,15 @@ class OwnerLaneFreePages:
         self.page_counts = [len(f) + len(r) for f, r in zip(free, release)]
 
     def _pop(self, lane: int, count: int) -> np.ndarray:
+        self._merge_if_short(lane, count)
         free = self.free_pages[lane]
-        if count > len(free):  # merge the released pages first
-            self._merge_lane(lane)
-            free = self.free_pages[lane]
         self.free_pages[lane] = free[count:]
         self.page_counts[lane] -= count
         return free[:count]
+
+    def _merge_if_short(self, lane: int, count: int) -> None:
+        if count > len(self.free_pages[lane]):
+            self._merge_lane(lane)
 
     def _merge_lane(self, lane: int) -> None:
         if len(self.release_pages[lane]) == 0:
@@ -344,7 +342,7 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
 
     # ------------------------------------------------------------ accounting
     def available_size(self) -> int:
-        return sum(self.lanes.page_counts) * self.page_size  # total_pages, one call less
+        return self.lanes.total_pages() * self.page_size
 
     def lane_available_pages(self) -> torch.Tensor:
         """Free pages per owner lane (int64 CPU tensor [cp_size])."""

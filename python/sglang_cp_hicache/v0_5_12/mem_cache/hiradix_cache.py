@@ -305,8 +305,7 @@ class CpHiRadixCache(FastHiRadixCache):
     def _placing(self, host_locs: Optional[np.ndarray]) -> Iterator[None]:
         """Nodes given a device value inside take their runs from ``host_locs`` (the host
         form of the value being placed, indexed by the offsets ``_on_device_value`` gets),
-        or inside a load from the loaded nodes' own new locs (``_loaded_locs``; ``load_back``
-        sets this state itself, the same way)."""
+        or inside a load from the loaded nodes' own new locs (``_loaded_locs``)."""
         self._value_source, self._loaded_locs = host_locs, None
         try:
             yield
@@ -693,18 +692,13 @@ class CpHiRadixCache(FastHiRadixCache):
         if not self.uses_cp_hicache:
             return super()._default_load_quota()
         # Upstream passes no quota; count what eviction could free, not only free slots.
-        return self.token_to_kv_pool_allocator.available_size() + self.evictable_size_
+        return self.token_to_kv_pool_allocator.available_size() + self.evictable_size()
 
     def load_back(self, node: TreeNode, mem_quota: Optional[int] = None) -> Optional[torch.Tensor]:
         if not self.uses_cp_hicache:
             return super().load_back(node, mem_quota)
-        # _placing(None), inlined (a generator and four frames per load): _load_host_values
-        # places the loaded locs.
-        self._value_source, self._loaded_locs = None, None
-        try:
+        with self._placing(None):  # _load_host_values places the loaded locs
             return super().load_back(node, mem_quota)
-        finally:
-            self._value_source, self._loaded_locs = None, None
 
     def _load_host_values(self, hit_node: TreeNode, nodes_to_load: List[TreeNode]) -> Optional[torch.Tensor]:
         """Plan the load per owner lane (write-time owners), make device room on the short
@@ -713,12 +707,10 @@ class CpHiRadixCache(FastHiRadixCache):
         if not self.uses_cp_hicache:
             return super()._load_host_values(hit_node, nodes_to_load)
         plan = self._host_load_plan(nodes_to_load)
-        allocator: CPSharedPagedTokenToKVPoolAllocator = self.token_to_kv_pool_allocator
-        # The usual case (the lanes fit) checked here: no _make_device_room frame.
-        if not allocator.lane_fits(plan.lane_pages) and not self._make_device_room(plan.lane_pages):
+        if not self._make_device_room(plan.lane_pages):
             self._refuse(
                 "device_loads", hit_node.id, plan.lane_pages,
-                allocator.lane_free_pages(),
+                self.token_to_kv_pool_allocator.lane_free_pages(),
             )  # fmt: skip
             return None
         part_locs = self.cache_controller.load_planned(
@@ -729,17 +721,13 @@ class CpHiRadixCache(FastHiRadixCache):
                 f"node {hit_node.id} on CP rank {self.layout.cp_rank}: the planned load found "
                 "its lanes short of device pages"
             )
-        # In load_back: each loaded node takes its part, by its offset in the load.
-        if len(part_locs) == 1:  # the usual load: one node
-            logical_locs = part_locs[0]
-            self._loaded_locs = {0: logical_locs}
-        else:
-            self._loaded_locs, offset = {}, 0
-            for locs in part_locs:
-                self._loaded_locs[offset] = locs
-                offset += len(locs)
-            logical_locs = np.concatenate(part_locs)
-        return allocator.to_device(logical_locs)
+        # In load_back's _placing: each loaded node takes its part, by its offset in the load.
+        self._loaded_locs, offset = {}, 0
+        for locs in part_locs:
+            self._loaded_locs[offset] = locs
+            offset += len(locs)
+        logical_locs = part_locs[0] if len(part_locs) == 1 else np.concatenate(part_locs)
+        return self.token_to_kv_pool_allocator.to_device(logical_locs)
 
     def _make_device_room(self, lane_pages: List[int]) -> bool:
         """Evict device leaves until every lane has ``lane_pages`` free; False (nothing

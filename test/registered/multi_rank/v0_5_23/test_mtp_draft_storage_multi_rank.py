@@ -47,23 +47,6 @@ def _kv(stack, tokens):
     return target, draft
 
 
-def _store(stack, tokens) -> None:
-    """Extend, leave target and draft owned rows, insert, back up to host and to L3."""
-    import torch
-
-    from sglang_cp_hicache.testing.v0_5_23 import storage
-    from sglang_cp_hicache.testing.v0_5_23.mtp_draft import write_draft_owned_rows
-
-    target, draft = _kv(stack, tokens)
-    locs, base = stack.alloc_extend(torch.empty((0,), dtype=torch.int64), len(tokens))
-    storage.write_owned_rows(stack, locs, target)
-    if draft is not None:
-        write_draft_owned_rows(stack, locs, draft)
-    stack.insert(tokens, locs, base)
-    stack.cache.flush_pending_backups()
-    storage.wait_backups_stored(stack)
-
-
 def write_run(ctx: RankContext, folders: Dict[str, str]) -> Dict[str, int]:
     """The draft-on writer into ``folders["draft"]``, the target-only one into
     ``folders["target_only"]``: the objects each wrote (every rank sees the same folder)."""
@@ -74,7 +57,7 @@ def write_run(ctx: RankContext, folders: Dict[str, str]) -> Dict[str, int]:
         with _stack(ctx, mtp_draft) as stack:
             storage.attach_storage(stack, "file", extra={"file_storage_path": folders[name]})
             for tokens in (TOKENS, OTHER):
-                _store(stack, tokens)
+                storage.store_request(stack, tokens, *_kv(stack, tokens))
             storage.detach_storage(stack)
     return {name: len(os.listdir(folder)) for name, folder in folders.items()}
 

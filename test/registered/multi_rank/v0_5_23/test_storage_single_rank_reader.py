@@ -46,10 +46,7 @@ def _kv(stack):
 def write_run(ctx: RankContext, folders: Dict[str, str]) -> Dict[str, object]:
     """cp 2 writer: target-only into ``folders["target"]``, with the draft into
     ``folders["draft"]``; each folder's namespace id and object count."""
-    import torch
-
     from sglang_cp_hicache.testing.v0_5_23 import storage
-    from sglang_cp_hicache.testing.v0_5_23.mtp_draft import write_draft_owned_rows
     from sglang_cp_hicache.testing.v0_5_23.stack import build_sharded_stack
 
     storage.apply_plugin_hooks()
@@ -57,14 +54,7 @@ def write_run(ctx: RankContext, folders: Dict[str, str]) -> Dict[str, object]:
     for name, mtp_draft in (("target", False), ("draft", True)):
         with build_sharded_stack(ctx, _config(mtp_draft, sharded=True)) as stack:
             backend = storage.attach_storage(stack, "file", extra={"file_storage_path": folders[name]})
-            target, draft = _kv(stack)
-            locs, base = stack.alloc_extend(torch.empty((0,), dtype=torch.int64), len(TOKENS))
-            storage.write_owned_rows(stack, locs, target)
-            if draft is not None:
-                write_draft_owned_rows(stack, locs, draft)
-            stack.insert(TOKENS, locs, base)
-            stack.cache.flush_pending_backups()
-            storage.wait_backups_stored(stack)
+            storage.store_request(stack, TOKENS, *_kv(stack))
             report[name] = backend.namespace.namespace_id
             storage.detach_storage(stack)
     return report
