@@ -19,6 +19,7 @@ off while timing; the variants in one process take turns call by call.
 
     PYTHONPATH=python .venv/bin/python benchmark/hicache/bench_radix_ops.py [--large] [--sizes 10000,100000]
     PYTHONPATH=python .venv-sglang-0.5.23/bin/python benchmark/hicache/bench_radix_ops.py [--large]
+    ... [--variants native,plugin]   # a subset of the line's variants (memory at 100k)
 
 Figures and how to read them: ``docs/benchmarks.md``.
 """
@@ -49,6 +50,11 @@ def main() -> None:
         "--sizes", type=lambda text: tuple(int(n) for n in text.split(",")),
         help="comma-separated node counts instead of the defaults (e.g. 10000,100000)",
     )  # fmt: skip
+    parser.add_argument(
+        "--variants", type=lambda text: tuple(text.split(",")),
+        help="comma-separated subset of the line's variants (default all; 0.5.23: rust,native,plugin, "
+        "0.5.12: upstream,cp_off,cp_on); fewer stacks per process when memory is short",
+    )  # fmt: skip
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("sglang").setLevel(logging.WARNING)
@@ -58,7 +64,7 @@ def main() -> None:
     line = line_package().rsplit(".", 1)[1]  # refuses an unsupported release
     module = importlib.import_module(f"radix_ops_{line}")
     sizes = args.sizes or (LARGE_SIZES if args.large else SMALL_SIZES)
-    module.main(sizes, args.quick)
+    module.main(sizes, args.quick, args.variants)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,12 @@ class TreeShape:
         return nodes[::-1]
 
     def tokens(self, node: int) -> List[int]:
-        return [t for page in self.path(node) for t in range(page * PAGE + 1, (page + 1) * PAGE + 1)]
+        return self.path_tokens(self.path(node))
+
+    @staticmethod
+    def path_tokens(path: Sequence[int]) -> List[int]:
+        """The token ids of the nodes ``path`` (root first), one page each."""
+        return [t for page in path for t in range(page * PAGE + 1, (page + 1) * PAGE + 1)]
 
 
 def timed(fn: Callable[[], object]) -> float:

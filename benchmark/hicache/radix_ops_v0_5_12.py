@@ -28,7 +28,7 @@ import gc
 import logging
 import random
 import time
-from typing import Dict
+from typing import Dict, Optional
 
 import sglang_cp_hicache.testing
 
@@ -270,10 +270,10 @@ class Bench:
         return elapsed
 
 
-def bench_size(num_nodes: int, cfg: RunConfig, world) -> Results:
+def bench_size(num_nodes: int, cfg: RunConfig, world, variants: tuple = VARIANTS) -> Results:
     """Medians per variant and operation (see :func:`interleaved_medians`)."""
     benches = {}
-    for variant in VARIANTS:
+    for variant in variants:
         start = time.perf_counter()
         # + the new leaves the timed insert, check and backup ops add
         cache = build_cache(variant, num_nodes + 5 * cfg.reps, world)
@@ -326,11 +326,19 @@ def check_line(results: Results, all_reduce_s: float) -> str:
     )
 
 
-def main(sizes: tuple, quick: bool) -> None:
+def main(sizes: tuple, quick: bool, variants: Optional[tuple] = None) -> None:
+    """``variants``: a subset of :data:`VARIANTS` holding ``upstream`` (the baseline)."""
+    chosen = tuple(v for v in VARIANTS if v in (variants or VARIANTS))
+    unknown = set(variants or ()) - set(VARIANTS)
+    if unknown or "upstream" not in chosen:
+        raise SystemExit(f"--variants: a subset of {','.join(VARIANTS)} with upstream (got {variants})")
     cfg = RunConfig(sizes=sizes, reps=101 if quick else 201, evict_reps=7 if quick else 11)
     world = single_rank_world()
-    all_results = {size: bench_size(size, cfg, world) for size in cfg.sizes}
+    all_results = {size: bench_size(size, cfg, world, chosen) for size in cfg.sizes}
+    print(f"variants: {','.join(chosen)}")
     print_table(all_results, OPS, baseline="upstream")
     largest = all_results[max(cfg.sizes)]
-    print(ratios_line(largest))
-    print(check_line(largest, all_reduce_alone()))
+    if "cp_off" in chosen and "cp_on" in chosen:
+        print(ratios_line(largest))
+    if "cp_on" in chosen:
+        print(check_line(largest, all_reduce_alone()))

@@ -72,7 +72,10 @@ CHECK_OPS = ("check_acked", "backup_ack", "check_idle")
 EVICT_OPS = ("evict", "evict_for_alloc")
 OPS = ("match_prefix", "insert", *CHECK_OPS, *EVICT_OPS)
 READY_COUNTS = 4  # the check's MIN-reduced tensor without storage: acks, loads, digest pair
-POPULATE_BATCH = 64  # nodes inserted between the set-up's checks
+# Nodes inserted between the set-up's checks. The final state does not depend on it: the
+# pools hold the whole tree, so nothing is evicted or freed while backups are pending, and
+# the host slots are taken at insert time, in insert order.
+POPULATE_BATCH = 1024
 _MISSING = object()
 
 
@@ -195,7 +198,7 @@ class Bench:
         base = None if parent < 0 else self.cache.rotation_base_of(self.handles[parent])
         locs, base = self.stack.alloc_extend(prefix_locs, len(path) * PAGE, base)
         result = self.stack.insert(
-            self.shape.tokens(node), torch.cat([prefix_locs, locs]), base, cached_len=len(prefix_locs)
+            TreeShape.path_tokens(path), torch.cat([prefix_locs, locs]), base, cached_len=len(prefix_locs)
         )
         if result.rotation_tail_declined or result.last_device_node is None:
             raise RuntimeError(f"node {node}: the insert was declined ({result})")
@@ -209,13 +212,18 @@ class Bench:
 
     def populate(self) -> None:
         """Insert the whole tree, checking the backups every :data:`POPULATE_BATCH` nodes
-        (set-up: one all-reduce and one merged write per batch, not per node)."""
+        (set-up: one all-reduce and one merged write per batch, not per node). GC is off:
+        the build only adds long-lived objects, which every collection would walk again."""
         self.enter()
-        for node in range(len(self.shape)):
-            self._insert_node(node)
-            if node % POPULATE_BATCH == POPULATE_BATCH - 1:
-                self._check_until_acked()
-        self._check_until_acked()
+        gc.disable()
+        try:
+            for node in range(len(self.shape)):
+                self._insert_node(node)
+                if node % POPULATE_BATCH == POPULATE_BATCH - 1:
+                    self._check_until_acked()
+            self._check_until_acked()
+        finally:
+            gc.enable()
 
     def time_op(self, op: str, rng: random.Random) -> float:
         self.enter()
@@ -308,10 +316,23 @@ class SizeResult:
     build_s: Dict[str, float]
 
 
-def _rank_main(ctx: RankContext, sizes: tuple, cfg: RunConfig) -> Dict[int, SizeResult]:
-    """One rank: per size, the three variants' medians and the all-reduce alone."""
+def _build_stack(ctx: RankContext, variant: str, size: int, cfg: RunConfig, shape: TreeShape, hooks):
+    """One variant's stack (pools sized to the tree), the hooks switched as it needs."""
     from sglang_cp_hicache.testing.v0_5_23.stack import build_sharded_stack, build_unsharded_stack
 
+    hooks.switch(variant == "plugin")
+    if variant == "rust":
+        with _rust_tree_core():
+            stack = build_unsharded_stack(ctx.attn_tp_group, _stack_config(size, cfg, shape, False, False))
+        assert type(stack.cache.tree_core).__name__ == "RustUnifiedTreeCore"
+        return stack
+    return build_sharded_stack(ctx, _stack_config(size, cfg, shape, True, variant == "plugin"))
+
+
+def _rank_main(
+    ctx: RankContext, sizes: tuple, cfg: RunConfig, variants: Tuple[str, ...]
+) -> Dict[int, SizeResult]:
+    """One rank: per size, the variants' medians and the all-reduce alone."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # a fresh process
     logging.getLogger("sglang").setLevel(logging.WARNING)
     logging.getLogger("sglang_cp_hicache").setLevel(logging.WARNING)
@@ -320,14 +341,8 @@ def _rank_main(ctx: RankContext, sizes: tuple, cfg: RunConfig) -> Dict[int, Size
     out = {}
     for size in sizes:
         shape = TreeShape(size, cfg.seed)
-        hooks.switch(False)
-        with _rust_tree_core():
-            rust = build_unsharded_stack(ctx.attn_tp_group, _stack_config(size, cfg, shape, False, False))
-        assert type(rust.cache.tree_core).__name__ == "RustUnifiedTreeCore"
-        native = build_sharded_stack(ctx, _stack_config(size, cfg, shape, True, False))
-        hooks.switch(True)  # the plugin's stack last: its record is the process's
-        plugin = build_sharded_stack(ctx, _stack_config(size, cfg, shape, True, True))
-        stacks = {"rust": rust, "native": native, "plugin": plugin}
+        # VARIANTS order: the plugin's stack last, so its record is the process's
+        stacks = {name: _build_stack(ctx, name, size, cfg, shape, hooks) for name in variants}
         benches = {
             name: Bench(stack, TreeShape(size, cfg.seed), ctx.cp_group, hooks, name == "plugin")
             for name, stack in stacks.items()
@@ -342,7 +357,10 @@ def _rank_main(ctx: RankContext, sizes: tuple, cfg: RunConfig) -> Dict[int, Size
         gc.collect()
         gc.freeze()
         results = interleaved_medians(
-            benches, OPS, lambda op: cfg.evict_reps if op in EVICT_OPS else cfg.reps, cfg.seed
+            benches,
+            OPS,
+            lambda op: cfg.evict_reps if op in EVICT_OPS else cfg.reps,
+            cfg.seed,
         )
         hooks.switch(False)
         all_reduce_s = all_reduce_rank(ctx, cfg.reps, READY_COUNTS)
@@ -350,39 +368,59 @@ def _rank_main(ctx: RankContext, sizes: tuple, cfg: RunConfig) -> Dict[int, Size
         for stack in stacks.values():
             stack.close()
         gc.unfreeze()
-        del benches, stacks, rust, native, plugin
+        del benches, stacks
         gc.collect()
         out[size] = SizeResult(results, all_reduce_s, tokens, build_s)
     return out
 
 
+_RATIOS = (("native", "rust"), ("plugin", "rust"), ("plugin", "native"))
+
+
 def print_report(report: Dict[int, SizeResult]) -> None:
+    variants = list(next(iter(report.values())).results)
+    ratios = [(a, b) for a, b in _RATIOS if a in variants and b in variants]
+    print(f"variants: {','.join(variants)}")
     print(
-        f"{'nodes':>7} {'op':<16} {'rust ms':>9} {'native ms':>10} {'plugin ms':>10} "
-        f"{'native/rust':>12} {'plugin/rust':>12} {'plugin/native':>14}"
+        f"{'nodes':>7} {'op':<16}"
+        + "".join(f" {v + ' ms':>10}" for v in variants)
+        + "".join(f" {a + '/' + b:>14}" for a, b in ratios)
     )
     for size, sized in report.items():
         res = sized.results
-        for op in OPS:
-            rust, nat, plug = (res[v][op] for v in VARIANTS)
-            print(
-                f"{size:>7} {op:<16} {rust * 1e3:>9.4f} {nat * 1e3:>10.4f} {plug * 1e3:>10.4f} "
-                f"{nat / rust:>12.2f} {plug / rust:>12.2f} {plug / nat:>14.2f}"
+        print(
+            "\n".join(
+                f"{size:>7} {op:<16}"
+                + "".join(f" {res[v][op] * 1e3:>10.4f}" for v in variants)
+                + "".join(f" {res[a][op] / res[b][op]:>14.2f}" for a, b in ratios)
+                for op in OPS
             )
+        )
     for size, sized in report.items():
         res, ar = sized.results, sized.all_reduce_s
-        worst = max(OPS, key=lambda op: res["plugin"][op] / res["native"][op])
-        share = " ".join(f"{op}={ar / res['native'][op]:.2f}" for op in CHECK_OPS)
-        tokens = " ".join(f"{v}={sized.evict_for_alloc_tokens[v]:.0f}" for v in VARIANTS)
-        built = " ".join(f"{v}={sized.build_s[v]:.1f}s" for v in VARIANTS)
-        print(
-            f"{size} nodes: worst plugin/native={res['plugin'][worst] / res['native'][worst]:.2f} "
-            f"({worst}); all_reduce alone {ar * 1e6:.1f} us at cp {CP_SIZE}, its share of "
-            f"native's {share}; evict_for_alloc tokens per call {tokens}; built in {built}"
-        )
+        parts = [f"{size} nodes:"]
+        if "plugin" in res and "native" in res:
+            worst = max(OPS, key=lambda op: res["plugin"][op] / res["native"][op])
+            parts.append(f"worst plugin/native={res['plugin'][worst] / res['native'][worst]:.2f} ({worst});")
+        parts.append(f"all_reduce alone {ar * 1e6:.1f} us at cp {CP_SIZE}")
+        sharded = next((v for v in ("native", "plugin") if v in res), None)
+        if sharded is not None:
+            share = " ".join(f"{op}={ar / res[sharded][op]:.2f}" for op in CHECK_OPS)
+            parts.append(f"its share of {sharded}'s {share};")
+        tokens = " ".join(f"{v}={sized.evict_for_alloc_tokens[v]:.0f}" for v in variants)
+        built = " ".join(f"{v}={sized.build_s[v]:.1f}s" for v in variants)
+        parts.append(f"evict_for_alloc tokens per call {tokens}; built in {built}")
+        print(" ".join(parts))
 
 
-def main(sizes: tuple, quick: bool) -> None:
+def main(sizes: tuple, quick: bool, variants: Optional[Tuple[str, ...]] = None) -> None:
+    """``variants``: a subset of :data:`VARIANTS` (default all; each rank holds every
+    chosen stack's pools, ``rust`` twice a sharded one's pages)."""
+    chosen = tuple(v for v in VARIANTS if v in (variants or VARIANTS))
+    unknown = set(variants or ()) - set(VARIANTS)
+    if unknown or not chosen:
+        raise SystemExit(f"--variants: choose from {','.join(VARIANTS)} (got {sorted(unknown) or 'none'})")
     cfg = RunConfig(sizes=sizes, reps=51 if quick else 101, evict_reps=5 if quick else 9)
-    report = run_ranks(CP_SIZE, _rank_main, sizes, cfg, timeout_s=3600.0)[0]
+    # run_ranks' limit is on the whole session: 100k nodes build for tens of minutes per variant
+    report = run_ranks(CP_SIZE, _rank_main, sizes, cfg, chosen, timeout_s=3 * 3600.0)[0]
     print_report(report)

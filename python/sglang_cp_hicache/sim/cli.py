@@ -51,7 +51,7 @@ def _parser(d: SimConfig) -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     run.add_argument("--log-level", default=d.log_level, help="logging level of every process")
     run.add_argument("--timeout-s", type=float, default=d.timeout_s,
-                     help="gloo / result timeout per launch (seconds)")  # fmt: skip
+                     help="gloo timeout and the longest a launch may go without progress (seconds)")  # fmt: skip
     run.add_argument("--fault", choices=sorted(FAULTS), help=argparse.SUPPRESS)  # checker tests
 
     cols = p.add_argument_group("columns")

@@ -159,7 +159,7 @@ class SimConfig:
     # ---- run
     tree_digest_every: int = 8  # steps between full radix-tree digests in the decision log
     progress: bool = False  # tqdm on rank 0 (stderr)
-    timeout_s: float = 300.0  # gloo / result timeout per launch
+    timeout_s: float = 300.0  # gloo timeout, and the longest a launch may go without a step (PD: a transfer)
     log_level: str = "WARNING"
     fault: Optional[str] = None  # key of FAULTS (tests of the checkers)
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional,
 from sglang_cp_hicache.sim.config import SimConfig
 from sglang_cp_hicache.sim.results import OPS, RankResult, SeriesPoint
 from sglang_cp_hicache.sim.workload import Request
+from sglang_cp_hicache.testing.dist import heartbeat
 
 if TYPE_CHECKING:  # torch loads only in the rank processes
     from sglang_cp_hicache.sim.collectives import CollectiveCounter
@@ -226,6 +227,7 @@ class StepLoop:
                 break
             if progress is not None and self.step_index < len(steps):
                 progress.update(1)
+            heartbeat()  # the launch's timeout counts from the last step, not the start
         self.step_index = self._violation.step = self.step_index + 1
         self._land_writes(keep=0)  # every transfer lands before the final checks
         return self._finish_run(stopped)

@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 TRANSFER_EVENT = "transfer"
 DECODE_REQUEST = "request"
 _DECODE_READY_S = 120.0  # the decode process: runtime, stack, transfer engine
+# A column's roles live at most this long, however long its trace: the relay's limit is
+# per transfer (cfg.timeout_s), and a role ends itself once the harness is gone.
+PD_ROLE_LIFETIME_S = 6 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -167,7 +170,7 @@ def run_pd_column(
 
     names = [f"prefill{r}" for r in range(cfg.cp_size)]
     try:
-        with PDCluster(lifetime_s=cfg.timeout_s + 60) as cluster:
+        with PDCluster(lifetime_s=PD_ROLE_LIFETIME_S) as cluster:
             cluster.start_bootstrap()
             decode_pages = decode_pages_for(steps, cfg.page_size)
             decode = cluster.start("decode", pd.decode_role, cfg, cluster.ports, decode_pages)
@@ -184,7 +187,8 @@ def run_pd_column(
 
 def _relay(cluster, names: List[str], decode, timeout_s: float) -> dict:
     """Forward rank 0's transfer announcements to the decode role until every prefill
-    rank returned its result; any role's failure (decode's included) raises at once."""
+    rank returned its result; any role's failure (decode's included) raises at once, and
+    ``timeout_s`` without a transfer or a result raises naming the silent ranks."""
     from sglang_cp_hicache.testing.pd import RoleFailed
 
     deadline = time.monotonic() + timeout_s
@@ -197,12 +201,16 @@ def _relay(cluster, names: List[str], decode, timeout_s: float) -> dict:
                 if kind == "event" and name == TRANSFER_EVENT:
                     decode.reply(DECODE_REQUEST, payload)
                     relayed += 1
+                    deadline = time.monotonic() + timeout_s  # progress: the limit restarts
                 role.events.clear()  # relayed at once; nothing waits on them later
             if role is decode and decode.done:
                 raise RoleFailed("decode: returned before the prefill ranks finished")
         if time.monotonic() > deadline:
             pending = [r.name for r in ranks if not r.done]
-            raise RoleFailed(f"no result from {pending} within {timeout_s:.0f} s ({relayed} transfers relayed)")
+            raise RoleFailed(
+                f"no result from {pending} within {timeout_s:.0f} s of the last transfer "
+                f"({relayed} transfers relayed)"
+            )
         multiprocessing.connection.wait([r.conn for r in ranks + [decode] if not r.done], timeout=0.2)
     logger.info("PD: %d transfers relayed to the decode process", relayed)
     return {r.name: r.result for r in ranks}

@@ -27,7 +27,20 @@ from typing import Any, Callable, List, Optional
 
 _PRELOAD = "sglang_cp_hicache.testing._preload"
 _POLL_S = 0.5  # how often run_ranks checks for ranks that died without reporting
+_BEAT_EVERY_S = 1.0  # a rank's heartbeats are thinned to one per second
 _context: Optional[mp.context.BaseContext] = None
+
+
+@dataclass
+class _Beats:
+    """A run_ranks child's progress channel (None in every other process)."""
+
+    rank: int
+    queue: Any
+    last_s: float = 0.0
+
+
+_beats: Optional[_Beats] = None
 
 
 @dataclass
@@ -119,9 +132,22 @@ def _resolve_function(ref: tuple[str, str, str]) -> Callable[..., Any]:
     return obj
 
 
+def heartbeat() -> None:
+    """Tell :func:`run_ranks` this rank is making progress, so its ``timeout_s`` counts
+    from now. A no-op outside a ``run_ranks`` child (the harness, a PD role)."""
+    if _beats is None:
+        return
+    now = time.monotonic()
+    if now - _beats.last_s >= _BEAT_EVERY_S:
+        _beats.last_s = now
+        _beats.queue.put((_beats.rank, None, None))
+
+
 def _child(rank: int, world_size: int, port: int, timeout_s: float, fn_ref, args, queue) -> None:
     from sglang_cp_hicache.testing import install
 
+    global _beats
+    _beats = _Beats(rank, queue)
     install()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
@@ -140,7 +166,8 @@ def _child(rank: int, world_size: int, port: int, timeout_s: float, fn_ref, args
 
 def _collect(procs, queue, timeout_s: float, results: dict, failures: list) -> None:
     """Gather every rank's report; stop at the first failure, at a rank that exited
-    without reporting (killed, ``os._exit``, a crash outside Python), or at the timeout."""
+    without reporting (killed, ``os._exit``, a crash outside Python), or when no rank
+    reported or beat (:func:`heartbeat`) for ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     silent_polls = 0
     while len(results) < len(procs):
@@ -162,6 +189,9 @@ def _collect(procs, queue, timeout_s: float, results: dict, failures: list) -> N
                 failures.append(f"no report from ranks {silent} within {timeout_s:.0f} s")
                 return
             continue
+        if ok is None:  # a heartbeat
+            deadline = time.monotonic() + timeout_s
+            continue
         if not ok:
             failures.append(f"rank {rank}:\n{payload}")
             return
@@ -178,7 +208,8 @@ def run_ranks(
 
     ``fn`` must be importable (module-level) and its result picklable. Raises
     :class:`RankFailed` with the first failing rank's traceback, or naming a rank that
-    exited without reporting, or the ranks still silent after ``timeout_s``.
+    exited without reporting, or the ranks still silent after ``timeout_s`` (no report
+    and no :func:`heartbeat`; ``timeout_s`` is also the gloo groups' timeout).
     """
     ctx = _get_context()
     queue = ctx.Queue()
@@ -197,8 +228,11 @@ def run_ranks(
     try:
         _collect(procs, queue, timeout_s, results, failures)
     finally:
+        # One grace period for all ranks, not one each: a failed run of N ranks
+        # still stuck in their work is ended after 5 s, not 5 N.
+        join_by = time.monotonic() + (5 if failures else timeout_s)
         for proc in procs:
-            proc.join(timeout=5 if failures else timeout_s)
+            proc.join(timeout=max(0.0, join_by - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join()

@@ -36,6 +36,7 @@ from sglang_cp_hicache.testing.dist import _free_port, _function_ref, _get_conte
 LOOPBACK = "127.0.0.1"
 ALL_CP_RANKS_TRANSFER_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
 _WATCHDOG_EXIT_CODE = 124
+_WATCHDOG_POLL_S = 1.0  # how often a role checks that its harness is still there
 
 
 class RoleFailed(RuntimeError):
@@ -119,17 +120,36 @@ class RoleChannel:
         return payload
 
 
-def _watchdog(lifetime_s: float, name: str) -> None:
-    time.sleep(lifetime_s)
-    sys.stderr.write(f"pd role {name}: lifetime of {lifetime_s:.0f} s over, exiting\n")
+def _gone(pid: int) -> bool:
+    """``pid`` has exited (reaped, or a zombie nobody reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _watchdog(lifetime_s: float, name: str, harness_pid: int) -> None:
+    """End the role after ``lifetime_s``, or as soon as the harness process that started
+    it is gone (the forkserver, the role's parent, can outlive a killed harness)."""
+    end = time.monotonic() + lifetime_s
+    reason = f"lifetime of {lifetime_s:.0f} s over"
+    while time.monotonic() < end:
+        time.sleep(min(_WATCHDOG_POLL_S, max(0.0, end - time.monotonic())))
+        if _gone(harness_pid):
+            reason = "harness gone"
+            break
+    sys.stderr.write(f"pd role {name}: {reason}, exiting\n")
     sys.stderr.flush()
     os._exit(_WATCHDOG_EXIT_CODE)
 
 
-def _role_child(name: str, fn_ref, env: Dict[str, str], lifetime_s: float, args, conn) -> None:
+def _role_child(
+    name: str, fn_ref, env: Dict[str, str], lifetime_s: float, harness_pid: int, args, conn
+) -> None:
     """Entry point of a role process: env, CPU runtime, the role, one report, ``os._exit``."""
     os.environ.update(env)
-    threading.Thread(target=_watchdog, args=(lifetime_s, name), daemon=True).start()
+    threading.Thread(target=_watchdog, args=(lifetime_s, name, harness_pid), daemon=True).start()
     try:
         from sglang_cp_hicache.testing import install
 
@@ -236,7 +256,7 @@ class PDCluster:
         parent, child = ctx.Pipe()
         process = ctx.Process(
             target=_role_child,
-            args=(name, _function_ref(fn), role_env(env), self.lifetime_s, args, child),
+            args=(name, _function_ref(fn), role_env(env), self.lifetime_s, os.getpid(), args, child),
             name=f"pd-{name}",
         )
         process.start()

@@ -176,6 +176,12 @@ HOOKS: Tuple[HookSpec, ...] = (
         "sglang_cp_hicache.v0_5_23.mem_cache.unified_radix_cache:handle_prefetch_result_around",
         "AROUND",
     ),
+    # L3 attached at runtime (admin API): file / mooncake as at startup, others refused.
+    HookSpec(
+        "sglang.srt.mem_cache.unified_cache.storage_attachment:StorageAttachment.attach",
+        "sglang_cp_hicache.v0_5_23.mem_cache.unified_cache.storage_attachment:attach_around",
+        "AROUND",
+    ),
     # Per-layer D2H backup under the flag (mem_cache/layer_backup.py): attach after HiCache
     # is built; the insert takes the reserved host slots; the ticket's ack finishes the node.
     HookSpec(f"{_URC}.init_hicache", f"{_LAYER_BACKUP}:init_hicache_after", "AFTER"),

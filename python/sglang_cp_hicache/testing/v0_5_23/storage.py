@@ -44,22 +44,27 @@ def apply_plugin_hooks() -> None:
     _hooks_applied.append(True)
 
 
-def attach_storage(
-    stack: Any, backend: str, *, model_name: str = "test-model", extra: Optional[dict] = None
-) -> Any:
-    """Attach ``backend`` to ``stack``'s cache through upstream's controller and publish
-    the runtime config, as ``init_hicache`` does at startup; wait-complete prefetches."""
+def publish_prefill_cp_topology(stack: Any) -> None:
+    """Publish a PD prefill worker's topology under prefill CP (TP = the CP group,
+    attention TP 1), which the controller's storage config reads."""
     from sglang.srt.runtime_context import get_parallel
 
-    cache, controller = stack.cache, stack.controller
-    threshold = stack.config.page_size
-    # A PD prefill worker's topology under prefill CP: TP = the CP group, attention TP 1.
     get_parallel().override_permanently(
         tp_rank=stack.shard_rank, tp_size=stack.shard_size, pp_rank=0, pp_size=1,
         attn_tp_rank=0, attn_tp_size=1, attn_cp_rank=stack.shard_rank,
         attn_cp_size=stack.shard_size, attn_dp_rank=0, attn_dp_size=1, attn_dcp_rank=0,
         attn_dcp_size=1, moe_tp_size=stack.shard_size,
     )  # fmt: skip
+
+
+def attach_storage(
+    stack: Any, backend: str, *, model_name: str = "test-model", extra: Optional[dict] = None
+) -> Any:
+    """Attach ``backend`` to ``stack``'s cache through upstream's controller and publish
+    the runtime config, as ``init_hicache`` does at startup; wait-complete prefetches."""
+    cache, controller = stack.cache, stack.controller
+    threshold = stack.config.page_size
+    publish_prefill_cp_topology(stack)
     controller.attach_storage_backend(
         storage_backend=backend,
         prefetch_threshold=threshold,
@@ -79,6 +84,31 @@ def attach_storage(
     )
     cache.prefetch_stop_policy = "wait_complete"
     return controller.storage_backend
+
+
+def attach_at_runtime(
+    stack: Any, backend: str, *, model_name: str = "test-model", extra: Optional[dict] = None
+) -> Tuple[bool, str]:
+    """Attach ``backend`` as the admin API does (``/attach_hicache_storage_backend``: the
+    scheduler's ``attach_hicache_storage_wrapped`` calls
+    ``UnifiedRadixCache.attach_storage_backend``, upstream's ``StorageAttachment.attach``),
+    ``extra`` as its JSON extra config, wait-complete prefetches; upstream's
+    ``(ok, message)``."""
+    import json
+
+    publish_prefill_cp_topology(stack)
+    config = {
+        "prefetch_threshold": stack.config.page_size,
+        "prefetch_timeout_base": 30.0,
+        "prefetch_timeout_per_ki_token": 1.0,
+        **(extra or {}),
+    }
+    return stack.cache.attach_storage_backend(
+        storage_backend=backend,
+        storage_backend_extra_config_json=json.dumps(config),
+        served_model_name=model_name,
+        hicache_storage_prefetch_policy="wait_complete",
+    )
 
 
 def publish_single_rank_flag_record(stack: Any, backend: str) -> Any:
@@ -232,6 +262,7 @@ def load_back(stack: Any, token_ids: Sequence[int]) -> torch.Tensor:
 __all__ = [
     "LogicalKV",
     "apply_plugin_hooks",
+    "attach_at_runtime",
     "attach_storage",
     "detach_storage",
     "evict_everything",
@@ -239,6 +270,7 @@ __all__ = [
     "logical_kv",
     "owned_row_mismatches",
     "prefetch",
+    "publish_prefill_cp_topology",
     "publish_single_rank_flag_record",
     "store_request",
     "wait_backups_stored",
@@ -369,3 +401,101 @@ def prefetch_within(stack: Any, rid: str, token_ids: Sequence[int], timeout_s: f
         if not _all_ranks(stack, elapsed < timeout_s):
             raise TimeoutError(f"rank {stack.shard_rank}: prefetch {rid} not done in {timeout_s} s")
         time.sleep(WAIT_STEP_S)
+
+
+# ------------------------------------ writers held alive for later readers (Mooncake)
+#: A held rank's poll of its release file.
+HOLD_POLL_S = 0.05
+
+
+def _ready_path(flag_dir: str, rank: int) -> str:
+    return os.path.join(flag_dir, f"ready.{rank}")
+
+
+def _release_path(flag_dir: str) -> str:
+    return os.path.join(flag_dir, "release")
+
+
+def hold_until_released(rank: int, flag_dir: str, timeout_s: float) -> float:
+    """Rank side of :class:`HeldRanks`: announce this rank's work done, then wait until the
+    test releases the ranks (a file, no collective: held ranks make no cache calls); the
+    seconds held. Raises ``TimeoutError`` after ``timeout_s``: a hold never outlives its
+    test."""
+    ready = _ready_path(flag_dir, rank)
+    with open(ready + ".tmp", "w"):
+        pass
+    os.replace(ready + ".tmp", ready)  # atomic: the test never sees a half-made flag
+    started = time.monotonic()
+    while not os.path.exists(_release_path(flag_dir)):
+        if time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"rank {rank}: not released within {timeout_s} s")
+        time.sleep(HOLD_POLL_S)
+    return time.monotonic() - started
+
+
+@dataclass
+class HeldRanks:
+    """:func:`~sglang_cp_hicache.testing.dist.run_ranks` in a background thread, for ranks
+    that must stay alive while other ranks run: Mooncake keeps an object in the segments
+    of the clients mounted when it was put, so a writer that leaves takes its pages with it.
+
+    ``fn(ctx, flag_dir, hold_s, *args)`` does its work, then calls
+    :func:`hold_until_released`. Entering waits (at most ``ready_timeout_s``) until every
+    rank announced; leaving releases them and joins the thread (bounded). :meth:`results`
+    are the ranks' reports, or raises their failure. Invariant: a rank is never held longer
+    than ``hold_s``, and the thread never outlives the run's own timeout.
+    """
+
+    world_size: int
+    fn: Any
+    args: Tuple[Any, ...]
+    flag_dir: str
+    hold_s: float = 240.0
+    ready_timeout_s: float = 120.0
+    _thread: Any = None
+    _results: Optional[List[Any]] = None
+    _error: Optional[BaseException] = None
+
+    def _run(self) -> None:
+        from sglang_cp_hicache.testing.dist import run_ranks
+
+        try:
+            self._results = run_ranks(
+                self.world_size, self.fn, self.flag_dir, self.hold_s, *self.args,
+                timeout_s=self.ready_timeout_s + self.hold_s,
+            )  # fmt: skip
+        except BaseException as error:  # re-raised by results()
+            self._error = error
+
+    def __enter__(self) -> "HeldRanks":
+        import threading
+
+        os.makedirs(self.flag_dir, exist_ok=True)
+        self._thread = threading.Thread(target=self._run, name="held-ranks", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + self.ready_timeout_s
+        ready = [_ready_path(self.flag_dir, rank) for rank in range(self.world_size)]
+        while not all(os.path.exists(path) for path in ready):
+            if not self._thread.is_alive():
+                self.results()  # raises the ranks' failure
+                raise RuntimeError("held ranks ended without announcing they were ready")
+            if time.monotonic() > deadline:
+                self.__exit__()
+                raise TimeoutError(f"held ranks not ready within {self.ready_timeout_s} s")
+            time.sleep(HOLD_POLL_S)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with open(_release_path(self.flag_dir), "w"):
+            pass
+        # run_ranks ends by its own timeout at the latest; a hung thread is a failure.
+        self._thread.join(timeout=self.ready_timeout_s + self.hold_s + 30)
+        if self._thread.is_alive() and self._error is None:
+            self._error = TimeoutError("held ranks' run did not end after their release")
+
+    def results(self) -> List[Any]:
+        if self._error is not None:
+            raise self._error
+        if self._results is None:
+            raise RuntimeError("held ranks have not ended: results() after leaving the block")
+        return self._results

@@ -41,6 +41,10 @@ class CpHiCacheMetadataError(RuntimeError):
     """CP HiCache bookkeeping is inconsistent; the message names the node and rank."""
 
 
+# The owned host locs of a plan whose pages this rank owns none of (read only, shared).
+_NO_HOST_LOCS = np.empty(0, dtype=np.int64)
+_NO_HOST_LOCS.flags.writeable = False
+
 # What a logical host page holds (bit mask): the target's KV, and the MTP draft's.
 PAYLOAD_TARGET = 1
 PAYLOAD_DRAFT = 2
@@ -110,11 +114,15 @@ class HostWritePlan:
 @dataclass
 class HostLoadPlan:
     """One logical load: the node's logical host pages, their write-time owner lanes and
-    each lane's device page need. Replicated like :class:`HostWritePlan`."""
+    each lane's device page need, replicated like :class:`HostWritePlan`; and this rank's
+    physical host locs of the pages it owns (``owned_host_locs``: whole pages in page
+    order, empty when it owns none), which stay fixed while the pages are allocated, so a
+    load reads them from the plan instead of the table."""
 
     host_run: PageRun
     page_owners: np.ndarray
     lane_pages: List[int]
+    owned_host_locs: np.ndarray
 
     @property
     def parts(self) -> Tuple["HostLoadPlan"]:
@@ -313,17 +321,25 @@ class CpHostPageTable:
     def plan_load(self, logical_host_locs: np.ndarray, node_id: int = -1) -> HostLoadPlan:
         run = PageRun.of(logical_host_locs, self.page_size)
         owners, lane_pages = self._owners(run.pages, node_id, "is not allocated")
-        return HostLoadPlan(run, owners, lane_pages)
+        return self.load_plan(run, owners, lane_pages)
 
-    def physical_host_locs(self, owned_logical_pages: np.ndarray) -> np.ndarray:
-        """Physical host locs (this rank, whole pages) of owned logical host pages, read at
-        execution time: after any eviction the planner made room with."""
-        return page_token_locs(self._physical_page[owned_logical_pages], self.page_size)
+    def load_plan(self, run: PageRun, page_owners: np.ndarray, lane_pages: List[int]) -> HostLoadPlan:
+        """The load plan of allocated logical host pages ``run`` whose owners are known,
+        with this rank's physical host locs of them."""
+        owned_count = lane_pages[self.layout.cp_rank]
+        if not owned_count:
+            return HostLoadPlan(run, page_owners, lane_pages, _NO_HOST_LOCS)
+        owned_pages = run.pages
+        if owned_count < len(owned_pages):
+            owned_pages = owned_pages[page_owners == self.layout.cp_rank]
+        physical_pages = self._physical_page[owned_pages]
+        return HostLoadPlan(run, page_owners, lane_pages, page_token_locs(physical_pages, self.page_size))
 
     # ------------------------------------------------------------------ lookup
     def lane_pages(self, logical_host_locs: np.ndarray, node_id: int = -1) -> List[int]:
         """Pages per owner lane of a node's logical host locs (eviction planning)."""
-        return self.plan_load(logical_host_locs, node_id).lane_pages
+        pages = PageRun.of(logical_host_locs, self.page_size).pages
+        return self._owners(pages, node_id, "is not allocated")[1]
 
     def node_metadata(
         self, logical_host_locs: torch.Tensor, node_id: int = -1

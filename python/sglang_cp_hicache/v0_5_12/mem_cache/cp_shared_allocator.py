@@ -11,7 +11,10 @@ returns the same locs):
 
 * new pages (``alloc_extend``, ``alloc_decode``, ``alloc``) are *balanced*
   (:func:`balanced_page_owners`): the lanes with the most free pages first, interleaved
-  page by page. Any lane is a correct owner of a new page: under NSA prefill CP the
+  page by page; in ``alloc_extend`` a fresh chain's first pages go on distinct lanes, the
+  ones that sent the fewest pages first (:func:`extend_page_owners`; the pages sent are
+  counted by the cache, :meth:`CPSharedPagedTokenToKVPoolAllocator.count_sent_pages`, from
+  logical locs). Any lane is a correct owner of a new page: under NSA prefill CP the
   chunk's latent KV and indexer key are all-gathered before they are stored, so every
   rank holds every new token's KV at store time, in both split modes and for batches
   that are not CP-split (``docs/cp_shared_kv_layout.md``). An allocation of new pages
@@ -85,16 +88,108 @@ def balanced_lane_counts(lane_free: Sequence[int], num_pages: int) -> Optional[L
 
 def balanced_page_owners(lane_free: Sequence[int], num_pages: int) -> Optional[np.ndarray]:
     """Owner lane of each of ``num_pages`` new pages: :func:`balanced_lane_counts`, dealt
-    out round by round (one page per lane with pages left, the freest lane first, ties to
-    the lower lane), so any run of consecutive pages (a request, a later prefix hit of part
-    of it) is spread over the lanes too, and a lane's place in a run does not depend on its
-    number. ``None`` if the lanes together are short."""
+    out by :func:`_deal_round_by_round`. ``None`` if the lanes together are short."""
     counts = balanced_lane_counts(lane_free, num_pages)
     if counts is None:
         return None
+    return _deal_round_by_round(counts, lane_free)
+
+
+def _deal_round_by_round(counts: Sequence[int], lane_free: Sequence[int]) -> np.ndarray:
+    """``counts[lane]`` pages per lane dealt out round by round (one page per lane with pages
+    left, the freest lane first, ties to the lower lane), so any run of consecutive pages (a
+    request, a later prefix hit of part of it) is spread over the lanes too, and a lane's
+    place in a run does not depend on its number."""
     lanes, rounds = _segment_offsets(np.asarray(counts, dtype=np.int64))
     free = np.asarray(lane_free, dtype=np.int64)
     return lanes[np.lexsort((lanes, -free[lanes], rounds))].astype(np.int64)
+
+
+def fresh_chain_head_lanes(
+    lane_sent: Sequence[int],
+    lane_free: Sequence[int],
+    planned: List[int],
+    kept: List[int],
+    num_pages: int,
+) -> List[int]:
+    """Owner lanes of a fresh chain's first pages, in position order: distinct lanes, those
+    that sent the fewest pages first (ties: the freest, then the lower lane).
+
+    ``planned``: the batch's pages per lane not dealt yet (the water-fill's counts), and
+    ``kept``: the free pages per lane the plan leaves; both updated in place (the heads are
+    taken from ``planned``). A head lane the plan gives no page takes one
+    of its free pages from a donor lane outside the heads (the most-sent first) that gives
+    up one planned page; each lane gives or takes at most one, so a lane's fill moves by at
+    most one page against the plan. At most ``min(num_pages, cp)`` heads, fewer when donors
+    run out.
+    """
+    cp = len(planned)
+    order = sorted(range(cp), key=lambda lane: (lane_sent[lane], -lane_free[lane], lane))
+
+    def donors(heads: List[int]) -> List[int]:
+        # Outside the heads: any planned page; a head: one beyond its own.
+        return [lane for lane in reversed(order) if planned[lane] > (lane in heads)]
+
+    heads: List[int] = []
+    for lane in order:
+        if len(heads) == min(num_pages, cp):
+            break
+        if planned[lane] == 0 and kept[lane] == 0:
+            continue
+        trial = heads + [lane]
+        if sum(planned[h] == 0 for h in trial) <= len(donors(trial)):
+            heads = trial
+    receivers = [lane for lane in heads if planned[lane] == 0]
+    for receiver, donor in zip(receivers, donors(heads)):
+        planned[donor] -= 1
+        kept[donor] += 1
+        planned[receiver] += 1
+        kept[receiver] -= 1
+    for lane in heads:
+        planned[lane] -= 1
+    return heads
+
+
+def extend_page_owners(
+    lane_free: Sequence[int],
+    lane_sent: Sequence[int],
+    pages_per_request: Sequence[int],
+    fresh: Sequence[bool],
+) -> Optional[np.ndarray]:
+    """Owner lane of each new page of an extend batch (the requests' pages in order).
+
+    The lanes' counts are :func:`balanced_lane_counts` of the batch, as
+    :func:`balanced_page_owners`. A fresh chain (a request with no cached prefix) starts a
+    prefix that later requests re-use and, under PD, send again from the same owners (the
+    lower the page, the more requests share it): its first pages go on distinct lanes, the
+    ones that sent the fewest pages first (:func:`fresh_chain_head_lanes`; within the batch
+    each head counts as one page sent, so two fresh chains start apart). A lane's fill moves
+    by at most one page per fresh chain against the water-fill (none when the water-fill
+    gives each head lane a page anyway). Every other page is dealt round by round, as
+    :func:`balanced_page_owners` deals. ``None`` if the lanes together are short.
+    """
+    total = int(sum(pages_per_request))
+    planned = balanced_lane_counts(lane_free, total)
+    if planned is None:
+        return None
+    sent = list(lane_sent)
+    kept = [free - plan for free, plan in zip(lane_free, planned)]
+    heads: List[List[int]] = []
+    for num_pages, is_fresh in zip(pages_per_request, fresh):
+        lanes = fresh_chain_head_lanes(sent, lane_free, planned, kept, num_pages) if is_fresh else []
+        for lane in lanes:
+            sent[lane] += 1
+        heads.append(lanes)
+    rest = _deal_round_by_round(planned, lane_free)
+    owners = np.empty(total, dtype=np.int64)
+    start = rest_start = 0
+    for num_pages, lanes in zip(pages_per_request, heads):
+        tail = num_pages - len(lanes)
+        owners[start : start + len(lanes)] = lanes
+        owners[start + len(lanes) : start + num_pages] = rest[rest_start : rest_start + tail]
+        start += num_pages
+        rest_start += tail
+    return owners
 
 
 @dataclass(frozen=True)
@@ -337,6 +432,7 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         self.lanes = OwnerLaneFreePages(self.layout, physical_size // page_size, need_sort)
         self._on_host = torch.device(device).type == "cpu"
         self._new_page_log: Optional[List[np.ndarray]] = None  # open in recording_new_pages
+        self.sent_pages: List[int] = [0] * cp_size  # per lane; reset by clear()
         # Upstream __init__ calls clear(), which resets the lanes built above.
         super().__init__(physical_size * cp_size, page_size, dtype, device, kvcache, need_sort)
 
@@ -364,6 +460,14 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     def lane_deficit(self, lane_pages: Sequence[int]) -> List[int]:
         """Pages each lane lacks to serve ``lane_pages`` pages per lane (all 0: it fits)."""
         return self.lanes.deficit(list(lane_pages))
+
+    def count_sent_pages(self, logical_pages: np.ndarray) -> None:
+        """Count ``logical_pages`` (host int64) as sent by their owner lanes: a finished
+        request's prompt, which a PD prefill sends from each page's owner. Logical, so the
+        counts are the same on every rank; :func:`extend_page_owners` reads them."""
+        owners = self.layout.owner_for_logical_pages(logical_pages)
+        sent = np.bincount(owners, minlength=self.cp_size) + np.asarray(self.sent_pages)
+        self.sent_pages = sent.tolist()
 
     # ------------------------------------------------------------ allocation
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
@@ -416,18 +520,28 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         extend_num_tokens: int,
         num_new_pages: Optional[int] = None,
     ) -> Optional[torch.Tensor]:
-        """Upstream ``alloc_extend`` layout with balanced new pages.
+        """Upstream ``alloc_extend`` layout with new pages placed by
+        :func:`extend_page_owners` (a request with prefix 0 starts a fresh chain).
 
         Only the ``*_cpu`` lens are read (``prefix_lens``/``seq_lens`` are kept for the
         upstream signature); ``num_new_pages``, when given, must match them.
         """
+        prefix_lens_host = host_int64(prefix_lens_cpu)
         new_pages_per_request = ceil_div(host_int64(seq_lens_cpu), self.page_size) - ceil_div(
-            host_int64(prefix_lens_cpu), self.page_size
+            prefix_lens_host, self.page_size
         )
         needed = int(new_pages_per_request.sum())
         if num_new_pages is not None and num_new_pages != needed:
             raise ValueError(f"num_new_pages={num_new_pages} but the lens need {needed} new pages")
-        new_pages = self._take_new_pages(needed)
+        new_pages = self._take_pages(
+            extend_page_owners(
+                self.lanes.page_counts,
+                self.sent_pages,
+                new_pages_per_request.tolist(),
+                (prefix_lens_host == 0).tolist(),
+            ),
+            needed,
+        )
         if new_pages is None:
             return None
         return _extend_token_locs(
@@ -474,6 +588,7 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
 
     def clear(self) -> None:
         self.lanes.reset()
+        self.sent_pages = [0] * self.cp_size
         self.is_not_in_free_group = True
         self.free_group = []
 
@@ -510,7 +625,11 @@ class CPSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     def _take_new_pages(self, num_pages: int) -> Optional[np.ndarray]:
         """``num_pages`` balanced new pages, or ``None`` (lanes untouched) if the lanes
         together are short."""
-        page_owners = balanced_page_owners(self.lanes.page_counts, num_pages)
+        return self._take_pages(balanced_page_owners(self.lanes.page_counts, num_pages), num_pages)
+
+    def _take_pages(self, page_owners: Optional[np.ndarray], num_pages: int) -> Optional[np.ndarray]:
+        """New pages of the placement ``page_owners`` (``None``: the lanes together are
+        short of ``num_pages``; nothing is taken)."""
         if page_owners is None:
             logger.debug("CP shared KV allocator short of %d pages", num_pages)
             return None

@@ -576,9 +576,15 @@ class CpHiRadixCache(FastHiRadixCache):
     def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
         """Upstream's, with the inserted nodes' runs taken from the request's mirrored row;
         then what the insert did not claim of the reservation made before the forward is
-        rolled back."""
+        rolled back. A request that finishes (not a retraction) first counts its prompt's
+        pages as sent by their owners (what a PD prefill sends), for the allocator's
+        placement of fresh chains."""
         if not self.uses_cp_hicache:
             return super().cache_finished_req(req, is_insert)
+        if is_insert:
+            prompt_len = min(len(req.origin_input_ids), req.kv_committed_len)
+            prompt_locs = self.req_loc_mirror.read(req.req_pool_idx, 0, prompt_len)
+            self.token_to_kv_pool_allocator.count_sent_pages(prompt_locs[:: self.page_size] // self.page_size)
         with self._placing(self.req_loc_mirror.row(req.req_pool_idx)):
             super().cache_finished_req(req, is_insert)
         self._settle_forward_reservation(req)

@@ -262,12 +262,7 @@ class CpHybridCacheController(HybridCacheController):
         operation = None
         if plan.lane_pages[self.cp_rank]:
             owned = plan.page_owners == self.cp_rank
-            physical_device_pages = self.layout.logical_pages_to_physical(
-                plan.device_run.pages[owned], validate=False
-            )
-            physical_device_locs = self.allocator.to_device(
-                page_token_locs(physical_device_pages, self.page_size)
-            )
+            physical_device_locs = self._physical_device_locs(plan.device_run.pages[owned])
             try:  # with a draft: the same slots in the draft's pools, or nothing
                 physical_host_locs = self.mem_pool_host.alloc(len(physical_device_locs))
             except DraftHostSlotsError as error:
@@ -316,7 +311,7 @@ class CpHybridCacheController(HybridCacheController):
             return self.host_table.plan_load(host_locs)
         page = self.page_size
         run = PageRun(host_locs, host_locs[::page] // page, None, page)
-        return HostLoadPlan(run, plan.page_owners, plan.lane_pages)
+        return self.host_table.load_plan(run, plan.page_owners, plan.lane_pages)
 
     def submit_write(self, pending: PendingHostWrite, per_layer: bool = False) -> None:
         """Queue the reserved backup's transfer and its one ack.
@@ -445,26 +440,35 @@ class CpHybridCacheController(HybridCacheController):
     def _owned_load_locs(
         self, parts: Sequence[HostLoadPlan], device_pages: List[np.ndarray]
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Physical host and device locs of this rank's pages of a load (whole pages)."""
-        host_pages, new_pages = [], []
+        """Physical host and device locs of this rank's pages of a load (whole pages): the
+        host ones from the parts' plans, the device ones from the pages just taken."""
+        rank = self.cp_rank
+        host_locs, new_pages = [], []
         for part, pages in zip(parts, device_pages):
-            owned_count = part.lane_pages[self.cp_rank]
-            if owned_count == len(pages):  # a part this rank owns whole: no mask
-                host_pages.append(part.host_run.pages)
-                new_pages.append(pages)
-            elif owned_count:
-                owned = part.page_owners == self.cp_rank
-                host_pages.append(part.host_run.pages[owned])
-                new_pages.append(pages[owned])
-        if len(host_pages) > 1:
-            host_pages, new_pages = [np.concatenate(host_pages)], [np.concatenate(new_pages)]
-        physical_host_locs = torch.from_numpy(self.host_table.physical_host_locs(host_pages[0]))
-        # The owner lanes only hold pages of their owner: no ownership re-check needed.
-        physical_device_pages = self.layout.logical_pages_to_physical(new_pages[0], validate=False)
-        physical_device_locs = self.allocator.to_device(
-            page_token_locs(physical_device_pages, self.page_size)
-        )
-        return physical_host_locs, physical_device_locs
+            owned_count = part.lane_pages[rank]
+            if owned_count:
+                host_locs.append(part.owned_host_locs)
+                # A part this rank owns whole needs no mask.
+                new_pages.append(pages if owned_count == len(pages) else pages[part.page_owners == rank])
+        if len(host_locs) > 1:
+            host_locs, new_pages = [np.concatenate(host_locs)], [np.concatenate(new_pages)]
+        # The op reads the plan's locs (nothing writes either in place). The owner lanes
+        # only hold pages of their owner.
+        return torch.from_numpy(host_locs[0]), self._physical_device_locs(new_pages[0])
+
+    def _physical_device_locs(self, owned_logical_pages: np.ndarray) -> torch.Tensor:
+        """This rank's physical device locs (whole pages, on the device) of logical pages it
+        owns (not re-checked). One page, the usual node, is mapped in Python ints: on the
+        scheduler thread a NumPy division is a cold call that costs more than the rest of
+        a load's owned-page work."""
+        page = self.page_size
+        if len(owned_logical_pages) == 1:
+            physical_page = self.layout.logical_pages_to_physical(owned_logical_pages.item(), validate=False)
+            locs = np.arange(physical_page * page, (physical_page + 1) * page, dtype=np.int64)
+        else:
+            physical_pages = self.layout.logical_pages_to_physical(owned_logical_pages, validate=False)
+            locs = page_token_locs(physical_pages, page)
+        return self.allocator.to_device(locs)
 
     def start_loading(self) -> int:
         if self.load_queue and all(op.host_indices.numel() == 0 for op in self.load_queue):

@@ -36,7 +36,8 @@ def _plan_fields(plan) -> tuple:
     run = plan.host_run
     page_of_loc = None if run.page_of_loc is None else run.page_of_loc.tolist()
     owners = plan.page_owners.tolist()
-    return (run.locs.tolist(), run.pages.tolist(), page_of_loc, run.page_size, owners, list(plan.lane_pages))
+    fields = (run.locs.tolist(), run.pages.tolist(), page_of_loc, run.page_size, owners, list(plan.lane_pages))
+    return fields + (plan.owned_host_locs.tolist(),)
 
 
 def _table_plan(cache, node):

@@ -133,6 +133,9 @@ def test_host_table_metadata_release_round_trip():
     assert meta.owned_positions.tolist() == [0, 1, 2, 3, 12, 13]
     assert meta.host_indices.tolist() == [12, 13, 14, 15, 0, 1]
     assert table.lane_pages(host_locs) == [1, 2, 1]
+    # The load plan carries this rank's physical host slots, whole pages (the tail too).
+    plan = table.plan_load(host_locs, node_id=11)
+    assert plan.owned_host_locs.tolist() == list(range(12, 16)) + list(range(0, 4))
     physical, lane_freed = table.release(host_locs, node_id=11)
     assert sorted(physical.tolist()) == [0, 3] and lane_freed == [1, 2, 1]
     assert table.used_logical_tokens() == 0 and not any(table.lane_used_pages())
@@ -161,3 +164,18 @@ def test_page_run_finds_pages_in_order_and_relocates_offsets(locs, page_of_loc):
     assert (moved // PS).tolist() == [100 + expected_pages.index(p) for p in (locs // PS).tolist()]
     head, tail = run.split(PS)
     assert head.locs.tolist() + tail.locs.tolist() == locs.tolist()
+
+
+@pytest.mark.parametrize("cp_rank,physical_pages", [(0, []), (1, [3, 1]), (2, [4])])
+def test_load_plan_owned_host_locs_are_the_physical_pages_commit_recorded(cp_rank, physical_pages):
+    """Owned in part, or not at all: the plan's slots are the physical pages commit_write
+    recorded for this rank's pages, whole and in page order (empty on a rank owning none)."""
+    table = _table(cp_size=3, cp_rank=cp_rank, physical_pages=5)
+    device_locs = page_token_locs(np.array([4, 7, 5]), PS)  # owners 1, 1, 2 at cp 3
+    plan = table.plan_write(PageRun.of(device_locs, PS))
+    host_locs = table.commit_write(plan, np.array(physical_pages, dtype=np.int64))
+    load_plan = table.plan_load(host_locs)
+    assert load_plan.lane_pages == [0, 2, 1]
+    assert load_plan.owned_host_locs.dtype == np.int64
+    expected = page_token_locs(np.array(physical_pages, dtype=np.int64), PS)
+    assert load_plan.owned_host_locs.tolist() == expected.tolist()

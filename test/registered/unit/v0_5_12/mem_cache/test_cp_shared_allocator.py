@@ -19,6 +19,7 @@ from sglang_cp_hicache.v0_5_12.mem_cache.cp_shared_allocator import (
     CPSharedPagedTokenToKVPoolAllocator,
     balanced_lane_counts,
     balanced_page_owners,
+    extend_page_owners,
     extend_token_locs_host,
 )
 from sglang_cp_hicache.testing.v0_5_12.allocators import (
@@ -201,8 +202,11 @@ def test_alloc_extend_matches_upstream_layout_and_balances_new_pages(cp_size, pa
     prefix, _, seq, _, last_loc, _ = extend_args(prefix_lens, seq_lens, our_last)
     alloc_extend_naive(prefix, seq, last_loc, new_pages, reference, page_size, "cpu")
     assert torch.equal(our_locs, reference)
-    # The new pages are the balanced placement from the lanes' free counts before the call.
-    expected_owners = balanced_page_owners(lane_free, len(new_pages))
+    # The new pages are extend_page_owners' placement from the lanes' free counts before
+    # the call (a request with prefix 0 starts a fresh chain).
+    pages_per_request = [-(-s // page_size) - -(-p // page_size) for p, s in zip(prefix_lens, seq_lens)]
+    fresh = [p == 0 for p in prefix_lens]
+    expected_owners = extend_page_owners(lane_free, ours.sent_pages, pages_per_request, fresh)
     assert ours.layout.owner_for_logical_pages(new_pages).tolist() == expected_owners.tolist()
 
 

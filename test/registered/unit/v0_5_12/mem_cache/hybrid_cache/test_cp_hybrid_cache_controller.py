@@ -7,8 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_cp_hicache.v0_5_12.mem_cache.cp_hicache_metadata import CpHiCacheMetadataError, PageRun
-from sglang_cp_hicache.core.cp_shared_kv_layout import page_token_locs
+from sglang_cp_hicache.v0_5_12.mem_cache.cp_hicache_metadata import (
+    CpHiCacheMetadataError,
+    JoinedHostLoadPlan,
+    PageRun,
+)
+from sglang_cp_hicache.core.cp_shared_kv_layout import host_int64, page_token_locs
 from sglang_cp_hicache.testing.v0_5_12 import nsa_stack
 
 PS = 64
@@ -207,6 +211,8 @@ LOAD_CASES = [
     (2, 1, [0, 1, 0], 10),  # partial tail page
     (3, 1, [2, 1, 0, 1], 33),
     (3, 2, [0, 0], 1),
+    (2, 1, [1], PS),  # one page, owned: the one-page device mapping
+    (3, 0, [1, 0, 2], 5),  # one owned page among others
 ]
 
 
@@ -237,6 +243,51 @@ def test_load_queues_owned_pages_and_returns_valid_locs_at_their_offsets(
     assert torch.equal(op.device_indices, page_token_locs(physical_pages, PS))
     assert op.node_ids == [8]
     stack.close()
+
+
+@pytest.mark.parametrize("cp_size,cp_rank", [(2, 0), (3, 1)])
+def test_joined_load_queues_one_op_of_each_parts_owned_pages_in_part_order(gloo_world1, cp_size, cp_rank):
+    """A joined load (parts owned whole, in part, not at all, one page, a tail) takes each
+    part's owner pattern again and queues one op: the parts' owned host slots and new
+    physical device pages, part after part."""
+    cfg = nsa_stack.StackConfig(cp_size=cp_size, physical_tokens=PS * 16, layer_num=1)
+    stack = nsa_stack.build_rank_stack(cfg, cp_rank, None, gloo_world1)
+    controller, table, layout = stack.cache.cache_controller, stack.cache.host_table, stack.layout
+    other = (cp_rank + 1) % cp_size
+    nodes = [([cp_rank], PS), ([cp_rank, other, cp_rank], PS), ([other], PS), ([other, cp_rank], 9)]
+    host_values, metadata = [], []
+    for node_id, (owners, tail) in enumerate(nodes):
+        full = stack.allocator.alloc_pages_with_owners(torch.tensor(owners))
+        host_locs = controller.write(full[: len(full) - PS + tail], node_id=node_id, **stack.cache._get_extra_pools())
+        host_values.append(host_locs)
+        metadata.append(table.node_metadata(host_locs, node_id))
+    plan = JoinedHostLoadPlan([table.plan_load(host_int64(locs)) for locs in host_values])
+
+    part_locs = controller.load_planned(plan, node_id=9, **stack.cache._get_extra_pools())
+    (op,) = controller.load_queue
+    assert [len(locs) for locs in part_locs] == [len(locs) for locs in host_values]
+    expected_host, expected_device = [], []
+    for locs, host_locs, meta, (owners, _) in zip(part_locs, host_values, metadata, nodes):
+        assert np.array_equal(locs % PS, host_locs.numpy() % PS)
+        new_pages = locs[::PS] // PS
+        assert layout.owner_for_logical_pages(new_pages).tolist() == owners
+        owned_host_pages = meta.host_indices[meta.owned_positions % PS == 0] // PS
+        expected_host.append(page_token_locs(owned_host_pages, PS))
+        physical_pages = layout.logical_pages_to_physical(new_pages[new_pages % cp_size == cp_rank])
+        expected_device.append(torch.from_numpy(page_token_locs(physical_pages, PS)))
+    assert torch.equal(op.host_indices, torch.cat(expected_host))
+    assert torch.equal(op.device_indices, torch.cat(expected_device))
+    assert op.node_ids == [9]
+    stack.close()
+
+
+@pytest.mark.parametrize("pages", [[6], [2, 8, 4]])
+def test_physical_device_locs_are_the_layouts_whole_pages(rank_stack, pages):
+    """One page (mapped in Python ints) or several: the layout's physical pages, expanded."""
+    logical_pages = np.array(pages, dtype=np.int64)  # owned by rank 0 at cp 2
+    locs = rank_stack.cache.cache_controller._physical_device_locs(logical_pages)
+    expected = page_token_locs(rank_stack.layout.logical_pages_to_physical(logical_pages), PS)
+    assert locs.dtype == torch.int64 and locs.tolist() == expected.tolist()
 
 
 def test_load_of_an_unallocated_host_page_names_node_and_rank(gloo_world1):
