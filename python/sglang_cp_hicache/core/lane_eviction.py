@@ -70,6 +70,23 @@ def first_page_leaders(first_pages: Sequence[Optional[Hashable]]) -> List[Option
     return leaders
 
 
+def base_overlap(lane: int, chain_starts: Sequence[int], lanes: int) -> int:
+    """How much a chain based on ``lane`` piles onto the chains already started
+    (``chain_starts``: chains per base lane).
+
+    A chain's requests each put ``n // lanes`` pages on every lane and one more on the
+    first ``n % lanes`` lanes from its base, so a chain based on ``b`` weighs
+    ``lanes - 1 - k`` on lane ``b + k`` (the remainder taken uniform). The overlap is the
+    product of that ramp from ``lane`` with the started chains' ramps: 0 when no chain
+    was started, least where the new chain's heavy lanes meet the others' light ones."""
+    load = [0] * lanes
+    for base, count in enumerate(chain_starts):
+        if count:
+            for k in range(lanes):
+                load[(base + k) % lanes] += count * (lanes - 1 - k)
+    return sum(load[(lane + k) % lanes] * (lanes - 1 - k) for k in range(lanes))
+
+
 def extend_lane_demand(
     free: Sequence[int],
     bases: Sequence[Optional[int]],
@@ -80,6 +97,7 @@ def extend_lane_demand(
     *,
     fit_first: bool = False,
     leaders: Optional[Sequence[Optional[int]]] = None,
+    chain_starts: Optional[Sequence[int]] = None,
 ) -> Tuple[List[int], List[int]]:
     """Pages per lane one extend batch draws, request by request in batch order, and each
     request's rotation base.
@@ -88,15 +106,20 @@ def extend_lane_demand(
     chain, position-page ``P`` on lane ``(b_i + P) % lanes``. A new chain (``b_i`` None)
     starts on the lane with the most free pages left after the earlier requests' draws,
     ties to the lowest lane (SGLang 0.5.23's ``PageInterleavePoolAllocator.alloc_extend``
-    rule). With ``fit_first`` the new chain starts on the freest lane among those from
-    which its draws fit what is left, and on upstream's lane when none fits: a chain the
-    free lanes can hold at some rotation is never made room for. A new chain with a
-    ``leaders`` entry (an earlier request of the batch, :func:`first_page_leaders`) takes
-    that request's base instead, so their inserts share one rotation run. ``free``: pages
-    per lane before the batch. Prefixes are page-aligned.
+    rule). With ``fit_first`` the new chain starts on a lane from which its draws fit what
+    is left, and on upstream's lane when none fits: a chain the free lanes can hold at
+    some rotation is never made room for. Among the lanes that fit, the freest; with
+    ``chain_starts`` (chains started per base lane before the batch, this batch's new
+    chains added as they resolve) first the least :func:`base_overlap`: every request of
+    a chain lays its extra pages on the lanes right after the chain's base, so chains
+    based on a few lanes give those lanes more to back up, store and send. A new chain
+    with a ``leaders`` entry (an earlier request of the batch, :func:`first_page_leaders`)
+    takes that request's base instead, so their inserts share one rotation run.
+    ``free``: pages per lane before the batch. Prefixes are page-aligned.
     """
     left = list(free)
     demand = [0] * lanes
+    starts = None if chain_starts is None else list(chain_starts)
     resolved: List[int] = []
     for index, (base, prefix_len, seq_len) in enumerate(zip(bases, prefix_lens, seq_lens)):
         first_page = prefix_len // page_size
@@ -104,14 +127,27 @@ def extend_lane_demand(
         if base is None and leaders is not None and leaders[index] is not None:
             base = resolved[leaders[index]]
         if base is None:
-            order = sorted(range(lanes), key=lambda lane: (-left[lane], lane))
-            base = order[0]
+            base = min(range(lanes), key=lambda lane: (-left[lane], lane))
             if fit_first:
-                for lane in order:
-                    counts = cyclic_lane_counts(lane + first_page, new_pages, lanes)
-                    if all(c <= have for c, have in zip(counts, left)):
-                        base = lane
-                        break
+                fitting = [
+                    lane
+                    for lane in range(lanes)
+                    if all(
+                        c <= have
+                        for c, have in zip(
+                            cyclic_lane_counts(lane + first_page, new_pages, lanes), left
+                        )
+                    )
+                ]
+                if fitting and starts is None:
+                    base = min(fitting, key=lambda lane: (-left[lane], lane))
+                elif fitting:
+                    base = min(
+                        fitting,
+                        key=lambda lane: (base_overlap(lane, starts, lanes), -left[lane], lane),
+                    )
+            if starts is not None:
+                starts[base] += 1
         counts = cyclic_lane_counts(base + first_page, new_pages, lanes)
         for lane in range(lanes):
             left[lane] -= counts[lane]

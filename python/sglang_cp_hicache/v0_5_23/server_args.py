@@ -66,10 +66,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, List, MutableMapping, Set
+from typing import Any, Callable, ContextManager, List, MutableMapping, Set
 
 from sglang_cp_hicache import hook_table
+from sglang_cp_hicache.core.module_binding import binding_swapped
 from sglang_cp_hicache.v0_5_23.hooks import PluginNotInstalledError, verify_hooks_installed
 
 logger = logging.getLogger(__name__)
@@ -461,29 +461,22 @@ class _StorageRuleView:
         raise AttributeError("_StorageRuleView is read-only")
 
 
-@contextmanager
-def storage_hidden_from_gate() -> Iterator[None]:
+def storage_hidden_from_gate() -> ContextManager[None]:
     """Within: upstream's gate module (``sglang.srt.arg_groups.kv_shard_hook``) reads a
     record that has the flag through :class:`_StorageRuleView`; any other record, and any
-    other module, through upstream's own ``resolving_view``.
-
-    The gate builds its view by the module-global name ``resolving_view``; only that binding
-    is swapped, for the duration of the gate (the hook registry would patch every module's
-    binding of the shared function), and restored even when the gate refuses.
-    """
+    other module, through upstream's own ``resolving_view``. The gate builds its view by
+    the module-global name ``resolving_view``; only that binding is swapped, for the
+    duration of the gate (:func:`binding_swapped`)."""
     from sglang.srt.arg_groups import kv_shard_hook as gate
 
-    upstream_view = gate.resolving_view
+    def without_storage(upstream_view: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def view(server_args: Any) -> Any:
+            cfg = upstream_view(server_args)
+            return _StorageRuleView(cfg) if cp_shared_kv_enabled(server_args) else cfg
 
-    def view_without_storage(server_args: Any) -> Any:
-        cfg = upstream_view(server_args)
-        return _StorageRuleView(cfg) if cp_shared_kv_enabled(server_args) else cfg
+        return view
 
-    gate.resolving_view = view_without_storage
-    try:
-        yield
-    finally:
-        gate.resolving_view = upstream_view
+    return binding_swapped(gate, "resolving_view", without_storage)
 
 
 # ------------------------------------------------------------ resolution steps

@@ -22,10 +22,15 @@ the allocator is not the sharded one:
   allocator's own rule: ``(b_i + P) % N`` per position-page) are made room for, then
   upstream's function runs with its own conservative (one page per lane per request)
   eviction skipped and the allocator drawing at the bases the room was made for. A new
-  chain starts on the freest lane from which its draws fit the free pages at its turn
-  (upstream: the freest lane, fitting or not), so an extend the free lanes can hold at
-  some rotation evicts nothing. A new chain whose prompt starts with the same page as an
-  earlier request's of the batch takes that request's base instead (upstream: its own
+  chain starts on a lane from which its draws fit the free pages at its turn (upstream:
+  the freest lane, fitting or not), so an extend the free lanes can hold at some rotation
+  evicts nothing; among those, the one overlapping least the chains started before
+  (``ChainStarts``, :func:`~sglang_cp_hicache.core.lane_eviction.base_overlap`), then the
+  freest. Every request that continues a chain lays its odd pages on the lanes right
+  after the chain's base, and upstream's ties to the lowest lane start the hot chains
+  together: those lanes back up, store and send more (``docs/pd_transfer.md``). A new
+  chain whose prompt starts with the same page as an earlier request's of the batch
+  takes that request's base instead (upstream: its own
   least-full lane, and the later insert over the shared prefix is refused as a join of
   two rotation runs, ``unified_tree_core.py:1158-1229``, so the request's KV is not
   cached). A refusal leaves the allocator short and upstream's "Prefill out of memory"
@@ -57,6 +62,7 @@ import functools
 import heapq
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
@@ -129,6 +135,30 @@ class LaneEvictionStats:
 
 
 STATS = LaneEvictionStats()
+
+
+@dataclass
+class ChainStarts:
+    """New chains the lane-aware extends started per rotation base on one sharded
+    allocator since it was built: replicated (every rank runs the same extends), read to
+    spread the next new chain's base (:func:`~sglang_cp_hicache.core.lane_eviction.base_overlap`)."""
+
+    per_base: List[int]
+
+    def add(self, bases: Sequence[int]) -> None:
+        for base in bases:
+            self.per_base[base] += 1
+
+
+_CHAIN_STARTS: "weakref.WeakKeyDictionary[Any, ChainStarts]" = weakref.WeakKeyDictionary()
+
+
+def chain_starts(allocator: Any) -> ChainStarts:
+    """``allocator``'s :class:`ChainStarts` (none started at first use)."""
+    starts = _CHAIN_STARTS.get(allocator)
+    if starts is None:
+        starts = _CHAIN_STARTS[allocator] = ChainStarts([0] * allocator.shard_size)
+    return starts
 
 
 @functools.lru_cache(maxsize=None)
@@ -274,14 +304,15 @@ class DeviceLaneEvictor:
         leaders: Optional[Sequence[Optional[int]]] = None,
     ) -> List[int]:
         """Room for one extend batch's exact draws; the rotation bases the room was made
-        for (new chains resolved fit-first, or at their ``leaders``' bases:
-        :func:`extend_lane_demand`). Evicting changes the free lanes a new chain is placed
-        by, so the draws are re-simulated after each plan; every round evicts at least one
-        node, so this ends."""
+        for (new chains resolved fit-first, spread from the chains started before, or at
+        their ``leaders``' bases: :func:`extend_lane_demand`). Evicting changes the free
+        lanes a new chain is placed by, so the draws are re-simulated after each plan;
+        every round evicts at least one node, so this ends."""
+        started = chain_starts(self.allocator).per_base
         while True:
             demand, resolved = extend_lane_demand(
                 self.free_pages(), bases, prefix_lens, seq_lens, self.lanes, self.page_size,
-                fit_first=True, leaders=leaders,
+                fit_first=True, leaders=leaders, chain_starts=started,
             )  # fmt: skip
             victims = self._plan_or_refuse(demand, "extend")
             if not victims:
@@ -373,9 +404,14 @@ def alloc_paged_token_slots_extend_around(
     resolved = evictor.make_extend_room(bases, prefix, [int(n) for n in seq_lens_cpu], leaders)
     token = _extend_room.set(resolved)
     try:
-        return call()
+        out = call()
     finally:
         _extend_room.reset(token)
+    # Upstream raised if the batch drew nothing: count the chains it started.
+    chain_starts(evictor.allocator).add(
+        [b for b, given, leader in zip(resolved, bases, leaders) if given is None and leader is None]
+    )
+    return out
 
 
 def _first_page_key(req: Any, page_size: int) -> Optional[tuple]:
@@ -484,6 +520,7 @@ def evict_until_allocatable_around(
 
 __all__ = [
     "DeviceLaneEvictor",
+    "ChainStarts",
     "LaneEvictionStats",
     "PATHS",
     "PathStats",
@@ -495,5 +532,6 @@ __all__ = [
     "kv_shard_rotation_bases_around",
     "load_back_transfers_around",
     "evict_until_allocatable_around",
+    "chain_starts",
     "lane_aware",
 ]

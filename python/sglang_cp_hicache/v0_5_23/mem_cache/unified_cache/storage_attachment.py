@@ -31,9 +31,9 @@ Detach is upstream's (it has no sharding check); a re-attach builds a fresh back
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional, Tuple
+from typing import Any, Callable, ContextManager, Optional, Tuple
 
+from sglang_cp_hicache.core.module_binding import binding_swapped
 from sglang_cp_hicache.v0_5_23.mem_cache.storage.backend_factory import owner_free_keys_enabled
 from sglang_cp_hicache.v0_5_23.server_args import CLI_FLAG, unsupported_combinations
 
@@ -82,28 +82,17 @@ def layout_refusal(backend: Optional[str], host_layout: str) -> Optional[str]:
     )
 
 
-@contextmanager
-def sharding_check_answered(allocator: Any) -> Iterator[None]:
+def sharding_check_answered(allocator: Any) -> ContextManager[None]:
     """Within: upstream's attach module reads ``allocator`` (this cache's) as unsharded at
     its sharding check; any other allocator, and every other module, keep upstream's
-    ``page_interleave_shard_size``.
-
-    Only the attach module's global binding of the name is swapped (the hook registry
-    would patch every module's binding of the shared function), for one attach on the
-    scheduler thread, and restored even when the attach raises.
-    """
+    ``page_interleave_shard_size``. Only the attach module's binding of the name is
+    swapped, for one attach on the scheduler thread (:func:`binding_swapped`)."""
     from sglang.srt.mem_cache.unified_cache import storage_attachment as upstream
 
-    upstream_shard_size = upstream.page_interleave_shard_size
+    def answered(upstream_shard_size: Callable[[Any], int]) -> Callable[[Any], int]:
+        return lambda candidate: 1 if candidate is allocator else upstream_shard_size(candidate)
 
-    def shard_size_at_the_check(candidate: Any) -> int:
-        return 1 if candidate is allocator else upstream_shard_size(candidate)
-
-    upstream.page_interleave_shard_size = shard_size_at_the_check
-    try:
-        yield
-    finally:
-        upstream.page_interleave_shard_size = upstream_shard_size
+    return binding_swapped(upstream, "page_interleave_shard_size", answered)
 
 
 def attach_around(

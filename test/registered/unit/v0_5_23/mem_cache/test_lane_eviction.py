@@ -45,6 +45,9 @@ SCENARIOS: Dict[str, List[Chain]] = {
     # h (3 pages at base 0: lanes [2, 1]) goes to host, then p and q leave free lanes
     # [2, 1]: h's load draws exactly what is free; the floor wants 2 pages on lane 1.
     "load_exact": [("h", 0, 3, False), ("p", 0, 2, False), ("q", 1, 3, False)],
+    # nothing cached, free lanes [4, 4]: two new 2-page chains, one extend each; the first
+    # leaves the lanes tied again ([3, 3]).
+    "spread": [],
 }  # fmt: skip
 
 
@@ -59,6 +62,7 @@ class Outcome:
     extend_lanes: Optional[Tuple[int, ...]]  # the extend's pages per lane (extend only)
     lane_pages_match_locs: bool
     loaded: Optional[bool] = None  # the load-back's result (load_exact only)
+    new_chain_bases: Optional[Tuple[int, ...]] = None  # the extends' bases (spread only)
 
 
 def _apply_plugin_hooks() -> None:
@@ -127,9 +131,9 @@ def _lane_pages_match_locs(stack) -> bool:
     return True
 
 
-def _extend(stack, pages: int) -> Tuple[int, ...]:
-    """A new chain of ``pages`` pages through upstream's extend allocation, real Req and
-    ScheduleBatch; its pages per lane."""
+def _extend(stack, pages: int, index: int = 99) -> Tuple[Tuple[int, ...], int]:
+    """A new chain of ``pages`` pages (``_tokens(index, ...)``) through upstream's extend
+    allocation, real Req and ScheduleBatch; its pages per lane and its first page's lane."""
     from types import SimpleNamespace
 
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
@@ -139,7 +143,7 @@ def _extend(stack, pages: int) -> Tuple[int, ...]:
     req = Req(
         rid="extend",
         origin_input_text="",
-        origin_input_ids=array("q", _tokens(99, pages)),
+        origin_input_ids=array("q", _tokens(index, pages)),
         sampling_params=SamplingParams(temperature=0, max_new_tokens=1),
     )
     batch = ScheduleBatch(
@@ -157,7 +161,7 @@ def _extend(stack, pages: int) -> Tuple[int, ...]:
         batch=batch,
     )  # fmt: skip
     owners = (locs[::PAGE] // PAGE % LANES).tolist()
-    return tuple(owners.count(lane) for lane in range(LANES))
+    return tuple(owners.count(lane) for lane in range(LANES)), owners[0]
 
 
 def _run(ctx: RankContext, name: str, cp_shared_kv: bool) -> Outcome:
@@ -179,9 +183,11 @@ def _run(ctx: RankContext, name: str, cp_shared_kv: bool) -> Outcome:
             _fill(stack, chains)
         free_before = tuple(stack.allocator.class_free_page_counts())
         lane_pages_ok = _lane_pages_match_locs(stack) if cp_shared_kv else True
-        refusals, extend_lanes, loaded = STATS.total("refusals"), None, None
+        refusals, extend_lanes, loaded, bases = STATS.total("refusals"), None, None, None
         if name == "extend_fits":
-            extend_lanes = _extend(stack, pages=3)
+            extend_lanes, _ = _extend(stack, pages=3)
+        elif name == "spread":
+            bases = tuple(_extend(stack, pages=2, index=90 + i)[1] for i in range(2))
         elif name == "load_exact":
             loaded = stack.cache.load_back(stack.match(_tokens(0, chains[0][2])).last_host_node)
             stack.cache.ready_to_load_host_cache()
@@ -198,6 +204,7 @@ def _run(ctx: RankContext, name: str, cp_shared_kv: bool) -> Outcome:
             extend_lanes=extend_lanes,
             lane_pages_match_locs=lane_pages_ok,
             loaded=loaded,
+            new_chain_bases=bases,
         )
 
 
@@ -216,7 +223,7 @@ def outcomes() -> Dict[Tuple[str, bool], Outcome]:
 def test_fills_are_as_designed(outcomes) -> None:
     expected = {
         "extend_fits": (2, 1), "one_lane": (1, 0), "stop_rule": (0, 1), "uncoverable": (0, 0),
-        "through_parent": (0, 0), "load_exact": (2, 1),
+        "through_parent": (0, 0), "load_exact": (2, 1), "spread": (4, 4),
     }  # fmt: skip
     for name, free in expected.items():
         assert outcomes[(name, True)].free_before == free == outcomes[(name, False)].free_before
@@ -231,6 +238,15 @@ def test_an_extend_the_free_lanes_can_hold_evicts_nothing(outcomes) -> None:
     assert plugin.evicted == () and plugin.extend_lanes == (2, 1) and plugin.refusals == 0
     # Upstream sizes its eviction for one extra page per lane per request: it flushes.
     assert upstream.evicted != ()
+
+
+def test_a_new_chain_starts_opposite_the_chains_started_before(outcomes) -> None:
+    """Two new chains on tied lanes: upstream starts both on lane 0 (ties to the lowest),
+    so every request continuing either lays its odd page on lane 0; the plugin starts the
+    second on lane 1. Neither extend evicts."""
+    plugin, upstream = outcomes[("spread", True)], outcomes[("spread", False)]
+    assert plugin.new_chain_bases == (0, 1) and upstream.new_chain_bases == (0, 0)
+    assert plugin.free_after == upstream.free_after == (2, 2) and plugin.evicted == ()
 
 
 def test_a_one_lane_deficit_evicts_only_nodes_on_that_lane(outcomes) -> None:

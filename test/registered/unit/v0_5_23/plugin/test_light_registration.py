@@ -26,7 +26,8 @@ REGISTRATION_MODULES = {
 }
 # The first call of a ServerArgs hook imports the flag's module.
 OURS_AFTER_PARSE = {m for m in REGISTRATION_MODULES if m.startswith("sglang_cp_hicache")} | {
-    "sglang_cp_hicache.v0_5_23.server_args"
+    "sglang_cp_hicache.v0_5_23.server_args",
+    "sglang_cp_hicache.core.module_binding",  # pure, no import: the gate's binding swap
 }
 # Cache, scheduler, model, attention, transfer and kernel code: none of it before a launch.
 HEAVY_PREFIXES = (
