@@ -29,6 +29,7 @@ says, before a call, which lanes would be short.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -65,14 +66,18 @@ def balanced_lane_counts(lane_free: Sequence[int], num_pages: int) -> Optional[L
     short."""
     if num_pages > sum(lane_free):
         return None
-    # Smallest level L whose excess sum(max(a - L, 0)) fits into num_pages.
-    low, high = 0, max(lane_free, default=0)
-    while low < high:
-        mid = (low + high) // 2
-        if sum(max(a - mid, 0) for a in lane_free) <= num_pages:
-            high = mid
-        else:
-            low = mid + 1
+    # Smallest level L whose excess sum(max(a - L, 0)) fits into num_pages. With the free
+    # counts sorted down, a_1 >= ... >= a_cp (a_{cp+1} = 0), the excess on [a_{k+1}, a_k] is
+    # (a_1 + ... + a_k) - k L: the lowest interval holding a fitting level gives it. A
+    # closed form per interval, so an extend pays O(cp log cp), not a search over levels.
+    ordered = sorted(lane_free, reverse=True) + [0]
+    totals = list(itertools.accumulate(ordered))
+    low = 0
+    for k in range(len(lane_free), 0, -1):
+        level = max(ordered[k], -(-(totals[k - 1] - num_pages) // k))
+        if level <= ordered[k - 1]:
+            low = level
+            break
     counts = [max(a - low, 0) for a in lane_free]
     leftover = num_pages - sum(counts)
     # The lanes with free >= low all keep exactly `low` pages now; leftover is less than
@@ -125,6 +130,14 @@ def fresh_chain_head_lanes(
     """
     cp = len(planned)
     order = sorted(range(cp), key=lambda lane: (lane_sent[lane], -lane_free[lane], lane))
+    first = order[: min(num_pages, cp)]
+    if all(planned[lane] for lane in first):
+        # The plan gives every least-sent lane a page: no donor, no receiver (the common
+        # case, a request of at least cp pages on balanced lanes); the loop below would
+        # take the same heads.
+        for lane in first:
+            planned[lane] -= 1
+        return first
 
     def donors(heads: List[int]) -> List[int]:
         # Outside the heads: any planned page; a head: one beyond its own.
@@ -172,6 +185,8 @@ def extend_page_owners(
     planned = balanced_lane_counts(lane_free, total)
     if planned is None:
         return None
+    if not any(fresh):
+        return _deal_round_by_round(planned, lane_free)
     sent = list(lane_sent)
     kept = [free - plan for free, plan in zip(lane_free, planned)]
     heads: List[List[int]] = []

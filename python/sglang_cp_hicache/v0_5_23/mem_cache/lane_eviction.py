@@ -141,7 +141,7 @@ STATS = LaneEvictionStats()
 class ChainStarts:
     """New chains the lane-aware extends started per rotation base on one sharded
     allocator since it was built: replicated (every rank runs the same extends), read to
-    spread the next new chain's base (:func:`~sglang_cp_hicache.core.lane_eviction.base_overlap`)."""
+    spread the next new chain's base (``core.lane_eviction.base_overlap``)."""
 
     per_base: List[int]
 
@@ -408,8 +408,9 @@ def alloc_paged_token_slots_extend_around(
     finally:
         _extend_room.reset(token)
     # Upstream raised if the batch drew nothing: count the chains it started.
+    started = zip(resolved, bases, leaders)
     chain_starts(evictor.allocator).add(
-        [b for b, given, leader in zip(resolved, bases, leaders) if given is None and leader is None]
+        [base for base, given, leader in started if given is None and leader is None]
     )
     return out
 

@@ -77,7 +77,7 @@ def test_sizes_and_lanes_after_construction(cp_size, page_size):
 
 
 # ------------------------------------------------------------------- placement
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 20), min_size=1, max_size=8), st.integers(0, 60))
 def test_balanced_counts_water_fill_the_free_lanes(lane_free, num_pages):
     counts = balanced_lane_counts(lane_free, num_pages)
@@ -91,6 +91,15 @@ def test_balanced_counts_water_fill_the_free_lanes(lane_free, num_pages):
     for taker, c in enumerate(counts):
         if c:
             assert all(left[taker] + 1 >= left[other] for other in range(len(left)))
+    # The definition, by a scan of every level: the lowest level whose excess fits, the
+    # pages short of it on the lowest lanes still at that level.
+    level = next(lv for lv in range(max(lane_free) + 1)
+                 if sum(max(f - lv, 0) for f in lane_free) <= num_pages)  # fmt: skip
+    expected = [max(f - level, 0) for f in lane_free]
+    at_level = [lane for lane, f in enumerate(lane_free) if f >= level]
+    for lane in at_level[: num_pages - sum(expected)]:
+        expected[lane] += 1
+    assert counts == expected
     owners = balanced_page_owners(lane_free, num_pages)
     assert np.bincount(owners, minlength=len(lane_free)).tolist() == counts
     # Dealt round by round: every prefix of the pages is as even as the counts allow.
