@@ -11,7 +11,8 @@ returns the same locs):
 
 * new pages (``alloc_extend``, ``alloc_decode``, ``alloc``) are *balanced*
   (:func:`balanced_page_owners`): the lanes with the most free pages first, interleaved
-  page by page; in ``alloc_extend`` a fresh chain's first pages go on distinct lanes, the
+  page by page; in ``alloc_extend`` the pages short of an even level go to the tied lanes
+  that sent the fewest pages, and a fresh chain's first pages go on distinct lanes, the
   ones that sent the fewest pages first (:func:`extend_page_owners`; the pages sent are
   counted by the cache, :meth:`CPSharedPagedTokenToKVPoolAllocator.count_sent_pages`, from
   logical locs). Any lane is a correct owner of a new page: under NSA prefill CP the
@@ -60,10 +61,13 @@ def _segment_offsets(counts: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
 
 
 # ------------------------------------------------------------------ placement
-def balanced_lane_counts(lane_free: Sequence[int], num_pages: int) -> Optional[List[int]]:
+def balanced_lane_counts(
+    lane_free: Sequence[int], num_pages: int, lane_sent: Optional[Sequence[int]] = None
+) -> Optional[List[int]]:
     """Pages per lane for ``num_pages`` new pages, leaving the lanes' free counts as even as
-    possible (water-filling; ties to the lower lane); ``None`` if the lanes together are
-    short."""
+    possible (water-filling); ``None`` if the lanes together are short. The pages short of
+    a level go to the tied lanes in lane order, or with ``lane_sent`` to those that sent
+    the fewest pages first (then the lower lane): the lanes end as even either way."""
     if num_pages > sum(lane_free):
         return None
     # Smallest level L whose excess sum(max(a - L, 0)) fits into num_pages. With the free
@@ -82,10 +86,13 @@ def balanced_lane_counts(lane_free: Sequence[int], num_pages: int) -> Optional[L
     leftover = num_pages - sum(counts)
     # The lanes with free >= low all keep exactly `low` pages now; leftover is less than
     # their number (level low - 1 would overshoot), and 0 when low == 0.
-    for lane, free in enumerate(lane_free):
+    lanes = range(len(lane_free))
+    if lane_sent is not None and leftover:
+        lanes = sorted(lanes, key=lambda lane: (lane_sent[lane], lane))
+    for lane in lanes:
         if leftover == 0:
             break
-        if free >= low:
+        if lane_free[lane] >= low:
             counts[lane] += 1
             leftover -= 1
     return counts
@@ -171,8 +178,10 @@ def extend_page_owners(
 ) -> Optional[np.ndarray]:
     """Owner lane of each new page of an extend batch (the requests' pages in order).
 
-    The lanes' counts are :func:`balanced_lane_counts` of the batch, as
-    :func:`balanced_page_owners`. A fresh chain (a request with no cached prefix) starts a
+    The lanes' counts are :func:`balanced_lane_counts` of the batch with the pages short of
+    an even level on the tied lanes that sent the fewest pages (a lane's fill is the
+    water-fill's either way; under PD every later request sharing a page sends it again
+    from its owner). A fresh chain (a request with no cached prefix) starts a
     prefix that later requests re-use and, under PD, send again from the same owners (the
     lower the page, the more requests share it): its first pages go on distinct lanes, the
     ones that sent the fewest pages first (:func:`fresh_chain_head_lanes`; within the batch
@@ -182,7 +191,7 @@ def extend_page_owners(
     :func:`balanced_page_owners` deals. ``None`` if the lanes together are short.
     """
     total = int(sum(pages_per_request))
-    planned = balanced_lane_counts(lane_free, total)
+    planned = balanced_lane_counts(lane_free, total, lane_sent)
     if planned is None:
         return None
     if not any(fresh):

@@ -43,9 +43,11 @@ def test_heads_are_the_least_sent_lanes_then_the_freest_then_the_lowest():
 def test_fresh_chain_starts_on_the_least_sent_lanes_keeping_the_water_fill():
     free, sent = [10, 10, 10, 10], [7, 7, 1, 1]
     owners = extend_page_owners(free, sent, [6], [True])
-    assert owners.tolist()[:4] == [2, 3, 0, 1]
-    # Every lane had a page of it anyway: the lanes' fill is the plain water-fill's.
-    assert np.bincount(owners, minlength=4).tolist() == balanced_lane_counts(free, 6)
+    # Every lane had a page of it anyway; the two pages past one a lane go to the cold
+    # lanes too (the plain water-fill gives them to lanes 0, 1).
+    assert owners.tolist() == [2, 3, 0, 1, 2, 3]
+    assert np.bincount(owners, minlength=4).tolist() == balanced_lane_counts(free, 6, sent)
+    assert balanced_lane_counts(free, 6) == [2, 2, 1, 1]
     # Fewer pages than lanes: the lane set itself is the least-sent one (lanes 0, 1 each
     # give up the page the water-fill planned there).
     assert balanced_page_owners(free, 2).tolist() == [0, 1]
@@ -58,6 +60,14 @@ def test_a_lane_gives_or_takes_at_most_one_page_per_fresh_chain():
     free, sent = [1, 1, 1, 10], [0, 0, 0, 50]
     assert balanced_lane_counts(free, 3) == [0, 0, 0, 3]
     assert extend_page_owners(free, sent, [3], [True]).tolist() == [0, 3, 3]
+
+
+def test_pages_short_of_an_even_level_go_to_the_tied_lanes_that_sent_least():
+    # Level 7 leaves one page to place among the lanes at it (0, 2, 3): lane 3 sent least.
+    assert balanced_lane_counts([8, 5, 8, 8], 4) == [2, 0, 1, 1]
+    assert balanced_lane_counts([8, 5, 8, 8], 4, [3, 0, 2, 1]) == [1, 0, 1, 2]
+    # No page short of the level: nothing to choose.
+    assert balanced_lane_counts([8, 5, 8, 8], 3, [3, 0, 2, 1]) == [1, 0, 1, 1]
 
 
 def test_requests_with_a_cached_prefix_keep_the_balanced_placement():
@@ -97,10 +107,14 @@ def test_placement_fits_and_moves_a_lane_by_at_most_a_page_per_fresh_chain(case)
         return
     counts = np.bincount(owners, minlength=len(free))
     assert len(owners) == sum(pages) and all(counts <= free)
-    water_fill = np.asarray(balanced_lane_counts(free, sum(pages)))
+    water_fill = np.asarray(balanced_lane_counts(free, sum(pages), sent))
     assert np.abs(counts - water_fill).max(initial=0) <= sum(fresh)
+    # The sent counts only choose among tied lanes: the lanes end as even as the plain
+    # water-fill leaves them.
+    plain = np.asarray(balanced_lane_counts(free, sum(pages)))
+    assert sorted(np.asarray(free) - water_fill) == sorted(np.asarray(free) - plain)
     if not any(fresh):
-        assert owners.tolist() == balanced_page_owners(free, sum(pages)).tolist()
+        assert np.bincount(owners, minlength=len(free)).tolist() == water_fill.tolist()
 
 
 @settings(max_examples=60, deadline=None)
@@ -173,10 +187,11 @@ def test_fresh_chain_starts_on_the_lanes_that_sent_least_on_every_rank(two_ranks
     assert a == [0, 1] and a2 == [0, 1, 2, 3]
     # Sent before b: lanes 0, 1 twice (the hot pages), 2, 3 once; the lanes are equally
     # free. b's first pages go to the cold lanes first (the free counts alone put them on
-    # 0, 1, 2, 3), its fifth by the water-fill.
-    assert b == [2, 3, 0, 1, 0]
+    # 0, 1, 2, 3), and its fifth, one past an even level, to the least-sent lane of those
+    # tied at it (the plain water-fill: lane 0).
+    assert b == [2, 3, 0, 1, 2]
     sent = [stack.allocator.sent_pages for stack in two_ranks]
-    assert sent[0] == sent[1] == [4, 3, 2, 2]
+    assert sent[0] == sent[1] == [3, 3, 3, 2]
 
 
 def test_a_retracted_request_sends_nothing(two_ranks):
