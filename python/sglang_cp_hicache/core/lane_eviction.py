@@ -70,21 +70,25 @@ def first_page_leaders(first_pages: Sequence[Optional[Hashable]]) -> List[Option
     return leaders
 
 
-def base_overlap(lane: int, chain_starts: Sequence[int], lanes: int) -> int:
-    """How much a chain based on ``lane`` piles onto the chains already started
+def base_overlaps(chain_starts: Sequence[int], lanes: int) -> List[int]:
+    """Per lane, how much a chain based there piles onto the chains already started
     (``chain_starts``: chains per base lane).
 
     A chain's requests each put ``n // lanes`` pages on every lane and one more on the
     first ``n % lanes`` lanes from its base, so a chain based on ``b`` weighs
-    ``lanes - 1 - k`` on lane ``b + k`` (the remainder taken uniform). The overlap is the
-    product of that ramp from ``lane`` with the started chains' ramps: 0 when no chain
-    was started, least where the new chain's heavy lanes meet the others' light ones."""
+    ``lanes - 1 - k`` on lane ``b + k`` (the remainder taken uniform). A lane's overlap is
+    the product of that ramp from the lane with the started chains' ramps: 0 everywhere
+    when no chain was started, least where a new chain's heavy lanes meet the others' light
+    ones."""
     load = [0] * lanes
     for base, count in enumerate(chain_starts):
         if count:
             for k in range(lanes):
                 load[(base + k) % lanes] += count * (lanes - 1 - k)
-    return sum(load[(lane + k) % lanes] * (lanes - 1 - k) for k in range(lanes))
+    return [
+        sum(load[(lane + k) % lanes] * (lanes - 1 - k) for k in range(lanes))
+        for lane in range(lanes)
+    ]
 
 
 def extend_lane_demand(
@@ -110,7 +114,7 @@ def extend_lane_demand(
     is left, and on upstream's lane when none fits: a chain the free lanes can hold at
     some rotation is never made room for. Among the lanes that fit, the freest; with
     ``chain_starts`` (chains started per base lane before the batch, this batch's new
-    chains added as they resolve) first the least :func:`base_overlap`: every request of
+    chains added as they resolve) first the least :func:`base_overlaps`: every request of
     a chain lays its extra pages on the lanes right after the chain's base, so chains
     based on a few lanes give those lanes more to back up, store and send. A new chain
     with a ``leaders`` entry (an earlier request of the batch, :func:`first_page_leaders`)
@@ -129,23 +133,13 @@ def extend_lane_demand(
         if base is None:
             base = min(range(lanes), key=lambda lane: (-left[lane], lane))
             if fit_first:
-                fitting = [
-                    lane
-                    for lane in range(lanes)
-                    if all(
-                        c <= have
-                        for c, have in zip(
-                            cyclic_lane_counts(lane + first_page, new_pages, lanes), left
-                        )
-                    )
+                overlap = [0] * lanes if starts is None else base_overlaps(starts, lanes)
+                runs = [
+                    cyclic_lane_counts(lane + first_page, new_pages, lanes) for lane in range(lanes)
                 ]
-                if fitting and starts is None:
-                    base = min(fitting, key=lambda lane: (-left[lane], lane))
-                elif fitting:
-                    base = min(
-                        fitting,
-                        key=lambda lane: (base_overlap(lane, starts, lanes), -left[lane], lane),
-                    )
+                fitting = [lane for lane in range(lanes) if not any(lane_deficit(runs[lane], left))]
+                if fitting:
+                    base = min(fitting, key=lambda lane: (overlap[lane], -left[lane], lane))
             if starts is not None:
                 starts[base] += 1
         counts = cyclic_lane_counts(base + first_page, new_pages, lanes)

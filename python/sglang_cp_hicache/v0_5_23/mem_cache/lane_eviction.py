@@ -25,7 +25,7 @@ the allocator is not the sharded one:
   chain starts on a lane from which its draws fit the free pages at its turn (upstream:
   the freest lane, fitting or not), so an extend the free lanes can hold at some rotation
   evicts nothing; among those, the one overlapping least the chains started before
-  (``ChainStarts``, :func:`~sglang_cp_hicache.core.lane_eviction.base_overlap`), then the
+  (``ChainStarts``, :func:`~sglang_cp_hicache.core.lane_eviction.base_overlaps`), then the
   freest. Every request that continues a chain lays its odd pages on the lanes right
   after the chain's base, and upstream's ties to the lowest lane start the hot chains
   together: those lanes back up, store and send more (``docs/pd_transfer.md``). A new
@@ -141,7 +141,7 @@ STATS = LaneEvictionStats()
 class ChainStarts:
     """New chains the lane-aware extends started per rotation base on one sharded
     allocator since it was built: replicated (every rank runs the same extends), read to
-    spread the next new chain's base (``core.lane_eviction.base_overlap``)."""
+    spread the next new chain's base (``core.lane_eviction.base_overlaps``)."""
 
     per_base: List[int]
 

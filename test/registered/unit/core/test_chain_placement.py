@@ -6,7 +6,7 @@ its draws fit."""
 from __future__ import annotations
 
 from sglang_cp_hicache.core.lane_eviction import (
-    base_overlap,
+    base_overlaps,
     cyclic_lane_counts,
     extend_lane_demand,
     first_page_leaders,
@@ -46,14 +46,14 @@ def test_the_leaders_base_is_its_resolved_one_and_continuing_chains_keep_theirs(
 
 
 def test_the_overlap_is_least_opposite_the_started_chains() -> None:
-    assert [base_overlap(lane, [0] * 8, 8) for lane in range(8)] == [0] * 8
-    one = [base_overlap(lane, [1, 0, 0, 0, 0, 0, 0, 0], 8) for lane in range(8)]
+    assert base_overlaps([0] * 8, 8) == [0] * 8
+    one = base_overlaps([1, 0, 0, 0, 0, 0, 0, 0], 8)
     assert one.index(min(one)) == 4 and one[0] == max(one)
     assert one[1:4] == one[5:8][::-1]  # symmetric around the started chain
-    two = [base_overlap(lane, [1, 0, 0, 0, 1, 0, 0, 0], 8) for lane in range(8)]
+    two = base_overlaps([1, 0, 0, 0, 1, 0, 0, 0], 8)
     assert {lane for lane in range(8) if two[lane] == min(two)} == {2, 6}
     # Counts weigh: with two chains on lane 0 and one on lane 4, lane 4 overlaps less.
-    weighted = [base_overlap(lane, [2, 0, 0, 0, 1, 0, 0, 0], 8) for lane in range(8)]
+    weighted = base_overlaps([2, 0, 0, 0, 1, 0, 0, 0], 8)
     assert weighted[4] < weighted[0]
 
 
@@ -86,7 +86,7 @@ def test_a_lane_the_draws_do_not_fit_is_never_taken_for_spread() -> None:
     """A chain started on lane 2 makes lane 0 the least overlapping of cp 4, but a 3-page
     chain from lane 0 needs a page on lane 1, which is empty: it starts where it fits."""
     free, starts = [4, 0, 4, 4], [0, 0, 1, 0]
-    overlap = [base_overlap(lane, starts, 4) for lane in range(4)]
+    overlap = base_overlaps(starts, 4)
     assert overlap.index(min(overlap)) == 0
     demand, (base,) = extend_lane_demand(
         free, [None], [0], [3 * PAGE], 4, PAGE, fit_first=True, chain_starts=starts
