@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import socket
 import sys
@@ -277,10 +278,8 @@ def per_layer_backup(device, shard: ShardGeometry = ShardGeometry(), repeats: in
     import torch
 
     from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
-    from sglang.srt.mem_cache.memory_pool_host import MLATokenToKVPoolHost, NSAIndexerPoolHost
 
     from sglang_cp_hicache.v0_5_12.mem_cache.cp_layer_backup import PER_LAYER_D2H_LAYOUTS
-    from sglang_cp_hicache.v0_5_12.mem_cache.memory_pool_host import layer_backup_for
 
     layers, pages = 2, shard.owned_pages
     pool = NSATokenToKVPool(
@@ -298,33 +297,77 @@ def per_layer_backup(device, shard: ShardGeometry = ShardGeometry(), repeats: in
         # The indices where the controller's move_indices leaves them for this backend.
         host_idx = host_locs.to(device) if io_backend == "kernel" else host_locs
         dev_idx = device_locs.to(device) if io_backend == "kernel" else device_locs
-        hosts = []
-        for _ in range(2):  # per-layer, and SGLang's all-layer reference
-            anchor = MLATokenToKVPoolHost(pool, 2.0, 0, PAGE_SIZE, layout)
-            hosts.append([anchor, NSAIndexerPoolHost(pool, anchor, layout)])
-        for host in hosts[1]:
-            host.backup_from_device_all_layer(pool, host_idx, dev_idx, io_backend)
-        backups = [layer_backup_for(host) for host in hosts[0]]
-
-        def one_layer(layer: int) -> None:
-            for backup in backups:
-                backup.backup_from_device_per_layer(pool, host_idx, dev_idx, layer, io_backend)
-
-        for layer in range(layers):
-            one_layer(layer)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        exact = all(
-            torch.equal(_page_bytes(ours, int(h)), _page_bytes(ref, int(h)))
-            for ours, ref in zip(hosts[0], hosts[1])
-            for h in host_locs[::PAGE_SIZE]
-        )
-        seconds = _timed(lambda: one_layer(0), device, repeats)
-        results[f"{io_backend}/{layout}"] = {
-            "exact": bool(exact), "layer_shard_gbps": pages * shard.page_bytes / seconds / 1e9,
-            "layer_ms": seconds * 1e3,
-        }
+        try:
+            # On a side stream, as the controller's write stream carries backups: the
+            # page-first direct copies (cudaMemcpyBatchAsync) refuse the default stream.
+            with _side_stream(device):
+                results[f"{io_backend}/{layout}"] = _per_layer_against_all_layer(
+                    pool, device, layers, shard, layout, io_backend, host_idx, dev_idx, repeats
+                )
+        except Exception as exc:  # one layout's failure must not hide the others' figures
+            logging.exception("per-layer backup %s/%s raised", io_backend, layout)
+            results[f"{io_backend}/{layout}"] = {"exact": False, "error": f"{type(exc).__name__}: {exc}"}
     return {"ran": True, "ok": all(r["exact"] for r in results.values()), "owned_pages": pages, **results}
+
+
+#: Every host pool the per-layer check made, kept for the life of the process: SGLang pins
+#: a host pool with an unchecked ``cudaHostRegister`` and never unregisters it (a server's
+#: pools live as long as it does), so a freed pool's range handed out again by malloc fails
+#: to register ("part or all of the requested memory range is already mapped", seen on an
+#: H200 at the next layout's pool) and the error surfaces at the next CUDA call.
+LIVE_HOST_POOLS: List[Any] = []
+
+
+def _side_stream(device) -> Any:
+    """A fresh non-default stream made current (CUDA), or the CPU runtime's equivalent."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.stream(torch.cuda.Stream(device))
+    from sglang_cp_hicache.testing.device import on_side_stream
+
+    return on_side_stream()
+
+
+def _per_layer_against_all_layer(
+    pool, device, layers: int, shard: ShardGeometry, layout: str, io_backend: str,
+    host_idx, dev_idx, repeats: int,
+) -> dict:
+    """One backend/layout: every layer backed up one by one vs SGLang's all-layer backup,
+    byte for byte on the backed-up pages, and one layer's time."""
+    import torch
+
+    from sglang.srt.mem_cache.memory_pool_host import MLATokenToKVPoolHost, NSAIndexerPoolHost
+
+    from sglang_cp_hicache.v0_5_12.mem_cache.memory_pool_host import layer_backup_for
+
+    hosts = []
+    for _ in range(2):  # per-layer, and SGLang's all-layer reference
+        anchor = MLATokenToKVPoolHost(pool, 2.0, 0, PAGE_SIZE, layout)
+        hosts.append([anchor, NSAIndexerPoolHost(pool, anchor, layout)])
+    LIVE_HOST_POOLS.extend(hosts)
+    for host in hosts[1]:
+        host.backup_from_device_all_layer(pool, host_idx, dev_idx, io_backend)
+    backups = [layer_backup_for(host) for host in hosts[0]]
+
+    def one_layer(layer: int) -> None:
+        for backup in backups:
+            backup.backup_from_device_per_layer(pool, host_idx, dev_idx, layer, io_backend)
+
+    for layer in range(layers):
+        one_layer(layer)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    exact = all(
+        torch.equal(_page_bytes(ours, int(h)), _page_bytes(ref, int(h)))
+        for ours, ref in zip(hosts[0], hosts[1])
+        for h in host_idx.cpu()[::PAGE_SIZE]
+    )
+    seconds = _timed(lambda: one_layer(0), device, repeats)
+    return {
+        "exact": bool(exact), "layer_shard_gbps": shard.owned_pages * shard.page_bytes / seconds / 1e9,
+        "layer_ms": seconds * 1e3,
+    }
 
 
 def summarize(
@@ -338,12 +381,7 @@ def summarize(
                 failures.append(
                     f"rank {rank} self-test {entry['kv']}/{entry['strategy']} stage {entry['stage']}: {entry['error']}"
                 )
-    jit = extra.get("hicache_jit", {})
-    if jit.get("ran") and not jit.get("ok"):
-        failures.append(f"hicache JIT transfer not byte-exact: {jit}")
-    per_layer = extra.get("per_layer_backup", {})
-    if per_layer.get("ran") and not per_layer.get("ok"):
-        failures.append(f"per-layer HiCache backup differs from SGLang's all-layer backup: {per_layer}")
+    failures.extend(main_process_failures(extra))
     for rank, report in enumerate(per_rank):
         for result in report["results"]:
             label = f"rank {rank} {result['strategy']}/prefetch={result['prefetch']}"
@@ -368,7 +406,32 @@ def summarize(
         ]
     selftest_s = max((e.get("seconds", 0.0) for rep in per_rank for e in rep.get("selftest", ())), default=0.0)
     lines.append(f"timings: {timings}; slowest self-test {selftest_s:.2f} s; total {wall_s:.1f} s")
-    bw = extra.get("bandwidth")
+    return not failures, lines + summarize_main_process(extra)
+
+
+def main_process_failures(extra: dict) -> List[str]:
+    """A raised main-process check, a JIT transfer or a per-layer backup not byte-exact."""
+    failures = [
+        f"{name} raised: {report['error']}"
+        for name, report in extra.items()
+        if "error" in report
+    ]
+    jit = extra.get("hicache_jit", {})
+    if jit.get("ran") and not jit.get("ok"):
+        failures.append(f"hicache JIT transfer not byte-exact: {jit}")
+    per_layer = extra.get("per_layer_backup", {})
+    if per_layer.get("ran") and not per_layer.get("ok"):
+        failures.append(f"per-layer HiCache backup differs from SGLang's all-layer backup: {per_layer}")
+    return failures
+
+
+def summarize_main_process(extra: dict) -> List[str]:
+    """The figure lines of the main-process checks (bandwidth, JIT, per-layer backup)."""
+    lines = [f"{name} raised: {report['error']}" for name, report in extra.items() if "error" in report]
+    bw, jit, per_layer = (
+        {} if "error" in extra.get(name, {}) else extra.get(name, {})
+        for name in ("bandwidth", "hicache_jit", "per_layer_backup")
+    )
     if bw:
         lines.append(
             f"owned shard per layer ({bw['layer_shard_bytes'] / 1e6:.1f} MB, prefix {bw['prefix_tokens']}, "
@@ -381,12 +444,13 @@ def summarize(
     if per_layer:
         peak = bw["peak_d2h_gbps"] if bw else None
         figures = ", ".join(
+            f"{name} raised {r['error']}" if "error" in r else
             f"{name} {r['layer_shard_gbps']:.1f} GB/s" + (f" ({r['layer_shard_gbps'] / peak:.0%} of pinned peak)" if peak else "")
             for name, r in per_layer.items()
             if isinstance(r, dict)
-        )
+        )  # fmt: skip
         lines.append(f"per-layer backup (one layer's owned shard, KV + index K, byte-exact={per_layer['ok']}): {figures}")
-    return not failures, lines
+    return lines
 
 
 # ----------------------------------------------------------------- process launch
@@ -465,14 +529,19 @@ def main(argv: Optional[Sequence[str]] = None, launch: Callable = spawn_ranks) -
             print("FAIL no CUDA device visible (use --device cpu for the CPU twin)")
             return 1
     start = time.perf_counter()
+    rank_error = None
     try:
         per_rank = launch(options.cp_size, check_rank, asdict(options))
-        extra = main_process_checks(options)
-    except Exception as exc:  # a rank crashed: report it as the one result line
-        print(f"FAIL {type(exc).__name__}: {str(exc).strip().splitlines()[-1]}")
+    except Exception as exc:  # a rank crashed: the main-process checks still run (one GPU call)
+        per_rank, rank_error = None, exc
         print(str(exc), file=sys.stderr)
-        return 1
-    ok, lines = summarize(per_rank, options, time.perf_counter() - start, extra)
+    extra = main_process_checks(options)
+    if rank_error is not None:
+        lines = [f"FAIL {type(rank_error).__name__}: {str(rank_error).strip().splitlines()[-1]}"]
+        lines += summarize_main_process(extra)
+        ok = False
+    else:
+        ok, lines = summarize(per_rank, options, time.perf_counter() - start, extra)
     for line in lines:
         print(line)
     write_json({"ok": ok, "summary": lines, "versions": versions(), "ranks": per_rank, **extra})
@@ -480,6 +549,8 @@ def main(argv: Optional[Sequence[str]] = None, launch: Callable = spawn_ranks) -
 
 
 def main_process_checks(options: CheckOptions) -> dict:
+    """Each check's report; a check that raises is reported as ``{"ran": False, "ok":
+    False, "error": ...}`` and the others still run, so one device call reports them all."""
     if options.device == "cpu":  # the per-layer backup check loads SGLang's host pools
         from sglang_cp_hicache.testing import install
 
@@ -488,11 +559,19 @@ def main_process_checks(options: CheckOptions) -> dict:
 
     device = torch.device("cuda:0" if options.device == "cuda" else "cpu")
     shard = ShardGeometry() if options.device == "cuda" else ShardGeometry(prefix_tokens=16384)
-    return {
-        "bandwidth": shard_bandwidth(device, shard),
-        "hicache_jit": hicache_jit_transfer(device),
-        "per_layer_backup": per_layer_backup(device, shard),
+    checks = {
+        "bandwidth": lambda: shard_bandwidth(device, shard),
+        "hicache_jit": lambda: hicache_jit_transfer(device),
+        "per_layer_backup": lambda: per_layer_backup(device, shard),
     }
+    reports = {}
+    for name, check in checks.items():
+        try:
+            reports[name] = check()
+        except Exception as exc:
+            logging.exception("main-process check %s raised", name)
+            reports[name] = {"ran": False, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    return reports
 
 
 def versions() -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator, List, Optional
+from typing import ContextManager, Iterator, List, Optional
 
 
 class CpuEvent:
@@ -60,12 +60,18 @@ class CpuStream:
 
 
 class CpuDeviceModule:
-    """Module-like object exposing ``Event``, ``Stream``, ``stream``, ``current_stream``."""
+    """Module-like object exposing ``Event``, ``Stream``, ``stream``, ``current_stream``.
+
+    The current stream is per thread, as CUDA's is: :attr:`default_stream` (the legacy
+    default stream) unless a ``stream(...)`` block on this thread names another, so the
+    CPU runtime can refuse what CUDA refuses on the default stream (see
+    ``kvcacheio.require_side_stream``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._holds: List["_EventHold"] = []  # open holds, oldest first
-        self._current = CpuStream()
+        self.default_stream = CpuStream()
+        self._thread = threading.local()
 
     def Event(self, *args, **kwargs) -> CpuEvent:  # noqa: N802 - mirrors torch API
         return CpuEvent(self, *args, **kwargs)
@@ -75,10 +81,18 @@ class CpuDeviceModule:
 
     @contextlib.contextmanager
     def stream(self, stream: Optional[CpuStream]) -> Iterator[None]:
-        yield
+        if stream is None:  # torch.cuda.stream(None) is a no-op
+            yield
+            return
+        previous = self.current_stream()
+        self._thread.current = stream
+        try:
+            yield
+        finally:
+            self._thread.current = previous
 
     def current_stream(self, device: object = None) -> CpuStream:
-        return self._current
+        return getattr(self._thread, "current", self.default_stream)
 
     def synchronize(self, device: object = None) -> None:
         return None
@@ -139,3 +153,10 @@ class _EventHold:
 
 
 CPU_DEVICE_MODULE = CpuDeviceModule()
+
+
+def on_side_stream() -> ContextManager[None]:
+    """A fresh side stream made current on this thread, as the cache controller makes its
+    write/load streams current around a transfer (what a test calling host-pool transfers
+    directly must do, or the page-first direct ops refuse the default stream)."""
+    return CPU_DEVICE_MODULE.stream(CPU_DEVICE_MODULE.Stream())

@@ -37,7 +37,9 @@ or misreads, the stand-in raises (``ValueError``/``TypeError``/``IndexError`` na
   slice start wraps around), runs inside both buffers. Empty indices are a no-op, as in C++.
 * page-first direct ops additionally check what ``cudaMemcpyBatchAsync`` relies on: it copies
   ``page_size * stride(0) * element_size`` bytes per page and layer from addresses computed
-  with the strides of ``ptrs[0]`` only (see :func:`_check_page_first_direct`).
+  with the strides of ``ptrs[0]`` only (see :func:`_check_page_first_direct`), on the
+  current stream, which must not be the legacy default stream (see
+  :func:`require_side_stream`; seen on an H200, CUDA 13: "invalid argument").
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ import ctypes
 from typing import List, Sequence, Tuple, Union
 
 import torch
+
+from sglang_cp_hicache.testing.device import CPU_DEVICE_MODULE
 
 Tensor = torch.Tensor
 
@@ -642,6 +646,7 @@ def transfer_kv_per_layer_direct_pf_lf(
     op = "transfer_kv_per_layer_direct_pf_lf"
     src, dst = _direct_indices(op, src_indices, dst_indices, page_size)
     num_layers = _check_page_first_direct(op, src_ptrs, dst_ptrs, src_indices, page_size)
+    require_side_stream(op, src.numel())
     is_mla = len(src_ptrs) == 1
     src_pages = torch.div(src[::page_size], page_size, rounding_mode="floor")
     # Consecutive source pages landing on consecutive destination pages merge into one copy.
@@ -668,6 +673,7 @@ def transfer_kv_all_layer_direct_lf_pf(
     op = "transfer_kv_all_layer_direct_lf_pf"
     src, dst = _direct_indices(op, src_indices, dst_indices, page_size)
     num_layers = _check_page_first_direct(op, dst_ptrs, src_ptrs, src_indices, page_size)
+    require_side_stream(op, src.numel())
     is_mla = len(dst_ptrs) == 1
     dst_pages = torch.div(dst[::page_size], page_size, rounding_mode="floor")
     for s, d, k in _runs(src[::page_size], dst_pages, page_size, 1):
@@ -676,6 +682,22 @@ def transfer_kv_all_layer_direct_lf_pf(
                 rows = src_ptrs[j + part * num_layers][s : s + k * page_size]
                 pages = dst_ptrs[part][d : d + k].select(1, j)[:, :page_size]
                 _copy_rows(_split_rows(rows, k, page_size), pages)
+
+
+def require_side_stream(op: str, num_indices: int) -> None:
+    """Refuse a non-empty page-first direct copy issued on the legacy default stream.
+
+    The C++ issues one ``cudaMemcpyBatchAsync`` on ``getCurrentCUDAStream()``, and the
+    driver rejects the legacy default stream outright ("cudaMemcpyBatchAsync failed.
+    failIdx=... error=invalid argument", seen on an H200 with CUDA 13). SGLang's cache
+    controller issues these copies on its write/load streams; a caller on the default
+    stream works on CPU and fails on the GPU, so the CPU runtime refuses it too. Empty
+    copies never reach the batch call."""
+    if num_indices and CPU_DEVICE_MODULE.current_stream() is CPU_DEVICE_MODULE.default_stream:
+        raise RuntimeError(
+            f"{op}: cudaMemcpyBatchAsync rejects the legacy default stream (CUDA: invalid "
+            "argument); issue it on a side stream, as the cache controller's write/load streams do"
+        )
 
 
 def _check_page_first_direct(

@@ -13,6 +13,7 @@ from torch import Tensor
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 from sglang.srt.mem_cache.memory_pool_host import MLATokenToKVPoolHost, NSAIndexerPoolHost
 
+from sglang_cp_hicache.testing.device import on_side_stream
 from sglang_cp_hicache.v0_5_12.mem_cache.cp_layer_backup import per_layer_backup_problem
 from sglang_cp_hicache.v0_5_12.mem_cache.memory_pool_host import (
     PerLayerBackupUnsupported,
@@ -22,6 +23,13 @@ from sglang_cp_hicache.v0_5_12.mem_cache.memory_pool_host import (
 LAYERS = 3
 PS = 64
 SUPPORTED = [("kernel", "layer_first"), ("direct", "layer_first"), ("direct", "page_first_direct")]
+
+
+@pytest.fixture(autouse=True)
+def write_stream():
+    """The transfers on a side stream, as the controller's write stream carries them."""
+    with on_side_stream():
+        yield
 
 
 def _device_pool() -> NSATokenToKVPool:

@@ -87,3 +87,83 @@ def test_a_selftest_failure_or_twin_mismatch_is_one_fail_line():
         {"per_layer_backup": {"ran": True, "ok": False, "direct/layer_first": {"exact": False, "layer_shard_gbps": 1.0}}},
     )
     assert not ok and "per-layer HiCache backup differs" in lines[0]
+
+
+def test_a_crashed_rank_still_runs_and_reports_the_main_process_checks(tmp_path, monkeypatch, capsys):
+    """The device call is one shot: a rank that raises must not cost the bandwidth, JIT and
+    per-layer backup figures; the result is still one FAIL line naming the rank's error."""
+    driver = _driver()
+    monkeypatch.setenv("GPU_CHECK_JSON", str(tmp_path / "report.json"))
+    ran = []
+
+    def crashed(world, fn, options):
+        raise RuntimeError("rank 1 failed:\nTraceback ...\nValueError: kernel refused")
+
+    def checks(options):
+        ran.append(options.device)
+        return {"bandwidth": {"ran": False, "ok": False, "error": "OSError: no pinned memory"}}
+
+    monkeypatch.setattr(driver, "main_process_checks", checks)
+    assert driver.main(["--device", "cpu"], launch=crashed) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert ran == ["cpu"]
+    assert lines[0] == "FAIL RuntimeError: ValueError: kernel refused"
+    assert "bandwidth raised: OSError: no pinned memory" in lines
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["ok"] is False and report["ranks"] is None
+    assert report["bandwidth"]["error"] == "OSError: no pinned memory"
+
+
+def test_a_main_process_check_that_raises_is_a_failure_and_the_others_still_run(monkeypatch):
+    driver = _driver()
+
+    def jit_build_failed(device):
+        raise RuntimeError("nvcc: not found")
+
+    monkeypatch.setattr(driver, "hicache_jit_transfer", jit_build_failed)
+    bandwidth = {
+        "layer_shard_bytes": 1e6, "prefix_tokens": 16384, "cp": 8, "d2h_gbps": 20.0, "d2h_of_peak": 0.8,
+        "peak_d2h_gbps": 25.0, "h2d_gbps": 20.0, "h2d_of_peak": 0.8, "peak_h2d_gbps": 25.0,
+    }
+    monkeypatch.setattr(driver, "shard_bandwidth", lambda device, shard: dict(bandwidth, prefix_tokens=shard.prefix_tokens))
+    monkeypatch.setattr(driver, "per_layer_backup", lambda device, shard: {"ran": True, "ok": True})
+    extra = driver.main_process_checks(driver.CheckOptions("cpu", 2, 10.0))
+    assert extra["hicache_jit"] == {"ran": False, "ok": False, "error": "RuntimeError: nvcc: not found"}
+    assert extra["bandwidth"] == bandwidth
+    assert extra["per_layer_backup"] == {"ran": True, "ok": True}
+    good = {"strategy": "all_reduce", "prefetch": False, "identical": True, "max_abs_diff": 0.0,
+            "pool_problems": (), "seconds": 0.1}
+    ok, lines = driver.summarize([{"pool": "p", "results": [good]}], driver.CheckOptions("cpu", 2, 10.0), 1.0, extra)
+    assert not ok and lines[0].startswith("FAIL") and "hicache_jit raised: RuntimeError: nvcc: not found" in lines[0]
+    assert any(line.startswith("owned shard per layer (1.0 MB, prefix 16384, cp 8)") for line in lines), lines
+
+
+def test_one_layout_that_raises_keeps_the_other_layouts_figures(monkeypatch):
+    """The per-layer check on the CPU runtime: a layout whose transfer raises is reported
+    with its error and fails the check; the others keep their byte check and figures."""
+    driver = _driver()
+    from sglang_cp_hicache.testing import install
+
+    install()
+    import torch
+
+    real = driver._per_layer_against_all_layer
+
+    def page_first_breaks(pool, device, layers, shard, layout, io_backend, *rest):
+        if layout == "page_first_direct":
+            raise RuntimeError("cudaMemcpyBatchAsync failed")
+        return real(pool, device, layers, shard, layout, io_backend, *rest)
+
+    monkeypatch.setattr(driver, "_per_layer_against_all_layer", page_first_breaks)
+    report = driver.per_layer_backup(torch.device("cpu"), driver.ShardGeometry(prefix_tokens=4096), repeats=1)
+    assert report["ok"] is False
+    assert report["direct/page_first_direct"] == {"exact": False, "error": "RuntimeError: cudaMemcpyBatchAsync failed"}
+    assert report["kernel/layer_first"]["exact"] and report["direct/layer_first"]["exact"]
+    # SGLang never unregisters a pinned host pool: the check keeps each one it made alive
+    # (two NSA pool pairs per layout that ran), so no freed range is registered twice.
+    assert [type(pool).__name__ for pair in driver.LIVE_HOST_POOLS for pool in pair] == [
+        "MLATokenToKVPoolHost", "NSAIndexerPoolHost"
+    ] * 4
+    lines = driver.summarize_main_process({"per_layer_backup": report})
+    assert "direct/page_first_direct raised RuntimeError: cudaMemcpyBatchAsync failed" in lines[-1]
+    assert "kernel/layer_first" in lines[-1] and "GB/s" in lines[-1]

@@ -4,6 +4,7 @@ backup/load round trip through SGLang's real MLA/NSA device and host pools on CP
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import pytest
@@ -15,6 +16,7 @@ from sglang.srt.mem_cache.memory_pool_host import (
 )
 
 from sglang_cp_hicache.testing import kvcacheio as kio
+from sglang_cp_hicache.testing.device import CPU_DEVICE_MODULE, on_side_stream
 
 Tensor = torch.Tensor
 
@@ -60,6 +62,14 @@ SIGNATURES = {
 @pytest.fixture
 def gen() -> torch.Generator:
     return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture(autouse=True)
+def side_stream():
+    """Each op on a side stream, as the cache controller issues them (its write/load
+    streams): the page-first direct ops refuse the default stream, as CUDA does."""
+    with on_side_stream():
+        yield
 
 
 def _rand(shape: Sequence[int], gen: torch.Generator, dtype=torch.bfloat16) -> Tensor:
@@ -551,6 +561,38 @@ def test_direct_ops_copy_valid_indices_and_skip_empty_ones(
     assert torch.equal(_bytes(written), _bytes(before))
     call(SRC, DST)
     assert not torch.equal(_bytes(written), _bytes(before))
+
+
+@pytest.mark.parametrize("name", DIRECT_OPS)
+def test_page_first_direct_ops_refuse_the_default_stream(gen: torch.Generator, name: str) -> None:
+    """cudaMemcpyBatchAsync rejects the legacy default stream ("invalid argument" on an H200,
+    CUDA 13); empty indices never reach it, and ``transfer_kv_direct`` (plain copies) runs
+    on any stream. A stream block on another thread does not count for this one."""
+    call, written = _direct_calls(gen)[name]
+    empty = torch.empty(0, dtype=torch.int64)
+    with CPU_DEVICE_MODULE.stream(CPU_DEVICE_MODULE.default_stream):
+        call(empty, empty)
+        if name == "transfer_kv_direct":
+            call(SRC, DST)
+            return
+        before = written.clone()
+        with pytest.raises(RuntimeError, match=f"{name}: cudaMemcpyBatchAsync rejects the legacy default stream"):
+            call(SRC, DST)
+        assert torch.equal(_bytes(written), _bytes(before))
+        with on_side_stream():
+            errors = []
+            worker = threading.Thread(target=lambda: _record_error(errors, call))
+            worker.start()
+            worker.join()
+            assert [type(e) for e in errors] == [RuntimeError]
+            call(SRC, DST)  # this thread is on a side stream
+
+
+def _record_error(errors: list, call: OpCall) -> None:
+    try:
+        call(SRC, DST)
+    except RuntimeError as exc:
+        errors.append(exc)
 
 
 @pytest.mark.parametrize("name", list(SIGNATURES))
