@@ -91,6 +91,35 @@ def base_overlaps(chain_starts: Sequence[int], lanes: int) -> List[int]:
     ]
 
 
+def new_chain_base(
+    free: Sequence[int],
+    pages: int,
+    lanes: int,
+    *,
+    chain_starts: Optional[Sequence[int]] = None,
+    fit_first: bool = True,
+    first_page: int = 0,
+) -> int:
+    """The rotation base of a new chain drawing ``pages`` position-pages from
+    ``first_page`` on, given ``free`` pages per lane: upstream's lane (the freest, ties to
+    the lowest) unless ``fit_first`` finds lanes from which the draws fit, then among
+    those the least :func:`base_overlaps` with ``chain_starts`` (none: 0), then the
+    freest, then the lowest. One rule for every new chain: an extend's and an L3
+    prefetch's from the root."""
+    base = min(range(lanes), key=lambda lane: (-free[lane], lane))
+    if not fit_first:
+        return base
+    fitting = [
+        lane
+        for lane in range(lanes)
+        if not any(lane_deficit(cyclic_lane_counts(lane + first_page, pages, lanes), free))
+    ]
+    if not fitting:
+        return base
+    overlap = [0] * lanes if chain_starts is None else base_overlaps(chain_starts, lanes)
+    return min(fitting, key=lambda lane: (overlap[lane], -free[lane], lane))
+
+
 def extend_lane_demand(
     free: Sequence[int],
     bases: Sequence[Optional[int]],
@@ -131,15 +160,10 @@ def extend_lane_demand(
         if base is None and leaders is not None and leaders[index] is not None:
             base = resolved[leaders[index]]
         if base is None:
-            base = min(range(lanes), key=lambda lane: (-left[lane], lane))
-            if fit_first:
-                overlap = [0] * lanes if starts is None else base_overlaps(starts, lanes)
-                runs = [
-                    cyclic_lane_counts(lane + first_page, new_pages, lanes) for lane in range(lanes)
-                ]
-                fitting = [lane for lane in range(lanes) if not any(lane_deficit(runs[lane], left))]
-                if fitting:
-                    base = min(fitting, key=lambda lane: (overlap[lane], -left[lane], lane))
+            base = new_chain_base(
+                left, new_pages, lanes, chain_starts=starts, fit_first=fit_first,
+                first_page=first_page,
+            )  # fmt: skip
             if starts is not None:
                 starts[base] += 1
         counts = cyclic_lane_counts(base + first_page, new_pages, lanes)

@@ -139,9 +139,10 @@ STATS = LaneEvictionStats()
 
 @dataclass
 class ChainStarts:
-    """New chains the lane-aware extends started per rotation base on one sharded
-    allocator since it was built: replicated (every rank runs the same extends), read to
-    spread the next new chain's base (``core.lane_eviction.base_overlaps``)."""
+    """New chains started per rotation base on one sharded allocator since it was built
+    (the lane-aware extends', and root-anchored L3 reads' whose host slots were held):
+    replicated (every rank runs the same extends and reads), read to spread the next new
+    chain's base (``core.lane_eviction.base_overlaps``)."""
 
     per_base: List[int]
 

@@ -10,6 +10,7 @@ from sglang_cp_hicache.core.lane_eviction import (
     cyclic_lane_counts,
     extend_lane_demand,
     first_page_leaders,
+    new_chain_base,
 )
 
 PAGE = 64
@@ -98,3 +99,24 @@ def test_a_lane_the_draws_do_not_fit_is_never_taken_for_spread() -> None:
         [1, 1, 1, 1], [None], [0], [8 * PAGE], 4, PAGE, fit_first=True, chain_starts=starts
     )
     assert base == 0
+
+
+def test_one_rule_places_a_new_chain_for_an_extend_and_for_a_root_anchored_read() -> None:
+    """``new_chain_base`` is the rule ``extend_lane_demand`` applies to each new chain (an
+    L3 prefetch from the root starts a chain too): on every free-lane state, chain count
+    and length, the same base."""
+    import itertools
+
+    for free, starts, pages in itertools.product(
+        ([4, 0, 4, 4], [3, 3, 3, 3], [1, 2, 3, 4], [0, 0, 0, 5]),
+        ([0, 0, 0, 0], [0, 0, 1, 0], [2, 1, 0, 0]),
+        (1, 3, 4, 6),
+    ):
+        _, (expected,) = extend_lane_demand(
+            free, [None], [0], [pages * PAGE], 4, PAGE, fit_first=True, chain_starts=starts
+        )
+        assert new_chain_base(free, pages, 4, chain_starts=starts) == expected
+        _, (upstream,) = extend_lane_demand(free, [None], [0], [pages * PAGE], 4, PAGE)
+        assert new_chain_base(free, pages, 4, chain_starts=starts, fit_first=False) == upstream
+    # Spread, then fit: one chain on lane 0 of cp 4 sends a 2-page chain to lane 2.
+    assert new_chain_base([8] * 4, 2, 4, chain_starts=[1, 0, 0, 0]) == 2

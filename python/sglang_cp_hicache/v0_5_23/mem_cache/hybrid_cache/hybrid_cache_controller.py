@@ -19,8 +19,9 @@ pages this rank owns, in their physical host rows, and hand that to upstream's o
   (``_reduce_prefetch_ack``) then yields the prefix every owner read: no new collective;
 * :func:`alloc_prefetch_host_buffers_around`: prefetch host slots follow upstream's owner
   rule, cyclic from a start owner decided from replicated state (the anchor's chain
-  phase, else, for a root anchor, the host slots' least-full owner class); an operation
-  with no recorded start owner is a bug and raises (:class:`PrefetchStartOwnerMissing`);
+  phase, else, for a root anchor, the base a new extend chain would get:
+  :func:`root_chain_start`); an operation with no recorded start owner is a bug and raises
+  (:class:`PrefetchStartOwnerMissing`);
 * :func:`allocate_storage_hit_around`: when the host is full, the room for a storage hit
   is made lane-aware (``host_lane_eviction``: host leaves on the owner lanes the hit's
   cyclic slots draw from), not by upstream's token-count LRU, whose victim may free
@@ -40,8 +41,10 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
+from sglang_cp_hicache.core.lane_eviction import new_chain_base
 from sglang_cp_hicache.core.storage_keys import logical_pages_completed
 from sglang_cp_hicache.v0_5_23.mem_cache.host_lane_eviction import backup_room
+from sglang_cp_hicache.v0_5_23.mem_cache.lane_eviction import chain_starts
 from sglang_cp_hicache.v0_5_23.mem_cache.storage.backend_factory import owner_storage_enabled
 
 logger = logging.getLogger(__name__)
@@ -197,10 +200,23 @@ def alloc_prefetch_host_buffers_around(
             "issues); refusing to place its host slots"
         )
     if start_owner is None:
-        # A root anchor starts a new chain: upstream's rule for new device chains, on the
-        # host slots' classes (the logical host allocator is identical on every rank).
-        start_owner = _anchor_pool(controller)._slots.least_full_class()
+        start_owner = root_chain_start(controller, need_size)
     return controller.mem_pool_host.alloc(need_size, start_owner=int(start_owner))
+
+
+def root_chain_start(controller: Any, need_tokens: int) -> int:
+    """The start owner of a read anchored at the root, which starts a new chain: the rule
+    a new extend chain follows (``core.lane_eviction.new_chain_base``: among the lanes
+    whose host slots can hold the read's cyclic draws, the one spread furthest from the
+    chains this cache's device allocator has started, then the freest; none fitting:
+    upstream's least-full class). Replicated state only: the logical host slots and the
+    chain counts are identical on every rank."""
+    slots = _anchor_pool(controller)._slots
+    pages = -(-int(need_tokens) // controller.page_size)
+    started = chain_starts(controller.mem_pool_device_allocator).per_base
+    return new_chain_base(
+        slots.class_free_page_counts(), pages, slots.shard_size, chain_starts=started
+    )
 
 
 def _bound_cache(evict_host: Callable[[int], int]) -> Optional[Any]:
@@ -225,14 +241,17 @@ def allocate_storage_hit_around(
     that lane's floor at 0, the whole hit is dropped. Here the eviction is the backups'
     lane-aware room (``host_lane_eviction.backup_room``) for the hit's exact per-lane
     draws; a root anchor's start owner (recorded None) is resolved once, before the first
-    allocation, so the room and the slots use the same lanes. Replicated state only."""
+    allocation, so the room and the slots use the same lanes, and counted as a started
+    chain once its slots are held (the next new chain spreads from it). Replicated state
+    only."""
     if not _applies(controller):
         return original(controller, operation, hit_tokens, evict_host=evict_host, **kwargs)
     start_owner = getattr(operation, START_OWNER_ATTR, _UNRECORDED)
     if start_owner is _UNRECORDED:  # alloc_prefetch_host_buffers_around raises for it
         return original(controller, operation, hit_tokens, evict_host=evict_host, **kwargs)
-    if start_owner is None:
-        start_owner = _anchor_pool(controller)._slots.least_full_class()
+    root_anchor = start_owner is None
+    if root_anchor:
+        start_owner = root_chain_start(controller, hit_tokens)
         setattr(operation, START_OWNER_ATTR, start_owner)
     cache = _bound_cache(evict_host)
     if cache is None:
@@ -245,7 +264,10 @@ def allocate_storage_hit_around(
         with backup_room(cache, int(start_owner), num_tokens):
             return evict_host(num_tokens)
 
-    return original(controller, operation, hit_tokens, evict_host=lane_room, **kwargs)
+    slots, alloc_len = original(controller, operation, hit_tokens, evict_host=lane_room, **kwargs)
+    if root_anchor and slots is not None:
+        chain_starts(controller.mem_pool_device_allocator).add([int(start_owner)])
+    return slots, alloc_len
 
 
 __all__ = [
@@ -258,4 +280,5 @@ __all__ = [
     "owned_run",
     "page_backup_around",
     "page_transfer_kv_batch_around",
+    "root_chain_start",
 ]
