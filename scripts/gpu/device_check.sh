@@ -73,9 +73,10 @@ if [ "$DRY_RUN" = 1 ]; then
 fi
 
 start=$(date +%s)
-[ "$SITE" = "<temp dir>" ] && SITE="$(mktemp -d -t gpucheck-site.XXXXXX)" && INSTALL_CMD="${INSTALL_CMD//<temp dir>/$SITE}"
 export PYTHONPATH="python${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$DEVICE" = cuda ]; then
+    # The install's temp dir only where something is installed (--cpu left one behind per run).
+    [ "$SITE" = "<temp dir>" ] && SITE="$(mktemp -d -t gpucheck-site.XXXXXX)" && INSTALL_CMD="${INSTALL_CMD//<temp dir>/$SITE}"
     if [ ! -d "$BUNDLE/wheels" ]; then
         echo "FAIL no bundle at $BUNDLE/wheels: run scripts/gpu/prepare_bundle.sh on a machine with PyPI access"
         exit 1

@@ -34,10 +34,13 @@ def test_dry_run_prints_the_offline_install_and_the_checks():
 
 def test_cpu_mode_end_to_end_prints_pass_and_writes_json(tmp_path):
     """``device_check.sh --cpu``: spawned gloo ranks, reference kernels, one PASS line."""
-    env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path))
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path), TMPDIR=str(scratch))
     out = subprocess.run(["bash", str(SCRIPT), "--cpu"], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     lines = out.stdout.strip().splitlines()
     assert out.returncode == 0, (out.stdout, out.stderr[-3000:])
+    assert not list(scratch.glob("gpucheck-site.*")), "--cpu installs nothing: no install dir left behind"
     assert lines[0].startswith("PASS shared-KV == replicated (cp=2 device=cpu"), lines
     assert "4 self-tests" in lines[0]
     report = json.loads((tmp_path / "device_check.json").read_text())
