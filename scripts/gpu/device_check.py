@@ -1,6 +1,6 @@
 """Driver of scripts/gpu/device_check.sh: the offline one-GPU check of CP shared KV.
 
-Five checks, one ``PASS``/``FAIL`` line, a JSON report (``$OUT/device_check.json`` when
+Six checks, one ``PASS``/``FAIL`` line, a JSON report (``$OUT/device_check.json`` when
 ``OUT`` is set, or ``GPU_CHECK_JSON``):
 
 1. **self-test** (every rank): the server's startup self-test
@@ -19,6 +19,15 @@ Five checks, one ``PASS``/``FAIL`` line, a JSON report (``$OUT/device_check.json
 5. **per_layer_backup** (main process): the plugin's per-layer HiCache D2H on SGLang's NSA
    device and host pools, every supported io backend/layout, byte-exact against SGLang's
    all-layer backup, and one layer's owned shard in GB/s (vs the pinned peak of check 3).
+
+6. **per_layer_pipeline** (``--cp`` ranks, after the main-process checks): the per-layer
+   backup round trip on the real CP stack (``testing/v0_5_12/per_layer_round_trip.py``,
+   the multi-rank test's scenario): reservations before a forward, each layer's stores
+   after a stall on the forward's stream and then its backup on the write stream, an
+   all-layer backup mid-forward, the acks (same on every rank, after the last layer, a
+   zero-owned rank too), a device wipe and a load-back byte-exact per layer; with the
+   overlap of layer 0's copy and the forward, from CUDA events. Its ranks have their own
+   time limit (``PIPELINE_TIMEOUT_S``).
 
 NCCL refuses two ranks on one GPU, so the CP ranks are ``--cp`` processes on the one
 device with a gloo CP group (gloo moves CUDA tensors through host staging). ``--device
@@ -39,7 +48,7 @@ plugin admits on Hopper (``flashmla_sparse`` over bf16, ``flashmla_kv`` over pac
 from __future__ import annotations
 
 import argparse
-import datetime
+import contextlib
 import json
 import logging
 import os
@@ -48,7 +57,7 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 STRATEGIES = ("all_reduce", "all_gather")
 KV_KINDS = ("bf16", "fp8")
@@ -62,13 +71,6 @@ class CheckOptions:
     device: str
     cp_size: int
     timeout_s: float
-
-
-@dataclass
-class RankContext:
-    rank: int
-    world_size: int
-    cp_group: Any
 
 
 def variants() -> List[tuple]:
@@ -110,12 +112,14 @@ def describe(options: CheckOptions) -> str:
     return (
         f"plan: {options.cp_size} processes, gloo CP group, device={options.device}, {kernels}; "
         f"self-test kv={list(KV_KINDS)} x strategies={list(STRATEGIES)}; twin variants={variants()}; "
-        "then owned-shard D2H/H2D bandwidth and the hicache JIT transfer in the main process; "
+        "then owned-shard D2H/H2D bandwidth, the hicache JIT transfer and the per-layer "
+        "backup in the main process; then the per-layer pipeline round trip on the CP stack "
+        f"({[f'{b}/{l}' for b, l in PIPELINE_LAYOUTS]}); "
         "replicated vs shared KV (target + 1-layer MTP draft), identical outputs required"
     )
 
 
-def check_rank(ctx: RankContext, options: dict) -> dict:
+def check_rank(ctx: Any, options: dict) -> dict:
     """One rank: the twin comparison for every variant. ``options`` is
     ``asdict(CheckOptions)``: plain values unpickle in any launcher's child."""
     import torch
@@ -141,7 +145,7 @@ def kv_geometry(kind: str):
     return PagedLayerGeometry(PAGE_SIZE, getattr(torch, dtype), shape, PAGE_SIZE * token_bytes, INDEX_PAGE_BYTES)
 
 
-def run_selftests(ctx: RankContext, device) -> List[dict]:
+def run_selftests(ctx: Any, device) -> List[dict]:
     """The startup self-test for each KV kind and strategy; failures are recorded, not raised."""
     from sglang_cp_hicache.v0_5_12.layers.attention.cp_shared_kv_selftest import (
         SharedKVSelfTestFailed,
@@ -310,11 +314,12 @@ def per_layer_backup(device, shard: ShardGeometry = ShardGeometry(), repeats: in
     return {"ran": True, "ok": all(r["exact"] for r in results.values()), "owned_pages": pages, **results}
 
 
-#: Every host pool the per-layer check made, kept for the life of the process: SGLang pins
-#: a host pool with an unchecked ``cudaHostRegister`` and never unregisters it (a server's
-#: pools live as long as it does), so a freed pool's range handed out again by malloc fails
-#: to register ("part or all of the requested memory range is already mapped", seen on an
-#: H200 at the next layout's pool) and the error surfaces at the next CUDA call.
+#: Every host pool (or cache stack) the per-layer checks made, kept for the life of the
+#: process: SGLang pins a host pool with an unchecked ``cudaHostRegister`` and never
+#: unregisters it (a server's pools live as long as it does), so a freed pool's range
+#: handed out again by malloc fails to register ("part or all of the requested memory
+#: range is already mapped", seen on an H200 at the next layout's pool) and the error
+#: surfaces at the next CUDA call.
 LIVE_HOST_POOLS: List[Any] = []
 
 
@@ -370,6 +375,102 @@ def _per_layer_against_all_layer(
     }
 
 
+# ----------------------------------------------------------------- per-layer pipeline
+#: The backends/layouts of the pipeline check: the launch script's (``scripts/glm5``) and
+#: the page-first direct one (cudaMemcpyBatchAsync on the write/load streams).
+PIPELINE_LAYOUTS = (("kernel", "layer_first"), ("direct", "page_first_direct"))
+#: The forward's compute before each layer's stores (``torch.cuda._sleep`` cycles, a few
+#: ms): long enough that a copy not ordered after the stores would read the old bytes.
+STALL_CYCLES = 4_000_000
+#: The pipeline ranks' limit: a rank that hangs costs this, not the whole check's budget.
+PIPELINE_TIMEOUT_S = 90.0
+
+
+def pipeline_rank(ctx: Any, options: dict) -> List[dict]:
+    """One rank: the per-layer backup round trip on the real CP stack
+    (``testing/v0_5_12/per_layer_round_trip.py``) per layout; an error is recorded."""
+    from sglang_cp_hicache.testing.v0_5_12.per_layer_round_trip import per_layer_round_trip
+
+    device = "cuda" if options["device"] == "cuda" else "cpu"
+    runs = [(io_backend, layout, contextlib.nullcontext()) for io_backend, layout in PIPELINE_LAYOUTS]
+    if device == "cuda":  # on CPU copies are synchronous: a missing wait races nothing there
+        runs.append((*PIPELINE_LAYOUTS[0], _layer_wait_removed()))
+    entries = []
+    for io_backend, layout, plant in runs:
+        try:
+            with plant:
+                report = per_layer_round_trip(
+                    ctx, io_backend, layout, device=device, stall_cycles=STALL_CYCLES,
+                    keep_stacks=LIVE_HOST_POOLS,
+                )  # fmt: skip
+            entries.append({"report": report})
+        except Exception as exc:
+            entries.append({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+    return entries
+
+
+class _EventWithoutWait:
+    """A layer-stored event whose ``wait`` does nothing: the planted fault."""
+
+    def __init__(self, event: Any) -> None:
+        self._event = event
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._event, name)
+
+
+@contextlib.contextmanager
+def _layer_wait_removed() -> Iterator[None]:
+    """The negative control: the write stream no longer waits for a layer's stores before
+    copying it (``ControllerLayerTransfers.new_event`` patched for the run), the fault the
+    forward's stall is there to expose; the load-back must show stale bytes."""
+    from sglang_cp_hicache.v0_5_12.mem_cache.hybrid_cache.cp_hybrid_cache_controller import (
+        ControllerLayerTransfers,
+    )
+
+    original = ControllerLayerTransfers.new_event
+    ControllerLayerTransfers.new_event = lambda self: _EventWithoutWait(original(self))
+    try:
+        yield
+    finally:
+        ControllerLayerTransfers.new_event = original
+
+
+def per_layer_pipeline(options: CheckOptions, launch: Callable) -> dict:
+    """The per-layer pipeline on ``cp`` ranks (real CP stack, controller, write/load streams
+    and events): per layout, the contract's breaches (``round_trip_problems``; none: PASS)
+    and each rank's overlap (layer 0 on host this many ms before the last layer's stores)."""
+    from sglang_cp_hicache.testing.v0_5_12.per_layer_round_trip import round_trip_problems
+
+    limited = dict(asdict(options), timeout_s=min(options.timeout_s, PIPELINE_TIMEOUT_S))
+    try:
+        per_rank = launch(options.cp_size, pipeline_rank, limited)
+    except Exception as exc:  # a rank crashed or hung past the limit
+        return {"ran": False, "ok": False, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1]}"}
+    def verdict(i: int) -> dict:
+        entries = [rank_entries[i] for rank_entries in per_rank]
+        errors = [f"rank {r}: {e['error']}" for r, e in enumerate(entries) if "error" in e]
+        reports = [e["report"] for e in entries if "report" in e]
+        return {
+            "problems": errors or round_trip_problems(reports),
+            "overlap_ms": [report["overlap_ms"] for report in reports],
+            "raised": bool(errors),
+        }
+
+    layouts = {f"{b}/{l}": verdict(i) for i, (b, l) in enumerate(PIPELINE_LAYOUTS)}
+    ok = not any(v["problems"] for v in layouts.values())
+    if len(per_rank[0]) > len(PIPELINE_LAYOUTS):  # CUDA: the planted missing wait
+        control = verdict(len(PIPELINE_LAYOUTS))
+        # Caught only if the load-back shows stale bytes (not a crash, not another breach).
+        control["detected"] = not control["raised"] and any("mismatched tokens" in p for p in control["problems"])
+        layouts["negative_control"] = control
+        ok = ok and control["detected"]
+    return {"ran": True, "ok": ok, **layouts}
+
+
 def summarize(
     per_rank: Sequence[dict], options: CheckOptions, wall_s: float, extra: Optional[dict] = None
 ) -> tuple[bool, List[str]]:
@@ -422,6 +523,20 @@ def main_process_failures(extra: dict) -> List[str]:
     per_layer = extra.get("per_layer_backup", {})
     if per_layer.get("ran") and not per_layer.get("ok"):
         failures.append(f"per-layer HiCache backup differs from SGLang's all-layer backup: {per_layer}")
+    pipeline = extra.get("per_layer_pipeline", {})
+    if pipeline.get("ran") and not pipeline.get("ok"):
+        failures.extend(
+            f"per-layer pipeline {name}: {problem}"
+            for name, entry in pipeline.items()
+            if isinstance(entry, dict) and name != "negative_control"
+            for problem in entry["problems"]
+        )
+        control = pipeline.get("negative_control")
+        if control is not None and not control["detected"]:
+            failures.append(
+                "per-layer pipeline negative control: a write stream that does not wait for "
+                f"the layer's stores went undetected ({control['problems'] or 'no breach'})"
+            )
     return failures
 
 
@@ -450,6 +565,23 @@ def summarize_main_process(extra: dict) -> List[str]:
             if isinstance(r, dict)
         )  # fmt: skip
         lines.append(f"per-layer backup (one layer's owned shard, KV + index K, byte-exact={per_layer['ok']}): {figures}")
+    pipeline = {} if "error" in extra.get("per_layer_pipeline", {}) else extra.get("per_layer_pipeline", {})
+    if pipeline:
+        figures = "; ".join(
+            f"{name} {'ok' if not entry['problems'] else 'FAILED'}"
+            + ("" if None in entry["overlap_ms"] or not entry["overlap_ms"] else
+               f", layer 0 on host {min(entry['overlap_ms']):.2f}-{max(entry['overlap_ms']):.2f} ms before the last layer's stores")
+            for name, entry in pipeline.items()
+            if isinstance(entry, dict) and name != "negative_control"
+        )  # fmt: skip
+        control = pipeline.get("negative_control")
+        if control is not None:
+            stale = [p for p in control["problems"] if "mismatched tokens" in p]
+            figures += (
+                f"; negative control (no wait for a layer's stores): "
+                f"{'caught, ' + str(len(stale)) + ' stale node loads' if control['detected'] else 'NOT caught'}"
+            )
+        lines.append(f"per-layer pipeline (CP stack, write/load streams, acks, load-back byte-exact): {figures}")
     return lines
 
 
@@ -467,12 +599,12 @@ def _spawned_rank(rank: int, world: int, port: int, fn: Callable, options: dict,
         install()
     import torch.distributed as dist
 
+    from sglang_cp_hicache.testing.dist import init_rank_groups
+
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-            timeout=datetime.timedelta(seconds=options["timeout_s"]),
-        )
-        queue.put((rank, True, fn(RankContext(rank, world, dist.group.WORLD), options)))
+        # The CP group and each rank's own attention-TP group (the cache stack takes both).
+        ctx = init_rank_groups(rank, world, port, options["timeout_s"])
+        queue.put((rank, True, fn(ctx, options)))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -536,6 +668,7 @@ def main(argv: Optional[Sequence[str]] = None, launch: Callable = spawn_ranks) -
         per_rank, rank_error = None, exc
         print(str(exc), file=sys.stderr)
     extra = main_process_checks(options)
+    extra["per_layer_pipeline"] = per_layer_pipeline(options, launch)
     if rank_error is not None:
         lines = [f"FAIL {type(rank_error).__name__}: {str(rank_error).strip().splitlines()[-1]}"]
         lines += summarize_main_process(extra)

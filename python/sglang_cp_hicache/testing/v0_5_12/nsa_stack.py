@@ -41,6 +41,7 @@ class StackConfig:
     max_context_len: int = 8192
     write_policy: str = "write_through"
     draft: bool = False  # the MTP draft's 1-layer pool beside the target (CP stacks)
+    device: str = "cpu"  # "cuda" on a GPU (the offline device check), with the real kernels
 
 
 @dataclass
@@ -86,7 +87,7 @@ def build_kv_pool(cfg: StackConfig, layer_num: Optional[int] = None):
         dtype=torch.bfloat16,
         qk_rope_head_dim=QK_ROPE_HEAD_DIM,
         layer_num=cfg.layer_num if layer_num is None else layer_num,
-        device="cpu",
+        device=cfg.device,
         index_head_dim=INDEX_HEAD_DIM,
         enable_memory_saver=False,
         kv_cache_dim=KV_LORA_RANK + QK_ROPE_HEAD_DIM,
@@ -122,7 +123,7 @@ def build_rank_stack(
         raise ValueError("StackConfig.draft needs the shared-KV (CP) stack")
     kv_pool = build_kv_pool(cfg)
     draft_pool = build_kv_pool(cfg, layer_num=DRAFT_LAYERS) if cfg.draft else None
-    common = dict(page_size=cfg.page_size, dtype=torch.bfloat16, device="cpu", kvcache=kv_pool)
+    common = dict(page_size=cfg.page_size, dtype=torch.bfloat16, device=cfg.device, kvcache=kv_pool)
     if shared_kv:
         allocator = CPSharedPagedTokenToKVPoolAllocator(
             cfg.physical_tokens,
@@ -136,7 +137,7 @@ def build_rank_stack(
         allocator = PagedTokenToKVPoolAllocator(cfg.physical_tokens, need_sort=False, **common)
         default_cls, layout = UPSTREAM["HiRadixCache"], None
     req_to_token_pool = ReqToTokenPool(
-        cfg.req_pool_size, cfg.max_context_len, device="cpu", enable_memory_saver=False
+        cfg.req_pool_size, cfg.max_context_len, device=cfg.device, enable_memory_saver=False
     )
     params = CacheInitParams(
         disable=False,
@@ -171,30 +172,34 @@ def unit_stack(attn_tp_group: Any, shared_kv: bool = True, cp_rank: int = 0, **o
 
 # --------------------------------------------------------------------- KV pattern
 def expected_kv_rows(token_ids: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
-    """MLA latent rows [n, 1, 576] (bf16-exact small integers) for the given tokens."""
+    """MLA latent rows [n, 1, 576] (bf16-exact small integers) for the given tokens, on
+    their device."""
     dim = KV_LORA_RANK + QK_ROPE_HEAD_DIM
     base = (token_ids.to(torch.int64) * 31 + positions.to(torch.int64) * 17 + layer * 7) % 97
-    values = (base.unsqueeze(1) + torch.arange(dim)) % 251 - 125
+    values = (base.unsqueeze(1) + torch.arange(dim, device=base.device)) % 251 - 125
     return values.to(torch.bfloat16).unsqueeze(1)
 
 
 def expected_index_bytes(token_ids: torch.Tensor, positions: torch.Tensor, layer: int) -> torch.Tensor:
-    """Indexer K (128 B) + scale (4 B) per token, uint8 [n, 132]."""
+    """Indexer K (128 B) + scale (4 B) per token, uint8 [n, 132], on their device."""
     base = (token_ids.to(torch.int64) * 13 + positions.to(torch.int64) * 7 + layer * 3) % 256
-    return ((base.unsqueeze(1) + torch.arange(INDEX_BYTES_PER_TOKEN)) % 256).to(torch.uint8)
+    columns = torch.arange(INDEX_BYTES_PER_TOKEN, device=base.device)
+    return ((base.unsqueeze(1) + columns) % 256).to(torch.uint8)
 
 
 def _index_byte_offsets(physical_locs: torch.Tensor, page_size: int) -> tuple:
     """(page, [132 byte offsets]) of each token in NSA's paged index-K buffer."""
     pages = physical_locs // page_size
     offsets = physical_locs % page_size
-    k_cols = offsets.unsqueeze(1) * INDEX_HEAD_DIM + torch.arange(INDEX_HEAD_DIM)
-    scale_cols = page_size * INDEX_HEAD_DIM + offsets.unsqueeze(1) * 4 + torch.arange(4)
+    device = physical_locs.device
+    k_cols = offsets.unsqueeze(1) * INDEX_HEAD_DIM + torch.arange(INDEX_HEAD_DIM, device=device)
+    scale_cols = page_size * INDEX_HEAD_DIM + offsets.unsqueeze(1) * 4 + torch.arange(4, device=device)
     return pages, torch.cat([k_cols, scale_cols], dim=1)
 
 
 def owned_physical(stack: RankStack, logical_locs: torch.Tensor):
-    """(positions into ``logical_locs`` this rank stores, their physical locs)."""
+    """(positions into ``logical_locs`` this rank stores, their physical locs), both on the
+    locs' device."""
     if stack.layout is None:
         return torch.arange(len(logical_locs)), logical_locs.to(torch.int64)
     positions = stack.layout.owned_positions(logical_locs.to(torch.int64))
@@ -226,17 +231,52 @@ def write_pool_kv(
     draft: bool = False,
 ) -> None:
     """The target forward's stores (or, ``draft``, the draft forward's) of owned tokens."""
+    stores = prepare_stores(stack, logical_locs, token_ids, positions, draft)
+    if stores is not None:
+        for layer in range(stores.pool.layer_num):
+            stores.store(layer)
+
+
+@dataclass
+class PreparedStores:
+    """One node's owned stores into one pool, computed ahead on the pool's device, so a
+    forward can issue one layer's stores with device work only (no host sync between the
+    layer's compute and its stores)."""
+
+    pool: Any
+    physical_locs: torch.Tensor
+    index_pages: torch.Tensor  # [n, 1]
+    index_cols: torch.Tensor  # [n, 132]
+    kv_rows: List[torch.Tensor]  # per pool layer
+    index_bytes: List[torch.Tensor]  # per pool layer
+
+    def store(self, layer: int) -> None:
+        """Layer ``layer``'s MLA KV and indexer K/scale of the owned tokens."""
+        self.pool.kv_buffer[layer][self.physical_locs] = self.kv_rows[layer]
+        self.pool.index_k_with_scale_buffer[layer][self.index_pages, self.index_cols] = self.index_bytes[layer]
+
+
+def prepare_stores(
+    stack: RankStack,
+    logical_locs: torch.Tensor,
+    token_ids: torch.Tensor,
+    positions: torch.Tensor,
+    draft: bool = False,
+) -> Optional[PreparedStores]:
+    """The pattern stores of this rank's owned tokens of ``logical_locs`` into the target
+    pool (or the draft's); None when this rank owns none of them."""
     owned, physical_locs = owned_physical(stack, logical_locs)
     if len(owned) == 0:
-        return
+        return None
+    ids, pos = token_ids.to(owned.device)[owned], positions.to(owned.device)[owned]
     pool = stack.draft_pool if draft else stack.kv_pool
     pages, cols = _index_byte_offsets(physical_locs, pool.page_size)
-    for layer, pattern in _pattern_layers(stack, draft):
-        pool.kv_buffer[layer][physical_locs] = expected_kv_rows(token_ids[owned], positions[owned], pattern)
-        index_buf = pool.index_k_with_scale_buffer[layer]
-        index_buf[pages.unsqueeze(1), cols] = expected_index_bytes(
-            token_ids[owned], positions[owned], pattern
-        )
+    patterns = [pattern for _, pattern in _pattern_layers(stack, draft)]
+    return PreparedStores(
+        pool, physical_locs, pages.unsqueeze(1), cols,
+        [expected_kv_rows(ids, pos, pattern) for pattern in patterns],
+        [expected_index_bytes(ids, pos, pattern) for pattern in patterns],
+    )  # fmt: skip
 
 
 def count_kv_mismatches(
@@ -273,15 +313,15 @@ def _mismatch_masks(stack, logical_locs, token_ids, positions, draft: bool = Fal
     owned, physical_locs = owned_physical(stack, logical_locs)
     if len(owned) == 0:
         return []
+    ids, pos = token_ids.to(owned.device)[owned], positions.to(owned.device)[owned]
     pool = stack.draft_pool if draft else stack.kv_pool
     pages, cols = _index_byte_offsets(physical_locs, pool.page_size)
     masks = []
     for layer, pattern in _pattern_layers(stack, draft):
         kv = pool.kv_buffer[layer][physical_locs]
-        expected = expected_kv_rows(token_ids[owned], positions[owned], pattern)
-        bad = (kv != expected).reshape(len(owned), -1).any(dim=1)
+        bad = (kv != expected_kv_rows(ids, pos, pattern)).reshape(len(owned), -1).any(dim=1)
         index_bytes = pool.index_k_with_scale_buffer[layer][pages.unsqueeze(1), cols]
-        bad |= (index_bytes != expected_index_bytes(token_ids[owned], positions[owned], pattern)).any(dim=1)
+        bad |= (index_bytes != expected_index_bytes(ids, pos, pattern)).any(dim=1)
         masks.append(bad)
     return masks
 

@@ -52,6 +52,16 @@ def test_cpu_mode_end_to_end_prints_pass_and_writes_json(tmp_path):
         "kernel/layer_first", "direct/layer_first", "direct/page_first_direct"
     }
     assert any(line.startswith("per-layer backup") and "byte-exact=True" in line for line in lines)
+    pipeline = report["per_layer_pipeline"]
+    assert pipeline["ok"] is True
+    assert {k: v for k, v in pipeline.items() if "/" in k} == {
+        "kernel/layer_first": {"problems": [], "overlap_ms": [None, None], "raised": False},
+        "direct/page_first_direct": {"problems": [], "overlap_ms": [None, None], "raised": False},
+    }  # no negative control on CPU: its copies are synchronous, a missing wait races nothing
+    assert lines[-2] == (
+        "per-layer pipeline (CP stack, write/load streams, acks, load-back byte-exact): "
+        "kernel/layer_first ok; direct/page_first_direct ok"
+    )
     for rank in report["ranks"]:
         assert [(e["kv"], e["strategy"], e["ok"]) for e in rank["selftest"]] == [
             ("bf16", "all_reduce", True), ("bf16", "all_gather", True),
@@ -170,3 +180,109 @@ def test_one_layout_that_raises_keeps_the_other_layouts_figures(monkeypatch):
     lines = driver.summarize_main_process({"per_layer_backup": report})
     assert "direct/page_first_direct raised RuntimeError: cudaMemcpyBatchAsync failed" in lines[-1]
     assert "kernel/layer_first" in lines[-1] and "GB/s" in lines[-1]
+
+
+def test_a_pipeline_breach_fails_the_check_and_the_overlap_is_reported():
+    """The pipeline's verdict is ``round_trip_problems`` per layout: a rank's error or a
+    breach fails the check naming the layout; on CUDA each rank's overlap is printed."""
+    driver = _driver()
+    options = driver.CheckOptions("cuda", 2, 10.0)
+    good = {"acks_before_last": [[13]], "acks": [[13], [11, 12]], "overlap_ms": 4.0,
+            "loaded": {11: [0, 0, 0, 64], 12: [0, 0, 0, 0], 13: [0, 0, 0, 64]}}
+    last = dict(good, overlap_ms=3.5, loaded={11: [0, 0, 0, 64], 12: [0, 0, 0, 128], 13: [0, 0, 0, 128]})
+    stale = dict(last, loaded={**last["loaded"], 12: [0, 128, 0, 128]})
+
+    def launch(world, fn, plain):
+        assert fn is driver.pipeline_rank and plain["timeout_s"] == 10.0
+        return [[{"report": good}, {"error": "RuntimeError: boom"}], [{"report": last}, {"report": stale}]]
+
+    pipeline = driver.per_layer_pipeline(options, launch)
+    assert pipeline["ok"] is False
+    assert pipeline["kernel/layer_first"] == {"problems": [], "overlap_ms": [4.0, 3.5], "raised": False}
+    assert pipeline["direct/page_first_direct"]["problems"] == ["rank 0: RuntimeError: boom"]
+    assert driver.main_process_failures({"per_layer_pipeline": pipeline}) == [
+        "per-layer pipeline direct/page_first_direct: rank 0: RuntimeError: boom"
+    ]
+    line = driver.summarize_main_process({"per_layer_pipeline": pipeline})[-1]
+    assert "kernel/layer_first ok, layer 0 on host 3.50-4.00 ms before the last layer's stores" in line
+    assert "direct/page_first_direct FAILED" in line
+
+    def breach(world, fn, plain):
+        return [[{"report": good}, {"report": good}], [{"report": last}, {"report": stale}]]
+
+    pipeline = driver.per_layer_pipeline(options, breach)
+    assert pipeline["direct/page_first_direct"]["problems"] == [
+        "rank 1 node 12: mismatched tokens per layer [0, 128, 0]"
+    ]
+
+    def hung(world, fn, plain):
+        raise RuntimeError("rank 1 failed:\nTimeoutError: no answer in 90 s")
+
+    assert driver.per_layer_pipeline(options, hung) == {
+        "ran": False, "ok": False, "error": "RuntimeError: TimeoutError: no answer in 90 s"
+    }
+
+
+def test_the_negative_control_must_be_caught_by_stale_bytes():
+    """On CUDA the ranks also run the round trip with the layer-stored wait removed: the
+    check passes only if that run's load-back shows stale bytes; a clean run, a crash or
+    another breach fails it."""
+    driver = _driver()
+    options = driver.CheckOptions("cuda", 2, 10.0)
+    good = {"acks_before_last": [[13]], "acks": [[13], [11, 12]], "overlap_ms": 4.0,
+            "loaded": {11: [0, 0, 0, 64], 12: [0, 0, 0, 0], 13: [0, 0, 0, 64]}}
+    last = dict(good, loaded={11: [0, 0, 0, 64], 12: [0, 0, 0, 128], 13: [0, 0, 0, 128]})
+    stale = dict(last, loaded={**last["loaded"], 11: [0, 64, 64, 64]})
+
+    def run(control_0, control_1):
+        ranks = [[{"report": good}] * 2 + [control_0], [{"report": last}] * 2 + [control_1]]
+        return driver.per_layer_pipeline(options, lambda world, fn, plain: ranks)
+
+    caught = run({"report": good}, {"report": stale})
+    assert caught["ok"] is True and caught["negative_control"]["detected"] is True
+    assert driver.main_process_failures({"per_layer_pipeline": caught}) == []
+    assert driver.summarize_main_process({"per_layer_pipeline": caught})[-1].endswith(
+        "negative control (no wait for a layer's stores): caught, 1 stale node loads"
+    )
+    for missed in (run({"report": good}, {"report": last}), run({"error": "E: x"}, {"report": stale}),
+                   run({"report": dict(good, acks=[[11, 12], [13]])}, {"report": last})):
+        assert missed["ok"] is False and missed["negative_control"]["detected"] is False
+        (failure,) = driver.main_process_failures({"per_layer_pipeline": missed})
+        assert failure.startswith("per-layer pipeline negative control: a write stream that does not wait")
+
+
+def test_the_planted_fault_removes_only_the_wait():
+    """``_layer_wait_removed`` hands out events that record and answer as before but never
+    make a stream wait, and restores ``ControllerLayerTransfers.new_event`` after."""
+    driver = _driver()
+    from sglang_cp_hicache.testing import install
+
+    install()
+    from sglang_cp_hicache.v0_5_12.mem_cache.hybrid_cache.cp_hybrid_cache_controller import (
+        ControllerLayerTransfers,
+    )
+
+    original = ControllerLayerTransfers.new_event
+    waited = []
+
+    class Event:
+        def record(self):
+            waited.append("record")
+
+        def wait(self, stream):
+            waited.append("wait")
+
+        def query(self):
+            return True
+
+    ControllerLayerTransfers.new_event = lambda self: Event()
+    try:
+        with driver._layer_wait_removed():
+            event = ControllerLayerTransfers.new_event(None)
+            event.record()
+            event.wait("write stream")
+            assert event.query() is True
+        assert waited == ["record"]
+        assert isinstance(ControllerLayerTransfers.new_event(None), Event)
+    finally:
+        ControllerLayerTransfers.new_event = original
