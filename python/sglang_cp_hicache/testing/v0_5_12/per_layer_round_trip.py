@@ -23,7 +23,7 @@ write stream had finished layer 0's copy.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -132,15 +132,27 @@ def round_trip_problems(reports: List[Dict[str, Any]]) -> List[str]:
             problems.append(f"rank {rank}: acks before the last layer {report['acks_before_last']}")
         if report["acks"] != [[ALL_LAYER_NODE], list(PER_LAYER_NODES)]:
             problems.append(f"rank {rank}: acks {report['acks']}")
-        for node_id, per_layer in report["loaded"].items():
-            if per_layer[:-1] != [0] * LAYERS:
-                problems.append(f"rank {rank} node {node_id}: mismatched tokens per layer {per_layer[:-1]}")
+        problems += [
+            f"rank {rank} node {node_id}: mismatched tokens per layer {per_layer}"
+            for _, node_id, per_layer in stale_loads([report])
+        ]
         if report["loaded"][11][-1] == 0:
             problems.append(f"rank {rank}: owns no page of node 11")
     owners_of_12 = [rank for rank, report in enumerate(reports) if report["loaded"][12][-1] > 0]
     if owners_of_12 != [last]:
         problems.append(f"node 12 owned by ranks {owners_of_12}, expected [{last}]")
     return problems
+
+
+def stale_loads(reports: List[Dict[str, Any]]) -> List[Tuple[int, int, List[int]]]:
+    """``(rank, node id, mismatched tokens per layer)`` of every node load that did not
+    come back byte-exact."""
+    return [
+        (rank, node_id, per_layer[:-1])
+        for rank, report in enumerate(reports)
+        for node_id, per_layer in report["loaded"].items()
+        if per_layer[:-1] != [0] * LAYERS
+    ]
 
 
 class _ForwardTiming:
@@ -174,4 +186,6 @@ class _ForwardTiming:
         return float(self._layer0_copied.elapsed_time(self._last_stored))
 
 
-__all__ = ["LAYERS", "PAGE_SIZE", "node_owners", "per_layer_round_trip", "round_trip_problems"]
+__all__ = [
+    "LAYERS", "PAGE_SIZE", "node_owners", "per_layer_round_trip", "round_trip_problems", "stale_loads",
+]
