@@ -9,20 +9,35 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import ContextManager, Iterator, List, Optional
 
 
 class CpuEvent:
-    """Event whose completion a test can delay; otherwise complete when recorded."""
+    """Event whose completion a test can delay; otherwise complete when recorded.
+
+    Timing follows CUDA's rule: :meth:`elapsed_time` needs both events created with
+    ``enable_timing=True`` and recorded (SGLang's write-ack metrics read it)."""
 
     def __init__(self, module: "CpuDeviceModule", enable_timing: bool = False, **_: object):
         self._module = module
         self._recorded = False
         self._held = False
+        self._timing = enable_timing
+        self._recorded_at: Optional[float] = None
 
     def record(self, stream: Optional["CpuStream"] = None) -> None:
         self._recorded = True
+        self._recorded_at = time.perf_counter()
         self._held = self._module._register_if_holding(self)
+
+    def elapsed_time(self, end: "CpuEvent") -> float:
+        """Milliseconds from this event's record to ``end``'s."""
+        if not (self._timing and end._timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if self._recorded_at is None or end._recorded_at is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        return (end._recorded_at - self._recorded_at) * 1000.0
 
     def query(self) -> bool:
         return not self._held

@@ -185,3 +185,20 @@ def test_line_scan_finds_a_planted_crossing(tmp_path):
     relative = tmp_path / "rel.py"
     relative.write_text("from ..core import releases\n")
     assert f"{PACKAGE}.core.releases" in imported_names(relative, f"{PACKAGE}.v0_5_12.rel")
+
+
+def _product_modules() -> Dict[str, Path]:
+    """The installed plugin: everything but the CPU runtime and test harnesses (``testing``)
+    and the simulator (``sim``)."""
+    files = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    return {n: p for n, p in files.items() if not (_within(n, f"{PACKAGE}.testing") or _within(n, f"{PACKAGE}.sim"))}
+
+
+def test_the_product_never_imports_the_cpu_runtime_or_harnesses():
+    product = _product_modules()
+    assert f"{PACKAGE}.v0_5_23.server_args" in product and f"{PACKAGE}.testing.server.runtime" not in product
+    offending = {
+        name: sorted(i for i in imported_names(path, name) if _within(i, f"{PACKAGE}.testing") or _within(i, f"{PACKAGE}.sim"))
+        for name, path in product.items()
+    }
+    assert {name: found for name, found in offending.items() if found} == {}

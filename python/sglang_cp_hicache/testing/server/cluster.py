@@ -1,0 +1,201 @@
+"""A PD serving cluster of SGLang's own servers on loopback: prefill and decode servers
+(``sglang.launch_server``), ``sglang-router`` in PD mode, a Mooncake master for the L3 store.
+
+:class:`ServingCluster` owns every process it starts (one run folder: logs, the runtime's
+``sitecustomize``, L3 folders), starts components concurrently and waits for each within a
+bound, and on :meth:`ServingCluster.close` ends them all by process group and checks each
+group is gone (:class:`~sglang_cp_hicache.testing.server.processes.ProcessLeak` otherwise).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional
+
+from sglang_cp_hicache.testing.server import launch
+from sglang_cp_hicache.testing.server.launch import Endpoint, LineLaunch, PrefillSpec, ServerEnv
+from sglang_cp_hicache.testing.server.metrics import Metrics
+from sglang_cp_hicache.testing.server.processes import (
+    ManagedProcess,
+    free_ports,
+    healthy,
+    port_listening,
+    router_ready,
+)
+from sglang_cp_hicache.testing.server.runtime import write_site_folder
+
+logger = logging.getLogger(__name__)
+
+SERVER_READY_S = 420.0  # a server start on 2 busy cores takes 20-120 s
+ROUTER_READY_S = 120.0
+MASTER_READY_S = 15.0
+#: PD waits the servers are started with (seconds): a dead decode frees a prefill's request
+#: within the bootstrap timeout; two missed heartbeats are too few on a loaded 2-core box.
+PD_TIMEOUT_S = 30
+LOG_ERRORS = re.compile(r"Traceback \(most recent call last\)|\bERROR\b|KVTransferError|out of memory")
+
+
+def pd_environment() -> Dict[str, str]:
+    """SGLang's Mooncake PD on loopback TCP (``testing/pd.py``'s knobs, the harness's timeouts)."""
+    from sglang_cp_hicache.testing.pd import PDEnv, role_env
+
+    return role_env(PDEnv(bootstrap_timeout_s=PD_TIMEOUT_S, waiting_timeout_s=PD_TIMEOUT_S))
+
+
+@dataclass
+class Server:
+    """An SGLang server the cluster started."""
+
+    name: str
+    endpoint: Endpoint
+    process: ManagedProcess
+    spec: Optional[PrefillSpec] = None  # None: the decode server
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.url
+
+    def metrics(self) -> Metrics:
+        return Metrics.fetch(self.url)
+
+    def log_errors(self, since: int = 0) -> List[str]:
+        lines = self.process.log_text().splitlines()[since:]
+        return [f"{self.name}: {line.strip()[:240]}" for line in lines if LOG_ERRORS.search(line)]
+
+    def log_lines(self) -> int:
+        return len(self.process.log_text().splitlines())
+
+
+@dataclass
+class Router:
+    name: str
+    endpoint: Endpoint
+    process: ManagedProcess
+    prefill: Server
+    decode: Server
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.url
+
+
+@dataclass
+class MooncakeMaster:
+    name: str
+    rpc_port: int
+    metrics_port: int
+    process: ManagedProcess
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    def key_count(self) -> int:
+        """Objects the store holds (its ``master_key_count``)."""
+        return int(Metrics.fetch(f"http://127.0.0.1:{self.metrics_port}").total("master_key_count"))
+
+
+@dataclass
+class ServingCluster:
+    """Every process of one serving run; :meth:`close` ends them and checks they are gone."""
+
+    run_dir: Path
+    model: Path
+    line: LineLaunch = field(default_factory=launch.line_launch)
+    processes: Dict[str, ManagedProcess] = field(default_factory=dict)
+    start_times: Dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.env = ServerEnv(write_site_folder(self.run_dir / "site"), pd_environment())
+
+    # ------------------------------------------------------------------ components
+    def _managed(
+        self, name: str, argv: List[str], env: Dict[str, str], ready, ready_within_s: float
+    ) -> ManagedProcess:
+        if name in self.processes and self.processes[name].running():
+            raise RuntimeError(f"{name} is already running")
+        log = self.run_dir / "logs" / f"{name}.log"
+        process = ManagedProcess(name, argv, env, log, ready, ready_within_s)
+        self.processes[name] = process
+        return process
+
+    def prefill(self, spec: PrefillSpec) -> Server:
+        port, bootstrap = free_ports(2)
+        endpoint = Endpoint(port, bootstrap)
+        argv = launch.prefill_argv(self.line, self.model, endpoint, spec)
+        extra = spec.storage.env() if spec.storage is not None else {}
+        process = self._managed(
+            spec.name, argv, self.env.for_tp(spec.tp, extra), healthy(endpoint.url), SERVER_READY_S
+        )
+        return Server(spec.name, endpoint, process, spec)
+
+    def decode(self, name: str = "decode") -> Server:
+        endpoint = Endpoint(free_ports(1)[0])
+        argv = launch.decode_argv(self.line, self.model, endpoint)
+        env = self.env.for_tp(1)
+        return Server(name, endpoint, self._managed(name, argv, env, healthy(endpoint.url), SERVER_READY_S))
+
+    def router(self, name: str, prefill: Server, decode: Server) -> Router:
+        port, prometheus = free_ports(2)
+        endpoint = Endpoint(port)
+        argv = launch.router_argv(endpoint, prometheus, prefill.endpoint, decode.endpoint)
+        process = self._managed(
+            name, argv, dict(os.environ), router_ready(endpoint.url, 2), ROUTER_READY_S
+        )
+        return Router(name, endpoint, process, prefill, decode)
+
+    def mooncake_master(self, name: str = "mooncake-master") -> "MooncakeMaster":
+        """Start a Mooncake master on loopback (a ``mooncake`` L3 tier's store)."""
+        rpc, metrics_port = free_ports(2)
+        binary = shutil.which("mooncake_master") or os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+        argv = [binary, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
+                "--metrics_host=127.0.0.1", f"--metrics_port={metrics_port}",
+                "--rpc_thread_num=2", "--enable_metric_reporting=false"]  # fmt: skip
+        process = self._managed(name, argv, dict(os.environ), port_listening(rpc), MASTER_READY_S)
+        self.start(process)
+        return MooncakeMaster(name, rpc, metrics_port, process)
+
+    # ------------------------------------------------------------------- lifecycle
+    def start(self, *components) -> Dict[str, float]:
+        """Start ``components`` together, then wait for each; their start times (s)."""
+        processes = [getattr(c, "process", c) for c in components]
+        for process in processes:
+            process.start()
+        for process in processes:
+            self.start_times[process.name] = process.wait_ready()
+        return {p.name: self.start_times[p.name] for p in processes}
+
+    def stop(self, *components) -> None:
+        for component in components:
+            getattr(component, "process", component).stop()
+
+    def close(self) -> None:
+        """End every process this cluster started, newest first; raise naming any leak."""
+        leaks = []
+        for process in reversed(list(self.processes.values())):
+            try:
+                process.stop()
+            except Exception as error:  # keep ending the others
+                leaks.append(str(error))
+        if leaks:
+            raise RuntimeError("; ".join(leaks))
+
+    def running(self) -> List[str]:
+        return [name for name, process in self.processes.items() if process.running()]
+
+    def __enter__(self) -> "ServingCluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["MooncakeMaster", "PD_TIMEOUT_S", "Router", "Server", "ServingCluster", "pd_environment"]

@@ -1,0 +1,200 @@
+"""What the serving harness launches: server specs, their command lines and environments.
+
+Line-agnostic: each SGLang line spells its flags in ``testing/<line>/server_launch.py``
+(:class:`LineLaunch`), chosen by the installed release (:func:`line_launch`). Capacities are
+*logical* (what the scheduler and radix tree see): a sharded prefill of CP size ``cp`` is given
+``logical / cp`` physical tokens per rank, so the sharded server and its unsharded reference
+evict at the same logical fill.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Protocol, Tuple
+
+from sglang_cp_hicache.testing.server.runtime import RUNTIME_ENV
+
+CONTEXT_LENGTH = 2048
+PAGE_SIZE = 64
+LOGICAL_TOKENS = 4096  # each prefill's logical device capacity (64 pages)
+DECODE_TOKENS = 8192
+CHUNKED_PREFILL_SIZE = 512  # a prompt of more than 512 tokens is prefilled in chunks
+HICACHE_SIZE_GB = 1  # per rank: far above the device pool, so the host tier never evicts
+ROUTER_REQUEST_TIMEOUT_S = 180
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    """An L3 tier: ``file`` in ``directory``, or ``mooncake`` on a harness master."""
+
+    backend: str
+    directory: Optional[Path] = None
+    mooncake_master: Optional[str] = None  # host:port
+
+    def env(self) -> Dict[str, str]:
+        if self.backend == "file":
+            return {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(self.directory)}
+        return {}
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    """One PD prefill server. ``sharded``: the plugin's flag (CP shared KV)."""
+
+    name: str
+    tp: int = 2
+    sharded: bool = True
+    mem_layout: str = "layer_first"
+    storage: Optional[StorageSpec] = None
+    logical_tokens: int = LOGICAL_TOKENS
+    extra_args: Tuple[str, ...] = ()
+
+    @property
+    def cp(self) -> int:
+        return self.tp
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.logical_tokens // self.cp if self.sharded and self.cp > 1 else self.logical_tokens
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A server's loopback ports."""
+
+    port: int
+    bootstrap_port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class LineLaunch(Protocol):
+    """How one SGLang line spells the harness's servers."""
+
+    release: str
+    supports_storage_under_flag: bool
+    lane_decisions_logged: bool
+
+    def model_args(self, decode: bool) -> List[str]:
+        """The attention backend flags of a prefill (``decode=False``) or decode server."""
+
+    def prefill_cp_args(self, spec: PrefillSpec) -> List[str]:
+        """Prefill context parallelism and the plugin's flag."""
+
+    def storage_args(self, storage: StorageSpec) -> List[str]:
+        """The L3 tier's flags."""
+
+
+def line_launch() -> LineLaunch:
+    """The installed release's :class:`LineLaunch`."""
+    from sglang_cp_hicache.core.releases import line_package
+
+    line = line_package().rsplit(".", 1)[1]
+    return importlib.import_module(f"sglang_cp_hicache.testing.{line}.server_launch").LAUNCH
+
+
+def omp_binding(tp: int) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND``: one core per TP rank, wrapping on small boxes."""
+    cores = os.cpu_count() or 1
+    return "|".join(str(rank % cores) for rank in range(tp))
+
+
+@dataclass
+class ServerEnv:
+    """The environment of every server the harness starts: the CPU server runtime (its
+    ``sitecustomize`` folder first on ``PYTHONPATH``), PD over loopback TCP."""
+
+    site_folder: Path
+    pd: Dict[str, str] = field(default_factory=dict)
+
+    def for_tp(self, tp: int, extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+        env = dict(os.environ)
+        paths = [str(self.site_folder)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env.update(self.pd)
+        env.update(
+            {
+                "PYTHONPATH": os.pathsep.join(paths),
+                RUNTIME_ENV: "1",
+                "SGLANG_CPU_OMP_THREADS_BIND": omp_binding(tp),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        env.update(extra or {})
+        return env
+
+
+def server_argv(model: Path, endpoint: Endpoint, tp: int, args: List[str]) -> List[str]:
+    return [
+        sys.executable, "-m", "sglang.launch_server",
+        "--host", "127.0.0.1", "--port", str(endpoint.port),
+        "--model-path", str(model), "--device", "cpu", "--dtype", "bfloat16",
+        "--page-size", str(PAGE_SIZE), "--context-length", str(CONTEXT_LENGTH),
+        "--tp", str(tp), "--enable-metrics", "--enable-cache-report",
+        # idle schedulers busy-poll otherwise: five of them take both cores of the box
+        "--sleep-on-idle",
+        "--disaggregation-transfer-backend", "mooncake",
+        *args,
+    ]  # fmt: skip
+
+
+def prefill_argv(line: LineLaunch, model: Path, endpoint: Endpoint, spec: PrefillSpec) -> List[str]:
+    args = [
+        *line.model_args(decode=False),
+        *line.prefill_cp_args(spec),
+        "--disaggregation-mode", "prefill",
+        "--disaggregation-bootstrap-port", str(endpoint.bootstrap_port),
+        "--max-total-tokens", str(spec.max_total_tokens),
+        "--chunked-prefill-size", str(CHUNKED_PREFILL_SIZE),
+        "--enable-hierarchical-cache", "--hicache-size", str(HICACHE_SIZE_GB),
+        "--hicache-mem-layout", spec.mem_layout,
+    ]  # fmt: skip
+    if spec.storage is not None:
+        args += line.storage_args(spec.storage)
+    return server_argv(model, endpoint, spec.tp, args + list(spec.extra_args))
+
+
+def decode_argv(line: LineLaunch, model: Path, endpoint: Endpoint) -> List[str]:
+    args = [
+        *line.model_args(decode=True),
+        "--disaggregation-mode", "decode",
+        "--max-total-tokens", str(DECODE_TOKENS),
+    ]  # fmt: skip
+    return server_argv(model, endpoint, 1, args)
+
+
+def router_argv(endpoint: Endpoint, prometheus_port: int, prefill: Endpoint, decode: Endpoint) -> List[str]:
+    return [
+        sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+        "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url,
+        "--host", "127.0.0.1", "--port", str(endpoint.port),
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port),
+        # workers are checked every second at start (30 s by default), requests bounded
+        "--worker-startup-check-interval", "1", "--request-timeout-secs", str(ROUTER_REQUEST_TIMEOUT_S),
+        # every answer is the servers' own: a retried request would hide a failed one, and
+        # the faults the scenarios plant must not open a circuit for the next scenario
+        "--disable-retries", "--disable-circuit-breaker", "--shutdown-grace-period-secs", "1",
+    ]  # fmt: skip
+
+
+__all__ = [
+    "CHUNKED_PREFILL_SIZE",
+    "CONTEXT_LENGTH",
+    "Endpoint",
+    "LOGICAL_TOKENS",
+    "LineLaunch",
+    "PAGE_SIZE",
+    "PrefillSpec",
+    "ServerEnv",
+    "StorageSpec",
+    "decode_argv",
+    "line_launch",
+    "omp_binding",
+    "prefill_argv",
+    "router_argv",
+]

@@ -1,0 +1,567 @@
+"""The serving scenarios: request sequences against a :class:`ServingSession`, each request
+answered by the sharded prefill's router and by its unsharded reference's, compared token by
+token (output ids equal, logprobs bit for bit), with what each scenario must show checked from
+SGLang's own response fields (cached tokens per tier), metrics and logs.
+
+Every scenario uses prompts of its own (token ids from a label), so scenarios run in any
+order against one cluster; each returns a :class:`ScenarioReport` and never raises for a
+difference (the report carries it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from sglang_cp_hicache.testing.server.client import TIERS, Completion, RequestFailed, generate, post
+from sglang_cp_hicache.testing.server.cluster import Router, Server
+from sglang_cp_hicache.testing.server.launch import (
+    CHUNKED_PREFILL_SIZE,
+    CONTEXT_LENGTH,
+    LOGICAL_TOKENS,
+    PAGE_SIZE,
+    LineLaunch,
+    PrefillSpec,
+    StorageSpec,
+)
+from sglang_cp_hicache.testing.server.session import REFERENCE, SHARDED, ServingSession
+
+logger = logging.getLogger(__name__)
+
+MAX_NEW = 4
+FIRST_TOKEN_ID = 3  # ids 0-2 are the tiny tokenizer's special tokens
+VOCAB_SIZE = 512
+INDEX_TOPK = 128
+L3_SETTLE_S = 60.0
+FAULT_ANSWER_S = 60.0  # a request whose decode died must be answered within this
+LANE_EVICTION_LOG = "cp_hicache extend: device lanes"
+OWN_PREFIX_KEY = "serving-harness-own-prefix"
+
+
+def tokens(label: str, count: int) -> List[int]:
+    """``count`` token ids from ``label`` (stable across processes and runs)."""
+    rng = random.Random(f"serving:{label}")
+    return [rng.randrange(FIRST_TOKEN_ID, VOCAB_SIZE) for _ in range(count)]
+
+
+@dataclass
+class ScenarioReport:
+    """What one scenario showed; ``ok`` when nothing differed and every expectation held."""
+
+    name: str
+    requests: int = 0
+    mismatches: List[str] = field(default_factory=list)
+    max_logprob_diff: float = 0.0
+    cached: Dict[str, Dict[str, int]] = field(default_factory=dict)
+    ttft_ratio: Dict[str, float] = field(default_factory=dict)  # tier -> cached / cold
+    sent_mb_per_rank: Dict[int, float] = field(default_factory=dict)
+    wall_s: float = 0.0
+    problems: List[str] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        return not self.mismatches
+
+    @property
+    def ok(self) -> bool:
+        return self.identical and not self.problems
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "identical": self.identical, "ok": self.ok}
+
+
+class Recorder:
+    """One scenario's bookkeeping: requests sent to a sharded and a reference router and
+    compared, expectations, the sharded prefill's PD bytes per rank, TTFT by tier."""
+
+    def __init__(
+        self,
+        session: ServingSession,
+        name: str,
+        sharded: Optional[Router] = None,
+        reference: Optional[Router] = None,
+    ):
+        self.session = session
+        self.sharded = sharded or session.sharded_router
+        self.reference = reference or session.reference_router
+        self.report = ScenarioReport(name, cached={SHARDED: dict.fromkeys(TIERS, 0), REFERENCE: dict.fromkeys(TIERS, 0)})
+        self._started = time.monotonic()
+        self._sent_before = self._sent()
+        self._cold: List[float] = []
+        self._by_tier: Dict[str, List[float]] = defaultdict(list)
+
+    def _sent(self) -> Dict[int, float]:
+        return self.sharded.prefill.metrics().per_rank("sglang:kv_transfer_total_mb_sum")
+
+    def ask(self, router: Router, label: str, ids: Sequence[int], max_new: int = MAX_NEW, **extra) -> Optional[Completion]:
+        """One request to one router (no comparison); None and a problem when it fails."""
+        self.report.requests += 1
+        try:
+            return generate(router.url, ids, max_new, extra=extra or None)
+        except RequestFailed as error:
+            self.expect(False, f"{label} via {router.name}: {error}")
+            return None
+
+    def pair(self, label: str, ids: Sequence[int], max_new: int = MAX_NEW, cold: bool = False) -> Tuple[Optional[Completion], Optional[Completion]]:
+        """``ids`` through the sharded and the reference router, compared."""
+        a = self.ask(self.sharded, label, ids, max_new)
+        b = self.ask(self.reference, label, ids, max_new)
+        if a is not None and b is not None:
+            self.compare(label, a, b)
+            for side, completion in ((SHARDED, a), (REFERENCE, b)):
+                for tier in TIERS:
+                    self.report.cached[side][tier] += completion.tier(tier)
+            self.time(a, cold)
+        return a, b
+
+    def compare(self, label: str, a: Completion, b: Completion) -> None:
+        if a.output_ids != b.output_ids:
+            self.report.mismatches.append(f"{label}: output ids {list(a.output_ids)} != reference {list(b.output_ids)}")
+        if len(a.logprobs) != len(b.logprobs):
+            self.report.mismatches.append(f"{label}: {len(a.logprobs)} logprobs != reference {len(b.logprobs)}")
+            return
+        diff = max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0)
+        self.report.max_logprob_diff = max(self.report.max_logprob_diff, diff)
+        if diff != 0.0:
+            self.report.mismatches.append(f"{label}: logprobs differ by up to {diff:.3g}")
+
+    def time(self, completion: Completion, cold: bool) -> None:
+        if cold:
+            self._cold.append(completion.ttft_s)
+            return
+        tier = max(TIERS, key=completion.tier)
+        if completion.tier(tier) > 0:
+            self._by_tier[tier].append(completion.ttft_s)
+
+    def expect(self, ok: bool, problem: str) -> bool:
+        if not ok:
+            self.report.problems.append(problem)
+        return ok
+
+    def note(self, text: str) -> None:
+        self.report.notes.append(text)
+
+    def finish(self) -> ScenarioReport:
+        after = self._sent()
+        self.report.sent_mb_per_rank = {r: round(after.get(r, 0.0) - self._sent_before.get(r, 0.0), 3) for r in after}
+        if self._cold:
+            cold = sum(self._cold) / len(self._cold)
+            self.report.ttft_ratio = {
+                tier: round(sum(ts) / len(ts) / cold, 3) for tier, ts in self._by_tier.items() if cold > 0
+            }
+        self.report.wall_s = round(time.monotonic() - self._started, 1)
+        return self.report
+
+
+# ------------------------------------------------------------------------ helpers
+def wait_settled(count: Callable[[], int], at_least: int, timeout_s: float = L3_SETTLE_S) -> int:
+    """Poll ``count`` until it is at least ``at_least`` and unchanged for 2 s; its value."""
+    deadline = time.monotonic() + timeout_s
+    last, stable_since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        value = count()
+        if value != last:
+            last, stable_since = value, time.monotonic()
+        elif value >= at_least and time.monotonic() - stable_since >= 2.0:
+            return value
+        time.sleep(0.25)
+    return last
+
+
+def files_under(folder: Path) -> int:
+    return sum(1 for path in folder.rglob("*") if path.is_file()) if folder.exists() else 0
+
+
+def flush(server: Server) -> bool:
+    """``/flush_cache``: drop the device and host tiers (the L3 tier stays)."""
+    status, _ = post(server.url, "/flush_cache", b"{}")
+    return status == 200
+
+
+def full_pages(count: int) -> int:
+    return count // PAGE_SIZE * PAGE_SIZE
+
+
+# ---------------------------------------------------------------------- scenarios
+def device_prefix_hit(session: ServingSession) -> ScenarioReport:
+    """A prompt, then the same prompt extended: its full pages come from the device pool."""
+    rec = Recorder(session, "device prefix hit")
+    prompt = tokens("device", 6 * PAGE_SIZE + 10)
+    rec.pair("cold", prompt, cold=True)
+    a, _ = rec.pair("extended", prompt + tokens("device:more", 40))
+    if a is not None:
+        rec.expect(a.tier("device") >= full_pages(len(prompt)), f"device hit {a.cached_by_tier}, want >= {full_pages(len(prompt))}")
+    return rec.finish()
+
+
+def host_load_back(session: ServingSession) -> ScenarioReport:
+    """A prompt, fillers past the logical device capacity, then the prompt again: its pages
+    come back from host memory (HiCache load-back)."""
+    rec = Recorder(session, "host load-back")
+    prompt = tokens("host", 12 * PAGE_SIZE)
+    rec.pair("cold", prompt, cold=True)
+    filler_tokens = 12 * PAGE_SIZE
+    for i in range(LOGICAL_TOKENS // filler_tokens + 2):
+        rec.pair(f"filler {i}", tokens(f"host:filler:{i}", filler_tokens))
+    a, _ = rec.pair("revisit", prompt + tokens("host:more", 30))
+    if a is not None:
+        rec.expect(a.tier("host") > 0, f"no host hit on the revisit: {a.cached_by_tier}")
+    return rec.finish()
+
+
+def chunked_prefill(session: ServingSession) -> ScenarioReport:
+    """Prompts longer than the chunked-prefill size, cold and over a cached prefix."""
+    rec = Recorder(session, "chunked prefill")
+    prompt = tokens("chunked", 2 * CHUNKED_PREFILL_SIZE + 3 * PAGE_SIZE + 17)
+    rec.pair("cold", prompt, cold=True)
+    a, _ = rec.pair("extended", prompt + tokens("chunked:more", CHUNKED_PREFILL_SIZE + 5))
+    if a is not None:
+        rec.expect(a.cached_tokens > CHUNKED_PREFILL_SIZE, f"cached {a.cached_tokens} <= one chunk")
+    return rec.finish()
+
+
+def sparse_selection(session: ServingSession) -> ScenarioReport:
+    """Prompts longer than ``index_topk``: the indexer selects a subset of the keys."""
+    rec = Recorder(session, "sparse selection (> index_topk)")
+    rec.pair("just over", tokens("sparse:a", INDEX_TOPK + 3), cold=True)
+    long = tokens("sparse:b", 7 * INDEX_TOPK + 11)
+    rec.pair("7x topk", long, cold=True)
+    rec.pair("extend over a cached prefix", long + tokens("sparse:b:more", INDEX_TOPK + 9))
+    return rec.finish()
+
+
+def lane_pressure(session: ServingSession) -> ScenarioReport:
+    """New three-page prompts until the device pool is full and every extend must evict:
+    the sharded server makes room on the short owner lanes only (its lane planner's
+    decisions appear in its log), and every answer matches the reference."""
+    rec = Recorder(session, "device pressure on owner lanes")
+    mark = session.sharded.log_lines()
+    # enough three-page prompts to fill the logical pool, then a few that must evict
+    count = LOGICAL_TOKENS // (3 * PAGE_SIZE) + 8
+    prompts = [tokens(f"lanes:{i}", 3 * PAGE_SIZE + 5) for i in range(count)]
+    for i, prompt in enumerate(prompts):
+        rec.pair(f"prompt {i}", prompt, cold=i == 0)
+    a, _ = rec.pair("revisit of the last prompt", prompts[-1] + tokens("lanes:more", 20))
+    if a is not None:
+        rec.expect(a.tier("device") >= 3 * PAGE_SIZE, f"the newest prompt left the device: {a.cached_by_tier}")
+    if session.line.lane_decisions_logged:
+        plans = [line for line in session.sharded.process.log_text().splitlines()[mark:] if LANE_EVICTION_LOG in line]
+        rec.expect(bool(plans), "no lane-aware eviction plan in the sharded server's log")
+        rec.note(f"{len(plans)} lane-aware eviction plans")
+    return rec.finish()
+
+
+def zero_owned_rank(session: ServingSession) -> ScenarioReport:
+    """Extends whose new pages one CP rank owns entirely: the other rank stores, backs up
+    and sends none of them (and still acks)."""
+    rec = Recorder(session, "new pages on one rank only")
+    prefix = tokens("zero", 3 * PAGE_SIZE)
+    rec.pair("prefix", prefix, cold=True)
+    one_page = prefix + tokens("zero:page", PAGE_SIZE)
+    a, _ = rec.pair("one new full page", one_page)
+    if a is not None:
+        rec.expect(a.tier("device") >= len(prefix), f"prefix not reused: {a.cached_by_tier}")
+    rec.pair("one new partial page", one_page + tokens("zero:partial", 17))
+    return rec.finish()
+
+
+def _settle_file_tier(storage: StorageSpec, at_least: int) -> int:
+    return wait_settled(lambda: files_under(storage.directory), at_least)
+
+
+def _storage_hit_like_reference(rec: Recorder, prefill: Server, prompt: List[int], label: str) -> None:
+    """``prompt`` extended, after the sharded side's device and host tiers are flushed: its
+    pages come from storage there, from the reference's device pool on the other side (the
+    same prefix length reused on both, so the same forward shapes: bits can match)."""
+    rec.expect(flush(prefill), f"/flush_cache failed on {prefill.name}")
+    a, b = rec.pair("after flush", prompt + tokens(f"{label}:more", 25))
+    if a is not None and b is not None:
+        want = full_pages(len(prompt))
+        rec.expect(a.tier("storage") >= want, f"storage hit {a.cached_by_tier}, want {want}")
+        rec.expect(b.tier("device") >= want, f"reference device hit {b.cached_by_tier}, want {want}")
+
+
+def l3_file(session: ServingSession) -> ScenarioReport:
+    """The sharded server's L3 file tier: a prompt written to files, its device and host tiers
+    flushed, the prompt again: its pages come from storage, answers match the reference."""
+    rec = Recorder(session, "L3 file: storage hit")
+    storage = session.storage
+    prompt = tokens("l3file", 10 * PAGE_SIZE)
+    rec.pair("cold", prompt, cold=True)
+    files = _settle_file_tier(storage, 1)
+    rec.expect(files > 0, f"no L3 files under {storage.directory}")
+    _storage_hit_like_reference(rec, session.sharded, prompt, "l3file")
+    return rec.finish()
+
+
+def l3_file_restart(session: ServingSession) -> ScenarioReport:
+    """The sharded server's L3 files read by a fresh sharded prefill of the same CP size
+    started on them (owner-free keys, every rank reading its own pages): its storage hit
+    answers exactly as the reference does over the same prefix on its device."""
+    rec = Recorder(session, "L3 file: read after a restart")
+    storage = session.storage
+    prompt = tokens("restart", 9 * PAGE_SIZE)
+    rec.pair("written by the sharded server", prompt, cold=True)
+    _settle_file_tier(storage, 1)
+    spec = PrefillSpec("sharded-restarted", tp=session.tp, storage=storage)
+    restarted, router, times = session.behind_router(spec)
+    rec.note(f"restarted prefill ready in {times[restarted.name]:.0f} s")
+    try:
+        rec.sharded = router
+        a, b = rec.pair("read after the restart", prompt + tokens("restart:more", 21))
+        if a is not None and b is not None:
+            want = full_pages(len(prompt))
+            rec.expect(a.tier("storage") >= want, f"restarted server's storage hit {a.cached_by_tier}, want {want}")
+            rec.expect(b.tier("device") >= want, f"reference device hit {b.cached_by_tier}, want {want}")
+    finally:
+        rec.sharded = session.sharded_router
+        session.retire(router, restarted)
+    return rec.finish()
+
+
+def l3_file_one_rank_reader(session: ServingSession) -> ScenarioReport:
+    """The sharded server's L3 files read by a one-rank prefill with the flag (``--tp 1``, CP
+    size 1, owner-free keys). Its own pages round-trip through the files exactly (compared
+    with the same request over its device copy). Over the sharded server's pages it answers
+    with the same ids as over a prefix it computed itself; the logprobs differ by what a
+    TP 2 and a TP 1 forward differ in the KV they write (measured here on one prompt through
+    the same decode server), which no reader can remove: that difference is reported."""
+    rec = Recorder(session, "L3 file: one-rank reader (cp 1)")
+    storage = session.storage
+    prompt = tokens("reader", 9 * PAGE_SIZE)
+    written = rec.ask(session.sharded_router, "written by the sharded server", prompt)
+    _settle_file_tier(storage, 1)
+    reader, router, times = session.behind_router(PrefillSpec("reader-tp1", tp=1, storage=storage))
+    rec.note(f"reader ready in {times[reader.name]:.0f} s")
+    try:
+        request = prompt + tokens("reader:more", 21)
+        hit = rec.ask(router, "storage hit", request)
+        cold = rec.ask(router, "own prefix, cold", prompt, extra_key=OWN_PREFIX_KEY)
+        own = rec.ask(router, "own prefix reused", request, extra_key=OWN_PREFIX_KEY)
+        if None not in (written, hit, cold, own):
+            want = full_pages(len(prompt))
+            rec.expect(hit.tier("storage") >= want, f"reader's storage hit {hit.cached_by_tier}, want {want}")
+            rec.expect(cold.cached_tokens == 0, f"the extra_key request hit a cache: {cold.cached_by_tier}")
+            rec.expect(own.tier("device") >= want, f"reader's own prefix not reused: {own.cached_by_tier}")
+            rec.expect(hit.output_ids == own.output_ids, f"ids over the sharded pages {hit.output_ids} != over its own {own.output_ids}")
+            rec.note(f"TP 2 vs TP 1 KV: same prompt through one decode, logprobs differ by up to {_max_diff(written, cold):.3g}")
+            rec.note(f"over the sharded pages vs its own: logprobs differ by up to {_max_diff(hit, own):.3g}")
+            rec.time(cold, cold=True)
+            rec.time(hit, cold=False)
+        own_prompt = tokens("reader:own", 5 * PAGE_SIZE)
+        extended = own_prompt + tokens("reader:own:more", 19)
+        rec.ask(router, "reader's own prompt", own_prompt)
+        on_device = rec.ask(router, "reader's own prompt extended", extended)
+        _settle_file_tier(storage, 1)
+        rec.expect(flush(reader), "/flush_cache failed on the reader")
+        from_storage = rec.ask(router, "reader's own prompt extended, from storage", extended)
+        if on_device is not None and from_storage is not None:
+            want = full_pages(len(own_prompt))
+            rec.expect(from_storage.tier("storage") >= want, f"reader's own storage hit {from_storage.cached_by_tier}")
+            rec.compare("reader's own pages round trip", from_storage, on_device)
+    finally:
+        session.retire(router, reader)
+    return rec.finish()
+
+
+def _max_diff(a: Completion, b: Completion) -> float:
+    return max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0)
+
+
+def l3_mooncake(session: ServingSession) -> ScenarioReport:
+    """A sharded prefill on the Mooncake store (``page_first`` host pools, a master started by
+    the harness): a prompt stored, the device and host tiers flushed, the prompt again: a
+    storage hit, answers identical to the unsharded reference."""
+    master = session.cluster.mooncake_master()
+    storage = StorageSpec("mooncake", mooncake_master=master.address)
+    spec = PrefillSpec("sharded-mooncake", tp=session.tp, mem_layout="page_first", storage=storage)
+    server = router = None
+    try:
+        server, router, times = session.behind_router(spec)
+        rec = Recorder(session, "L3 Mooncake store: storage hit", sharded=router)
+        rec.note(f"Mooncake prefill started in {times[server.name]:.0f} s")
+        prompt = tokens("mooncake", 10 * PAGE_SIZE)
+        rec.pair("cold", prompt, cold=True)
+        keys = wait_settled(master.key_count, 1)
+        rec.expect(keys > 0, "the Mooncake master holds no keys")
+        rec.note(f"{keys} store objects")
+        _storage_hit_like_reference(rec, server, prompt, "mooncake")
+        return rec.finish()
+    finally:
+        session.retire(*(c for c in (router, server) if c is not None), master.process)
+
+
+def malformed_request(session: ServingSession) -> ScenarioReport:
+    """Malformed bodies get a clear HTTP error; the servers keep serving."""
+    rec = Recorder(session, "fault: malformed request")
+    for label, body in (("not JSON", b"{"), ("input_ids not a list", json.dumps({"input_ids": "abc"}).encode())):
+        for router in (session.sharded_router, session.reference_router):
+            rec.report.requests += 1
+            status, text = post(router.url, "/generate", body)
+            rec.expect(400 <= status < 500, f"{label} via {router.name}: HTTP {status} {text[:160]}")
+    rec.pair("served after", tokens("malformed:after", 2 * PAGE_SIZE + 3))
+    return rec.finish()
+
+
+def over_context(session: ServingSession) -> ScenarioReport:
+    """A prompt over the context length gets a clear HTTP error; the servers keep serving."""
+    rec = Recorder(session, "fault: prompt over the context length")
+    long = tokens("over", CONTEXT_LENGTH + 50)
+    for router in (session.sharded_router, session.reference_router):
+        rec.report.requests += 1
+        try:
+            generate(router.url, long, MAX_NEW, stream=False)
+            rec.expect(False, f"{router.name} served a prompt over the context length")
+        except RequestFailed as error:
+            rec.expect(400 <= error.status < 500, f"{router.name}: {error}")
+            rec.expect("context" in error.body.lower() or "length" in error.body.lower(), f"unclear error: {error.body[:200]}")
+    rec.pair("served after", tokens("over:after", 2 * PAGE_SIZE + 3))
+    return rec.finish()
+
+
+def decode_killed(session: ServingSession) -> ScenarioReport:
+    """The decode server killed while a request is in flight: the router answers with an
+    error in bounded time, the sharded prefill frees the request, and (with a new decode) it
+    serves the next request as the reference does."""
+    rec = Recorder(session, "fault: decode killed mid-request")
+    sharded = session.sharded
+    used_before = sharded.metrics().total("sglang:kv_used_tokens")
+    prompt = tokens("killed", 3 * CHUNKED_PREFILL_SIZE + 7)
+    outcome: Dict[str, object] = {}
+
+    def request() -> None:
+        start = time.monotonic()
+        try:
+            outcome["completion"] = generate(
+                session.sharded_router.url, prompt, 64, timeout_s=FAULT_ANSWER_S * 2, stream=False
+            )
+        except RequestFailed as error:
+            outcome["error"] = error
+        outcome["answered_s"] = time.monotonic() - start
+
+    thread = threading.Thread(target=request, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline and not _in_flight(sharded):
+        time.sleep(0.05)
+    rec.note(f"killed at: {_phase(sharded)}")
+    mark = sharded.log_lines()
+    session.decode.process.kill()
+    thread.join(FAULT_ANSWER_S)
+    rec.report.requests += 1
+    rec.expect(not thread.is_alive(), f"no answer within {FAULT_ANSWER_S:.0f} s of the decode's death")
+    rec.expect("error" in outcome, f"the router answered without an error: {outcome.get('completion')}")
+    if "answered_s" in outcome:
+        rec.note(f"router answered in {outcome['answered_s']:.1f} s: {str(outcome.get('error'))[:120]}")
+    freed = wait_settled(lambda: 0 if _in_flight(sharded) else 1, 1, timeout_s=FAULT_ANSWER_S)
+    rec.expect(freed == 1, f"the sharded prefill still holds the request: {_phase(sharded)}")
+    failures = [line for line in sharded.process.log_text().splitlines()[mark:] if "failed for request" in line]
+    rec.note(f"the sharded prefill logged {len(failures)} failed transfer(s) (one per rank when killed mid-transfer)")
+    used_after = sharded.metrics().total("sglang:kv_used_tokens")
+    rec.note(f"device tokens in use {used_before:.0f} before, {used_after:.0f} after (cached pages stay)")
+    times = session.restart_decode()
+    rec.note(f"decode and routers restarted in {max(times.values()):.0f} s")
+    rec.sharded, rec.reference = session.sharded_router, session.reference_router
+    rec.pair("served after a new decode", tokens("killed:after", 2 * PAGE_SIZE + 9))
+    return rec.finish()
+
+
+def _in_flight(server: Server) -> bool:
+    metrics = server.metrics()
+    return any(
+        metrics.total(name) > 0
+        for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:num_prefill_bootstrap_queue_reqs", "sglang:num_prefill_inflight_queue_reqs")
+    )
+
+
+def _phase(server: Server) -> str:
+    metrics = server.metrics()
+    names = ("num_prefill_bootstrap_queue_reqs", "num_queue_reqs", "num_running_reqs", "num_prefill_inflight_queue_reqs")
+    return ", ".join(f"{n.replace('num_', '').replace('_reqs', '')} {metrics.total('sglang:' + n):.0f}" for n in names)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    run: Callable[[ServingSession], ScenarioReport]
+    needs_storage: bool = False  # an L3 tier under the flag (a line that admits one)
+
+    def applies_to(self, line: LineLaunch) -> bool:
+        return not self.needs_storage or line.supports_storage_under_flag
+
+
+SCENARIOS: Tuple[Scenario, ...] = (
+    Scenario("device_prefix_hit", device_prefix_hit),
+    Scenario("host_load_back", host_load_back),
+    Scenario("chunked_prefill", chunked_prefill),
+    Scenario("sparse_selection", sparse_selection),
+    Scenario("lane_pressure", lane_pressure),
+    Scenario("zero_owned_rank", zero_owned_rank),
+    Scenario("l3_file", l3_file, needs_storage=True),
+    Scenario("l3_file_restart", l3_file_restart, needs_storage=True),
+    Scenario("l3_file_one_rank_reader", l3_file_one_rank_reader, needs_storage=True),
+    Scenario("l3_mooncake", l3_mooncake, needs_storage=True),
+    Scenario("malformed_request", malformed_request),
+    Scenario("over_context", over_context),
+    Scenario("decode_killed", decode_killed),
+)
+BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
+
+
+# ------------------------------------------------------------------- trace replay
+def scaled_prompt(token_ids: Sequence[int], factor: float) -> List[int]:
+    """``token_ids`` thinned to about ``factor`` of its length by a rule of the position alone
+    (position ``i`` kept when ``floor((i + 1) * factor)`` steps up), so a shared prefix stays a
+    shared prefix; ids folded into the tiny vocabulary past its special tokens."""
+    span = VOCAB_SIZE - FIRST_TOKEN_ID
+    kept = [t for i, t in enumerate(token_ids) if int((i + 1) * factor) > int(i * factor)]
+    return [FIRST_TOKEN_ID + t % span for t in kept]
+
+
+def trace_prompts(path: Path, seed: int = 0, limit: Optional[int] = None) -> List[List[int]]:
+    """The simulator's JSONL trace (``sim/workload.py``: exact ids or lengths synthesised from
+    seeded labels), prompts scaled so the longest fits the tiny model's context."""
+    from sglang_cp_hicache.sim.workload import load_trace
+
+    requests = load_trace(str(path), seed=seed)[:limit]
+    longest = max(len(r.token_ids) for r in requests)
+    factor = min(1.0, (CONTEXT_LENGTH - MAX_NEW - 1) / longest)
+    return [scaled_prompt(r.token_ids, factor) for r in requests]
+
+
+def trace_replay(path: Path, seed: int = 0, limit: Optional[int] = None) -> Scenario:
+    """A scenario replaying ``path`` against the sharded server and its reference."""
+
+    def run(session: ServingSession) -> ScenarioReport:
+        rec = Recorder(session, f"trace {path.name}")
+        for i, prompt in enumerate(trace_prompts(path, seed, limit)):
+            rec.pair(f"request {i}", prompt, cold=i == 0)
+        return rec.finish()
+
+    return Scenario(f"trace:{path.name}", run)
+
+
+def scenarios_for(line: LineLaunch) -> Tuple[Scenario, ...]:
+    """The scenarios ``line`` serves (a line that refuses L3 under the flag runs none of it)."""
+    return tuple(scenario for scenario in SCENARIOS if scenario.applies_to(line))
+
+__all__ = [
+    "BY_NAME",
+    "Recorder",
+    "SCENARIOS",
+    "Scenario",
+    "ScenarioReport",
+    "scaled_prompt",
+    "scenarios_for",
+    "tokens",
+    "trace_prompts",
+    "trace_replay",
+]

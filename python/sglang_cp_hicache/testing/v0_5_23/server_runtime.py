@@ -1,0 +1,353 @@
+"""The 0.5.23 line's CPU server runtime: the steps that let SGLang 0.5.23's own
+``launch_server`` processes serve the tiny DSA model on a CPU-only box (test-only; applied by
+the serving harness through :mod:`sglang_cp_hicache.testing.server.runtime`).
+
+Every step is a post-import patch (the project's import watcher) or an environment knob set
+before SGLang is imported; none touches the plugin. Both servers of a comparison (sharded
+and unsharded) run the same steps, so identical tokens prove the sharding, translation,
+HiCache and PD paths consistent with the unsharded server, not the GPU kernels (the startup
+self-test and the GPU checks cover those).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import types
+from typing import Any, Optional, Tuple
+
+from sglang_cp_hicache.core.import_watcher import process_watcher
+from sglang_cp_hicache.testing.server import dsa_kernels
+from sglang_cp_hicache.testing.server.runtime import RuntimeStep
+
+logger = logging.getLogger(__name__)
+
+HOPPER_CAPABILITY = (9, 0)
+DSA_INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer"
+DSA_BACKEND = "sglang.srt.layers.attention.dsa_backend"
+ROPE_VARIANT = "sglang.srt.layers.rotary_embedding.rope_variant"
+PARALLEL_STATE = "sglang.srt.distributed.parallel_state"
+KV_SHARD_GATE = "sglang.srt.arg_groups.kv_shard_hook"
+ACT_QUANT_TRITON = "sglang.kernels.ops.quantization.act_quant_triton"
+
+ENVIRONMENT = {
+    "SGLANG_USE_CPU_ENGINE": "1",  # `--device cpu` alone is not SGLang's CPU mode
+    "TORCHDYNAMO_DISABLE": "1",  # torch.compile'd helpers run eagerly (no inductor build)
+    # Upstream's torch top-k backend has no fused transform (dsa_topk_backend.py:269).
+    "SGLANG_DSA_FUSE_TOPK": "0",
+    # A crashed scheduler dies at once instead of waiting for a CUDA core dump.
+    "SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS": "0",
+}
+
+#: ``sgl_kernel`` names 0.5.23's CPU engine imports at module level but never calls here.
+SGL_KERNEL_IMPORTED: Tuple[str, ...] = (
+    "assign_draft_cache_locs_contiguous_cpu",
+    "assign_extend_cache_locs_cpu",
+    "build_tree_kernel_efficient_cpu",
+    "copy_all_layer_kv_cache_cpu",
+    "fill_accept_out_cache_loc_cpu",
+    "fill_bonus_tokens_cpu",
+    "verify_tree_greedy_cpu",
+)
+
+
+def _environment() -> None:
+    os.environ.update(ENVIRONMENT)
+
+
+def _sgl_kernel() -> None:
+    from sglang_cp_hicache.testing.server import sgl_kernel_stand_in
+
+    sgl_kernel_stand_in.install(SGL_KERNEL_IMPORTED)
+
+
+def _project_runtime() -> None:
+    from sglang_cp_hicache.testing import install
+
+    install()
+
+
+def _hopper_sm() -> None:
+    import torch
+
+    # What the plugin's Hopper admission and SGLang's SM checks read.
+    torch.cuda.get_device_capability = lambda *args, **kwargs: HOPPER_CAPABILITY
+
+
+def _cuda_streams() -> None:
+    import torch
+
+    from sglang_cp_hicache.testing.device import CPU_DEVICE_MODULE, CpuEvent
+
+    class CudaEventOnCpu(CpuEvent):
+        """``torch.cuda.Event`` on the CPU device module (a class: SGLang annotates with it)."""
+
+        def __init__(self, enable_timing: bool = False, **_kwargs: Any):
+            super().__init__(CPU_DEVICE_MODULE, enable_timing=enable_timing)
+
+    torch.cuda.current_stream = CPU_DEVICE_MODULE.current_stream
+    torch.cuda.stream = CPU_DEVICE_MODULE.stream
+    torch.cuda.synchronize = CPU_DEVICE_MODULE.synchronize
+    torch.cuda.Event = CudaEventOnCpu
+
+
+def _gloo_groups() -> None:
+    def patch(module: Any) -> None:
+        original = module.init_model_parallel_group
+
+        def init_model_parallel_group(*args: Any, **kwargs: Any) -> Any:
+            kwargs["use_pynccl"] = False  # PyNcclCommunicator needs a CUDA device
+            return original(*args, **kwargs)
+
+        module.init_model_parallel_group = init_model_parallel_group
+
+    process_watcher().when_imported(PARALLEL_STATE, patch)
+
+
+def _read_path() -> None:
+    from sglang_cp_hicache.testing.v0_5_23 import read_path
+
+    watcher = process_watcher()
+
+    def dsa_backend(module: Any) -> None:
+        module.transform_index_page_table_prefill = read_path.transform_index_page_table_prefill_reference
+        module.transform_index_page_table_decode = dsa_kernels.transform_index_page_table_decode
+
+    def get_k_and_s(module: Any) -> None:
+        module.GetKAndS.triton = classmethod(read_path.get_k_and_s_reference)
+
+    def quantize(module: Any) -> None:
+        module.quantize_k_cache_separate = read_path.quantize_k_cache_separate_reference
+
+    def cp_split(module: Any) -> None:
+        module.dsa_cp_interleave_q_seqs = read_path.dsa_cp_interleave_q_seqs_reference
+
+    # The interface module imports the CUDA-only flash_mla package: it cannot import on a
+    # CPU, so a module holding only the stand-ins takes its name.
+    flash_mla = types.ModuleType(read_path.CpuKernelStandIns.FLASH_MLA_INTERFACE)
+    for name, stand_in in read_path.CpuKernelStandIns.FLASH_MLA_STAND_INS.items():
+        setattr(flash_mla, name, stand_in)
+    sys.modules[flash_mla.__name__] = flash_mla
+    watcher.when_imported(DSA_BACKEND, dsa_backend)
+    watcher.when_imported("sglang.kernels.ops.kvcache.dsa_index_k_cache", get_k_and_s)
+    watcher.when_imported("sglang.srt.mem_cache.memory_pool", quantize)
+    watcher.when_imported("sglang.kernels.ops.attention.dsa.cp_split", cp_split)
+
+
+# ---------------------------------------------------------------------------- indexer
+def indexer_forward_native(
+    self: Any,
+    x: Any,
+    q_lora: Any,
+    positions: Any,
+    forward_batch: Any,
+    layer_id: int,
+    return_indices: bool = True,
+    use_cuda_graph: bool = True,
+) -> Optional[Any]:
+    """``Indexer.forward_cuda``'s eager, unfused path with the kernels in torch: upstream's
+    own q/k projection, rope, rotation, CP key gather, K-cache store, head gates, masks and
+    top-k transform; :mod:`~sglang_cp_hicache.testing.server.dsa_kernels` for act_quant and
+    the fp8 MQA logits (ragged for an extend, paged for a decode)."""
+    import torch
+
+    from sglang.srt.layers.attention.dsa import dsa_indexer as m
+
+    if self.use_dsa_indexer_fusion:
+        raise NotImplementedError("CPU indexer: the fused indexer path has no torch port")
+    metadata = m.get_attn_backend().get_indexer_metadata(layer_id, forward_batch)
+    if metadata is None:
+        return None
+    x_meta = x[0] if isinstance(x, tuple) else x
+    act_quant = dsa_kernels.act_quant
+    if self._should_skip_logits_computation(forward_batch) and not self.dsa_enable_prefill_cp:
+        topk = self._forward_cuda_k_only(
+            x, positions, forward_batch, layer_id, act_quant, metadata, return_indices
+        )
+        return m.maybe_capture_indexer_topk(layer_id, m._broadcast_indexer_topk_from_rank0(topk))
+    query, key, _ = self._get_q_k_bf16(q_lora, x, positions, False, forward_batch=forward_batch)
+    q_fp8, q_scale = act_quant(query, self.block_size, self.scale_fmt)
+    self._store_index_k_cache(
+        forward_batch=forward_batch, layer_id=layer_id, key=key, act_quant=act_quant
+    )
+    weights = self._get_logits_head_gate(x_meta, q_scale).squeeze(-1)
+    topk = torch.full((x_meta.shape[0], self.index_topk), -1, dtype=torch.int32)
+    mode = forward_batch.forward_mode
+    if forward_batch.seq_lens.numel() == 0:
+        pass
+    elif mode.is_decode_or_idle() or mode.is_target_verify() or mode.is_draft_extend_v2():
+        topk = _paged_topk(self, m.get_token_to_kv_pool(), layer_id, q_fp8, weights, metadata, topk)
+    else:
+        _ragged_topk(self, m.get_token_to_kv_pool(), layer_id, q_fp8, weights, metadata, topk)
+    return m.maybe_capture_indexer_topk(layer_id, m._broadcast_indexer_topk_from_rank0(topk))
+
+
+def _ragged_topk(indexer: Any, pool: Any, layer_id: int, q_fp8: Any, weights: Any, metadata: Any, out: Any) -> None:
+    """``_get_topk_ragged``: keys of every request read through the pool by the logical page
+    table, logits over each query row's key range, upstream's masks and top-k transform."""
+    import torch
+
+    seq_lens_cpu = metadata.get_indexer_seq_len_cpu()
+    k_fp8, k_scale = pool.get_index_k_scale_buffer(
+        layer_id,
+        metadata.get_indexer_seq_len(),
+        metadata.get_logical_page_table(),
+        int(seq_lens_cpu.sum()),
+        int(seq_lens_cpu.max()),
+    )
+    ks, ke = metadata.get_indexer_kvcache_range()
+    rows = ks.shape[0]
+    logits = dsa_kernels.mqa_logits(
+        q_fp8[:rows],
+        k_fp8.view(torch.float8_e4m3fn),
+        k_scale.view(torch.float32).reshape(-1),
+        weights[:rows],
+        ks,
+        ke,
+    )
+    indexer._mask_init_and_local_tokens(logits, metadata.get_seqlens_expanded(), ks)
+    out[:rows] = metadata.topk_transform(logits, indexer.index_topk, ks=ks)
+
+
+def _paged_topk(indexer: Any, pool: Any, layer_id: int, q_fp8: Any, weights: Any, metadata: Any, out: Any) -> Any:
+    """``_get_topk_paged`` with one query per request: keys read from the index-K pages of
+    each request's 64-token block table, upstream's masks and top-k transform."""
+    seqlens = metadata.get_seqlens_int32()
+    rows = sum(metadata.get_dsa_extend_len_cpu())
+    if rows != seqlens.shape[0]:
+        raise NotImplementedError(
+            f"CPU indexer: {rows} queries for {seqlens.shape[0]} requests (next_n > 1 has no torch port)"
+        )
+    page_size = pool.index_page_size
+    block_table = metadata.get_page_table_64()
+    logits = dsa_kernels.paged_mqa_logits(
+        q_fp8[:rows],
+        indexer._get_index_k_read_buffer(pool, layer_id),
+        weights[:rows],
+        seqlens,
+        block_table,
+        page_size,
+        block_table.shape[1] * page_size,
+    )
+    indexer._mask_init_and_local_tokens(logits, seqlens)
+    out[:rows] = metadata.topk_transform(logits, indexer.index_topk)
+    return out
+
+
+def _indexer() -> None:
+    def patch(module: Any) -> None:
+        module.Indexer.forward_native = indexer_forward_native
+        module.rotate_activation = dsa_kernels.hadamard_rotate
+
+    process_watcher().when_imported(DSA_INDEXER, patch)
+
+
+# ------------------------------------------------------------------------------ rope
+def deepseek_rope_forward_native(self: Any, positions: Any, query: Any, key: Any, offsets: Any = None) -> Tuple[Any, Any]:
+    """``DeepseekScalingRotaryEmbedding.forward_native`` for 1-D positions and heads either
+    explicit (``[n, H, head_size]``) or flattened (``[n, H * head_size]``, ``[n, head_size]``).
+
+    Upstream's neox branch repeats a 2-D cos/sin row with ``repeat(1, 1, 2)``, which adds a
+    leading dimension, so every neox query comes back ``[1, n, H, d]`` (and a key without a
+    head dimension broadcasts against the positions); GPUs never run it."""
+    import torch
+
+    from sglang.srt.layers.rotary_embedding import rope_variant
+
+    index = torch.add(positions, offsets) if offsets is not None else positions
+    cos, sin = self.cos_sin_cache[index].chunk(2, dim=-1)
+    if self.is_neox_style:
+        cos, sin, rotate = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1), rope_variant.rotate_neox
+    else:
+        cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+        rotate = rope_variant.rotate_gptj
+    cos, sin = cos[:, None, :], sin[:, None, :]
+
+    def apply(x: Any) -> Any:
+        shape, dtype = x.shape, x.dtype
+        heads = x.reshape(shape[0], -1, self.head_size)
+        rot = heads[..., : self.rotary_dim]
+        rot = rot * cos + rotate(rot) * sin
+        return torch.cat([rot.to(dtype), heads[..., self.rotary_dim :]], -1).reshape(shape)
+
+    return apply(query), apply(key)
+
+
+def _rope() -> None:
+    def patch(module: Any) -> None:
+        module.DeepseekScalingRotaryEmbedding.forward_native = deepseek_rope_forward_native
+
+    process_watcher().when_imported(ROPE_VARIANT, patch)
+
+
+# ------------------------------------------------------------------------------ gate
+class _CudaDeviceView:
+    """A resolution view that reads ``device == "cuda"`` (the sharding gate's CUDA rule)."""
+
+    __slots__ = ("_view",)
+
+    def __init__(self, view: Any):
+        object.__setattr__(self, "_view", view)
+
+    def __getattr__(self, name: str) -> Any:
+        return "cuda" if name == "device" else getattr(self._view, name)
+
+
+def _gate() -> None:
+    def patch(module: Any) -> None:
+        resolving_view = module.resolving_view
+        capacity = module.get_device_memory_capacity
+        module.resolving_view = lambda server_args, *a, **k: _CudaDeviceView(
+            resolving_view(server_args, *a, **k)
+        )
+        module.get_device_memory_capacity = lambda device=None, *a, **k: capacity(
+            "cpu" if device == "cuda" else device, *a, **k
+        )
+
+    process_watcher().when_imported(KV_SHARD_GATE, patch)
+
+
+#: The plugin's lane planner, whose DEBUG lines name each eviction plan (victims per lane).
+LANE_EVICTION_LOGGER = "sglang_cp_hicache.v0_5_23.mem_cache.lane_eviction"
+
+
+def _lane_decisions_logged() -> None:
+    # SGLang's root handler has no level of its own: the planner's DEBUG records reach the
+    # server log for the harness to read, nothing else gets more verbose.
+    logging.getLogger(LANE_EVICTION_LOGGER).setLevel(logging.DEBUG)
+
+
+def steps() -> Tuple[RuntimeStep, ...]:
+    """The 0.5.23 runtime, in the order it is applied."""
+    return (
+        RuntimeStep(
+            "SGLang's CPU engine (SGLANG_USE_CPU_ENGINE=1), torch.compile off, fused DSA top-k off",
+            _environment,
+        ),
+        RuntimeStep("sgl_kernel stand-in (torch bodies; any other op raises naming it)", _sgl_kernel),
+        RuntimeStep(
+            "the project's CPU cache runtime (kvcacheio reference ops, pageable host pools, "
+            "CPU stream/event module, gloo shard gather, SetKAndS and MLA row-read stand-ins)",
+            _project_runtime,
+        ),
+        RuntimeStep("torch.cuda.get_device_capability reports an H200 (SM 9.0)", _hopper_sm),
+        RuntimeStep("torch.cuda streams, events and synchronize on the CPU device module", _cuda_streams),
+        RuntimeStep("gloo instead of pynccl in model-parallel groups", _gloo_groups),
+        RuntimeStep(
+            "read-path stand-ins (FlashMLA sparse/kv, quantize_k_cache_separate, GetKAndS, "
+            "prefill and decode page-table transforms, CP query split)",
+            _read_path,
+        ),
+        RuntimeStep("torch DSA indexer (Indexer.forward_native: act_quant, Hadamard, fp8 MQA logits)", _indexer),
+        RuntimeStep("DeepseekScalingRotaryEmbedding.forward_native fixed for 1-D positions (upstream CPU bug)", _rope),
+        RuntimeStep("the KV-sharding gate's CUDA-device rule answered for CPU", _gate),
+        RuntimeStep("the plugin's device lane-eviction plans logged (DEBUG) for the harness", _lane_decisions_logged),
+    )
+
+
+__all__ = [
+    "deepseek_rope_forward_native",
+    "indexer_forward_native",
+    "steps",
+]

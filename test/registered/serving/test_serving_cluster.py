@@ -1,0 +1,37 @@
+"""SGLang's own servers on this CPU box: a PD cluster (``sglang.launch_server`` prefills and
+decode, ``sglang-router``, Mooncake on loopback TCP) serving the tiny GLM-5-shaped DSA model,
+the sharded prefill (the plugin's flag, HiCache, L3 where the line admits it) against its
+unsharded reference, scenario by scenario (``testing/server/scenarios.py``,
+``docs/serving_on_cpu.md``).
+
+The cluster starts once for this module (in both venvs: each line's launch adapter spells its
+servers) and every process it started is ended, and checked gone, when the module ends.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sglang_cp_hicache.testing.server.launch import line_launch
+from sglang_cp_hicache.testing.server.scenarios import scenarios_for
+from sglang_cp_hicache.testing.server.session import ServingSession
+from sglang_cp_hicache.testing.server.tiny_model import ensure_checkpoint
+
+SCENARIOS = scenarios_for(line_launch())
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    serving = ServingSession.start(tmp_path_factory.mktemp("serving"), ensure_checkpoint())
+    yield serving
+    serving.close()  # raises naming any process group that outlived SIGKILL
+    assert serving.running() == []
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
+def test_scenario(session, scenario):
+    report = scenario.run(session)
+    errors = session.sharded.log_errors() + session.reference.log_errors()
+    assert report.ok, json.dumps(report.as_dict(), indent=1, default=str) + "\n" + "\n".join(errors[-20:])
