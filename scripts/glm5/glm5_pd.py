@@ -351,7 +351,10 @@ class HitRates:
     cached: Dict[str, float] = field(default_factory=dict)
 
     def rate(self, source: str) -> float:
-        return self.cached.get(source, 0.0) / self.prompt_tokens if self.prompt_tokens else 0.0
+        cached = self.cached.get(source)
+        if cached is None and source == "total":  # 0.5.23 reports per source only
+            cached = sum(v for s, v in self.cached.items() if s != "total")
+        return (cached or 0.0) / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def line(self) -> str:
         return (
@@ -361,8 +364,19 @@ class HitRates:
 
 
 def device_capacity_tokens(metrics_text: str) -> float:
-    """``sglang:max_total_num_tokens`` (the logical capacity under shared KV), max over ranks."""
-    values = [v for name, _, v in parse_prometheus(metrics_text) if name == "sglang:max_total_num_tokens"]
+    """The prefill's logical device capacity in tokens, max over ranks: 0.5.12's plugin reports
+    it as ``sglang:max_total_num_tokens``; 0.5.23's native sharding reports a rank's physical
+    tokens there and the logical pool as free + in use + cached (``sglang:kv_available_tokens``
+    + ``kv_used_tokens`` + ``kv_evictable_tokens``)."""
+    per_rank: Dict[str, Dict[str, float]] = {}
+    for name, labels, value in parse_prometheus(metrics_text):
+        per_rank.setdefault(labels.get("tp_rank", ""), {})[name] = value
+    values = [
+        max(m.get("sglang:max_total_num_tokens", 0.0),
+            sum(m.get(f"sglang:kv_{part}_tokens", 0.0) for part in ("available", "used", "evictable")))  # fmt: skip
+        for m in per_rank.values()
+        if "sglang:max_total_num_tokens" in m
+    ]
     if not values:
         raise RuntimeError("sglang:max_total_num_tokens missing from /metrics (is --enable-metrics on?)")
     return max(values)
@@ -559,6 +573,13 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="launch nothing: check the running endpoints (/health) and run the checks against them")
     parser.add_argument("--num-prefixes", type=int, default=0, help="0: sized from the server's capacity")
     parser.add_argument("--prefix-tokens", type=int, default=32768)
+    parser.add_argument("--suffix-tokens", type=int, default=64)
+    parser.add_argument("--token-ids", default="1000:100000",
+                        help="LOW:HIGH, the range workload token ids are drawn from (a smaller model: its vocabulary)")
+    parser.add_argument("--prefill-port", type=int, default=30000)
+    parser.add_argument("--decode-port", type=int, default=30001)
+    parser.add_argument("--bootstrap-port", type=int, default=8998)
+    parser.add_argument("--router-port", type=int, default=8000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--startup-timeout", type=float, default=1800.0)
     parser.add_argument("--report-interval", type=float, default=300.0, help="prefill: seconds between hit-rate lines")
@@ -604,7 +625,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         model=args.model_path, host=args.host, decode_host=args.decode_host, tp=args.tp,
         decode_base_gpu=decode_base_gpu, nodes=args.nodes, hicache_ratio=args.hicache_ratio,
         hicache_size_gb=hicache_size, ib_device=args.ib_device, log_dir=args.log_dir,
-        sglang=args.sglang, kv_cache_dtype=args.kv_cache_dtype,
+        sglang=args.sglang, kv_cache_dtype=args.kv_cache_dtype, prefill_port=args.prefill_port,
+        decode_port=args.decode_port, bootstrap_port=args.bootstrap_port, router_port=args.router_port,
     )
     # Only a launch needs the two-node topology; --no-launch just names endpoints.
     problems = [] if args.no_launch else topology_problems(d)
@@ -621,7 +643,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     if missing:
         print(f"note: {dependency_message(missing)}")
-    workload = Workload(num_prefixes=args.num_prefixes, prefix_tokens=args.prefix_tokens, rounds=args.rounds)
+    low, high = (int(part) for part in args.token_ids.split(":"))
+    workload = Workload(
+        num_prefixes=args.num_prefixes, prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens,
+        rounds=args.rounds, vocab_low=low, vocab_high=high,
+    )
     single = {"prefill": prefill_command, "decode": decode_command, "router": router_command}
     if args.command in single and args.no_launch:
         return check_running_component(d, args.command, args.dry_run)

@@ -33,9 +33,9 @@ NCCL refuses two ranks on one GPU, so the CP ranks are ``--cp`` processes on the
 device with a gloo CP group (gloo moves CUDA tensors through host staging). ``--device
 cpu`` runs the same checks with the CPU runtime's reference kernels.
 
-``--sglang 0.5.23`` (with ``--device cpu`` only: the offline GPU host cannot load 0.5.23's
-kernels) checks the 0.5.23 line instead, on ``--cp`` gloo ranks, for every KV format the
-plugin admits on Hopper (``flashmla_sparse`` over bf16, ``flashmla_kv`` over packed fp8):
+``--sglang 0.5.23`` checks the 0.5.23 line instead, on ``--cp`` gloo ranks, for every KV
+format the plugin admits on Hopper (``flashmla_sparse`` over bf16, ``flashmla_kv`` over
+packed fp8). With ``--device cpu``:
 
 1. **self-test**: the startup self-test through its hook
    (``v0_5_23/layers/attention/kv_shard_selftest.py``: gather, indexer, translation,
@@ -43,6 +43,18 @@ plugin admits on Hopper (``flashmla_sparse`` over bf16, ``flashmla_kv`` over pac
 2. **twin**: the read-path twin (``testing/v0_5_23/read_path.py``): one extend through
    upstream's real sharded pool and ``DeepseekSparseAttnBackend`` against the unsharded
    pool, every record bit for bit, owned rows only, the block table consistent.
+
+With ``--device cuda`` (the 0.5.23 bundle: sglang-kernel 0.4.6, the newest build linked
+against the host's torch 2.11, and sgl-flash-mla):
+
+1. **load**: ``sgl_kernel`` and ``flash_mla`` import (a build that does not match the host's
+   torch fails here, naming the symbol);
+2. **self-test** (every rank): the startup self-test through its hook with SGLang's CUDA
+   kernels at GLM-5's KV geometry, per format and per top-k path (the fused JIT kernel, and
+   sglang-kernel's fused transform), the CP gathers over gloo with host staging
+   (``testing/v0_5_23/gpu_selftest.py``, the check's shim for NCCL on one GPU);
+3. **kvcacheio** (main process): sglang-kernel's per-layer and all-layer MLA transfers called
+   as SGLang 0.5.23's DSA host pools call them, layer_first and page_first, byte-exact.
 """
 
 from __future__ import annotations
@@ -711,7 +723,8 @@ def main_process_checks(options: CheckOptions) -> dict:
     return reports
 
 
-def versions() -> dict:
+def versions(extra: Sequence[str] = ()) -> dict:
+    """The installed versions of torch, the GPU and the bundle's main packages (+ ``extra``)."""
     import importlib.metadata as md
 
     import torch
@@ -719,7 +732,7 @@ def versions() -> dict:
     out = {"torch": torch.__version__, "cuda": torch.version.cuda}
     if torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name(0)
-    for name in ("sglang", "sglang-kernel", "triton", "transformers", "apache-tvm-ffi"):
+    for name in ("sglang", "sglang-kernel", "triton", "transformers", "apache-tvm-ffi", *extra):
         try:
             out[name] = md.version(name)
         except md.PackageNotFoundError:
@@ -737,12 +750,17 @@ def write_json(report: dict) -> Optional[str]:
     return path
 
 
-# ----------------------------------------------------------------- the 0.5.23 line (CPU)
+# ----------------------------------------------------------------- the 0.5.23 line
 LINE_0_5_12 = "0.5.12.post1"
 LINE_0_5_23 = "0.5.23"
 #: What the Hopper admission admits (``testing/v0_5_23/read_path.py`` ``KV_FORMATS``).
 FORMATS_0_5_23 = ("flashmla_sparse/bfloat16", "flashmla_kv/fp8_e4m3")
 _MODULE_NAME = "gpu_device_check"  # how the rank processes import this file
+#: The top-k paths the CUDA self-test runs (``gpu_selftest.CUDA_TOPK_PATHS``; named here so a
+#: dry run needs no torch).
+TOPK_PATHS_0_5_23 = ("jit-v2", "sgl-kernel")
+#: The packages the 0.5.23 CUDA path loads first: (distribution, module).
+KERNEL_PACKAGES_0_5_23 = (("sglang-kernel", "sgl_kernel"), ("sgl-flash-mla", "flash_mla"))
 
 
 def _line_of(argv: Optional[Sequence[str]]) -> tuple[str, List[str]]:
@@ -754,6 +772,15 @@ def _line_of(argv: Optional[Sequence[str]]) -> tuple[str, List[str]]:
 
 
 def describe_0_5_23(options: CheckOptions) -> str:
+    if options.device == "cuda":
+        return (
+            f"plan (sglang 0.5.23): load sglang-kernel and sgl-flash-mla; {options.cp_size} processes on "
+            "the one GPU, gloo CP group with host-staged gathers (the check's shim for NCCL); per admitted "
+            f"format {list(FORMATS_0_5_23)} at GLM-5's KV geometry x top-k path {list(TOPK_PATHS_0_5_23)}: "
+            "the startup self-test through its hook with SGLang's CUDA kernels (gather, indexer, "
+            "translation, attention); then sglang-kernel's per-layer / all-layer MLA transfers as the "
+            "DSA host pools call them (layer_first, page_first), byte-exact"
+        )
     return (
         f"plan (sglang 0.5.23): {options.cp_size} processes, gloo CP group, device={options.device}, "
         f"torch stand-in kernels; per admitted format {list(FORMATS_0_5_23)}: the startup self-test "
@@ -770,19 +797,6 @@ def _timed_call(fn: Callable[[], Any]) -> tuple[Any, float]:
     return fn(), time.perf_counter() - start
 
 
-def _selftest_entry(runner: Any) -> dict:
-    from sglang_cp_hicache.v0_5_23.layers.attention import kv_shard_selftest as selftest
-
-    try:
-        _, seconds = _timed_call(lambda: selftest.init_attention_backends_after(None, runner))
-    except selftest.KvShardSelfTestFailed as exc:
-        return {"ok": False, "stage": exc.stage, "error": str(exc)}
-    except Exception as exc:  # a kernel that would not run is a failure too
-        return {"ok": False, "stage": "exception", "error": f"{type(exc).__name__}: {exc}"}
-    report = getattr(runner, selftest.SELFTEST_ATTR)
-    return {"ok": True, "stages": report.stages, "backend": report.backend, "seconds": seconds}
-
-
 def _twin_entry(rank: Any) -> dict:
     comparison, seconds = _timed_call(rank.compare_sharded_to_replicated)
     return {
@@ -795,8 +809,9 @@ def _twin_entry(rank: Any) -> dict:
 
 
 def check_rank_0_5_23(ctx: Any, options: dict) -> dict:
-    """One rank: the self-test and the twin for every admitted format."""
+    """One CPU rank: the self-test and the twin for every admitted format."""
     from sglang_cp_hicache.testing.v0_5_23 import read_path
+    from sglang_cp_hicache.testing.v0_5_23.gpu_selftest import selftest_entry
     from sglang_cp_hicache.testing.v0_5_23.selftest_kernels import selftest_runner
     from sglang_cp_hicache.testing.v0_5_23.shard_group import GlooShardGroup
 
@@ -810,7 +825,7 @@ def check_rank_0_5_23(ctx: Any, options: dict) -> dict:
             formats.append(
                 {
                     "format": kv_format.name,
-                    "selftest": _selftest_entry(selftest_runner(rank)),
+                    "selftest": selftest_entry(selftest_runner(rank), group.cpu_group),
                     "twin": _twin_entry(rank),
                 }
             )
@@ -850,6 +865,117 @@ def summarize_0_5_23(per_rank: Sequence[dict], options: CheckOptions, wall_s: fl
     return not failures, lines
 
 
+# ----------------------------------------------------------------- the 0.5.23 line (CUDA)
+def load_kernels_0_5_23() -> dict:
+    """Import the kernel packages first, each on its own: a build that does not match the
+    host's torch fails here naming its package and the loader's last line (an undefined
+    torch symbol), before any rank starts. FlashMLA's SM90 kernels are its legacy half."""
+    import importlib
+
+    loaded = {}
+    for package, module in KERNEL_PACKAGES_0_5_23:
+        try:
+            loaded[package] = importlib.import_module(module)
+        except Exception as exc:  # ImportError, or OSError from torch.ops.load_library
+            return {"ok": False, "error": f"{package}: {_loader_reason(exc)}"}
+    flash_mla = loaded["sgl-flash-mla"]
+    if not flash_mla.has_legacy():
+        return {"ok": False, "error": f"sgl-flash-mla: its SM90 (legacy) kernels did not load: {flash_mla._loader._LEGACY_UNAVAILABLE}"}
+    return {"ok": True, "modules": {p: getattr(m, "__file__", None) for p, m in loaded.items()}}
+
+
+def _loader_reason(exc: BaseException) -> str:
+    """``Type: message`` of a loader error, from the line that says why: sgl_kernel lists
+    its attempts as ``- Type: ...`` lines, the first being the architecture's own library
+    (an undefined symbol, a missing CUDA library); other loaders raise one line."""
+    lines = [l.strip() for l in str(exc).strip().splitlines() if l.strip()] or [""]
+    attempts = [l[2:] for l in lines if l.startswith("- ")]
+    return attempts[0] if attempts else f"{type(exc).__name__}: {lines[-1]}"
+
+
+def check_rank_0_5_23_cuda(ctx: Any, options: dict) -> dict:
+    """One rank on the host's one GPU: the self-test per format and top-k path."""
+    import torch
+
+    from sglang_cp_hicache.testing.v0_5_23.gpu_selftest import run_selftests, shard_group_on
+
+    torch.cuda.set_device(0)
+    return {"entries": run_selftests(shard_group_on(ctx, torch.device("cuda:0")))}
+
+
+def summarize_0_5_23_cuda(
+    per_rank: Optional[Sequence[dict]], rank_error: Optional[BaseException], kvcacheio: dict,
+    options: CheckOptions, wall_s: float,
+) -> tuple[bool, List[str]]:  # fmt: skip
+    """One PASS/FAIL line naming the first failing rank, format, top-k path and stage (or
+    the kvcacheio case), then the slowest rank's seconds per self-test."""
+    failures = []
+    if rank_error is not None:
+        failures.append(f"stage rank: {type(rank_error).__name__}: {str(rank_error).strip().splitlines()[-1]}")
+    for rank, report in enumerate(per_rank or ()):
+        for entry in report["entries"]:
+            test = entry["selftest"]
+            if not test["ok"]:
+                failures.append(
+                    f"rank {rank} {entry['format']} top-k {entry['topk']} self-test stage {test['stage']}: {test['error']}"
+                )
+    failures.extend(f"stage kvcacheio: {p}" for p in kvcacheio.get("problems", ()))
+    head = f"cp={options.cp_size} device={options.device} sglang=0.5.23"
+    if failures:
+        lines = [f"FAIL 0.5.23 on the GPU ({head}): {failures[0]} (+{len(failures) - 1} more)"]
+    else:
+        entries = per_rank[0]["entries"]
+        paths = sorted({e["topk"] for e in entries})
+        lines = [
+            f"PASS 0.5.23 sharded read path == replicated on the GPU ({head}, {len(FORMATS_0_5_23)} formats x "
+            f"{len(paths)} top-k paths x {options.cp_size} ranks; kvcacheio MLA transfers byte-exact, "
+            f"{len(kvcacheio['cases'])} cases)"
+        ]
+    if per_rank:
+        timings = []
+        for i, entry in enumerate(per_rank[0]["entries"]):
+            seconds = max(report["entries"][i]["selftest"].get("seconds", 0.0) for report in per_rank)
+            timings.append(f"{entry['format']} top-k {entry['topk']}: {seconds:.2f} s")
+        lines.append(f"self-test (slowest rank): {'; '.join(timings)}")
+    lines.append(f"total {wall_s:.1f} s")
+    return not failures, lines
+
+
+def main_0_5_23_cuda(options: CheckOptions, launch: Callable) -> int:
+    """Load the kernels, run the ranks, then the main-process kvcacheio check (it still runs
+    when a rank crashed: a device call is one shot)."""
+    import torch
+
+    from sglang_cp_hicache.testing.v0_5_23.gpu_selftest import kvcacheio_check
+
+    if not torch.cuda.is_available():
+        print("FAIL no CUDA device visible (use --cpu for the CPU checks)")
+        return 1
+    start = time.perf_counter()
+    load = load_kernels_0_5_23()
+    report = {"line": LINE_0_5_23, "load": load, "versions": versions(("sgl-flash-mla", "torchvision"))}
+    if not load["ok"]:
+        lines = [f"FAIL 0.5.23 on the GPU (device=cuda sglang=0.5.23): stage load: {load['error']}"]
+        print(lines[0])
+        write_json({"ok": False, "summary": lines, **report})
+        return 1
+    per_rank, rank_error = None, None
+    try:
+        per_rank = launch(options.cp_size, check_rank_0_5_23_cuda, asdict(options))
+    except Exception as exc:
+        rank_error = exc
+        print(str(exc), file=sys.stderr)
+    try:
+        kvcacheio = kvcacheio_check(torch.device("cuda:0"))
+    except Exception as exc:
+        kvcacheio = {"ok": False, "cases": [], "problems": [f"{type(exc).__name__}: {exc}"]}
+    ok, lines = summarize_0_5_23_cuda(per_rank, rank_error, kvcacheio, options, time.perf_counter() - start)
+    for line in lines:
+        print(line)
+    write_json({"ok": ok, "summary": lines, **report, "ranks": per_rank, "kvcacheio": kvcacheio})
+    return 0 if ok else 1
+
+
 def _importable(fn: Callable) -> Callable:
     """``run_ranks`` re-imports ``fn`` in each rank by module name and file; run as a script,
     this file is ``__main__`` there, so it is named :data:`_MODULE_NAME` instead."""
@@ -860,18 +986,14 @@ def _importable(fn: Callable) -> Callable:
 
 
 def main_0_5_23(argv: Sequence[str], launch: Optional[Callable] = None) -> int:
-    """``launch(world, fn, options)`` runs ``fn`` on every rank (default: the CPU runtime's
-    gloo ranks, ``testing.dist.run_ranks``)."""
+    """``launch(world, fn, options)`` runs ``fn`` on every rank (default: on CPU the CPU
+    runtime's gloo ranks, ``testing.dist.run_ranks``; on CUDA :func:`spawn_ranks`)."""
     options, dry_run = parse_args(argv)
-    if options.device != "cpu":
-        print(
-            "FAIL --sglang 0.5.23 runs with --device cpu only: the offline GPU host's torch 2.11 "
-            "cannot load sglang-kernel 0.4.10 (it needs torch 2.14.1)"
-        )
-        return 2
     if dry_run:
         print(describe_0_5_23(options))
         return 0
+    if options.device == "cuda":
+        return main_0_5_23_cuda(options, launch or spawn_ranks)
     if launch is None:
         from sglang_cp_hicache.testing import install
 

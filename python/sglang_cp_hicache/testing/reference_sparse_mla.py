@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -119,6 +119,81 @@ def read_index_k_bytes(buf: torch.Tensor, pages: torch.Tensor, seq_len: int, pag
 
 def dequantize_index_k(k_bytes: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
     return k_bytes.contiguous().view(FP8).float() * scale_bytes.contiguous().view(torch.float32)
+
+
+# ---------------------------------------------------------------- kernel references
+def flash_mla_sparse_fwd_reference(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    attn_sink: Optional[torch.Tensor] = None,
+    topk_length: Optional[torch.Tensor] = None,
+    **_: Any,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch ``flash_mla_sparse_fwd``: query ``s`` attends, over every head, to the KV rows
+    ``indices[s, 0, :topk_length[s]]`` that are not -1 (the reference sparse MLA's
+    absorbed attention: scores over all ``d_qk``, values the first ``d_v``). A query with
+    no valid row outputs zeros. Returns ``(out, max_logits, lse)``."""
+    if attn_sink is not None:
+        raise NotImplementedError("flash_mla_sparse_fwd stand-in: no attention sinks")
+    selected = indices[:, 0, :].long()
+    valid = selected >= 0
+    if topk_length is not None:
+        valid &= torch.arange(selected.shape[1])[None, :] < topk_length[:, None]
+    rows = kv[selected.clamp(min=0), 0].float()  # [s_q, topk, d_qk]
+    logits = torch.einsum("shd,std->sht", q.float(), rows) * sm_scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    probs = torch.nan_to_num(torch.exp(logits - lse[..., None]), nan=0.0)
+    out = torch.einsum("sht,std->shd", probs, rows[..., :d_v]).to(q.dtype)
+    return out, logits.amax(dim=-1), lse
+
+
+def set_mla_kv_buffer_reference(kv_buffer: Any, loc: Any, cache_k_nope: Any, cache_k_rope: Any) -> None:
+    """``set_mla_kv_buffer_triton``: row ``loc`` of ``kv_buffer`` gets the nope values, then
+    the rope values, as the buffer's dtype reads their bytes."""
+    rows = kv_buffer.view(kv_buffer.shape[0], -1)
+    nope = cache_k_nope.reshape(loc.numel(), -1)
+    rope = cache_k_rope.reshape(loc.numel(), -1)
+    as_rows = lambda part: part if part.dtype == rows.dtype else part.view(rows.dtype)  # noqa: E731
+    rows[loc.long(), : nope.shape[1]] = as_rows(nope)
+    rows[loc.long(), nope.shape[1] : nope.shape[1] + rope.shape[1]] = as_rows(rope)
+
+
+def get_mla_kv_buffer_reference(
+    kv_buffer: torch.Tensor,
+    loc: torch.Tensor,
+    cache_k_nope: torch.Tensor,
+    cache_k_rope: Optional[torch.Tensor] = None,
+) -> None:
+    """Torch ``get_mla_kv_buffer_triton``: row ``loc`` of ``kv_buffer`` split into its
+    first ``nope_dim`` values and the next ``rope_dim``, converted to the outputs' dtype."""
+    n = loc.numel()
+    rows = kv_buffer.reshape(kv_buffer.shape[0], -1)[loc.long()]
+    nope_dim = cache_k_nope.shape[-1]
+    # view(): the outputs must be written in place, never through a copy.
+    cache_k_nope.view(n, -1)[:, :nope_dim] = rows[:, :nope_dim]
+    if cache_k_rope is not None and cache_k_rope.numel() > 0:
+        rope_dim = cache_k_rope.shape[-1]
+        cache_k_rope.view(n, -1)[:, :rope_dim] = rows[:, nope_dim : nope_dim + rope_dim]
+
+
+def interleave_split(extend_lens: List[int], cp_size: int, cp_rank: int) -> Tuple[List[int], List[int]]:
+    """CP rank ``cp_rank``'s share of each request's extend when the batch's tokens are dealt
+    round robin over ``cp_size`` ranks (the remainder carried to the next request): its
+    non-zero shares and the requests they belong to (SGLang's interleave / round-robin CP
+    split, both lines)."""
+    lens, rows, carried = [], [], 0
+    for row, extend_len in enumerate(extend_lens):
+        tokens = extend_len + carried
+        share = tokens // cp_size + int(tokens % cp_size > cp_rank)
+        if share:
+            lens.append(share)
+            rows.append(row)
+        carried = tokens - share * cp_size
+    return lens, rows
 
 
 # ------------------------------------------------------------------------- pool

@@ -16,7 +16,12 @@ release:
   page layout ``SetKAndS`` writes (``page_size`` fp8 keys of 128 bytes, then ``page_size``
   fp32 scales);
 * :func:`transform_index_page_table_decode`: the decode page-table transform (Triton):
-  row ``q``'s selected positions ``p >= 0`` become ``page_table[q, p]``, ``-1`` stays.
+  row ``q``'s selected positions ``p >= 0`` become ``page_table[q, p]``, ``-1`` stays;
+* :func:`topk_local`, :func:`topk_transform_paged`, :func:`topk_transform_ragged`: 0.5.12's
+  ``sgl_kernel`` top-k (``fast_topk_v2`` and the fused page-table and ragged transforms):
+  row ``r`` keeps the top ``k`` of ``score[r, s_r : s_r + len_r]`` as positions relative to
+  ``s_r`` (``-1`` pads), then maps them through its request's page table, or offsets them
+  by the row's ragged offset.
 
 The logits formula is the one the project's reference indexer uses
 (``testing.v0_5_23.read_path.StandInIndexer``: ``sum_h gate_h * relu(q_h . k)`` over
@@ -154,11 +159,66 @@ def transform_index_page_table_decode(
     return result
 
 
+def topk_local(
+    score: torch.Tensor, lengths: torch.Tensor, topk: int, row_starts: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Top ``topk`` of each row's window ``[row_start, row_start + length)``, as positions
+    relative to its start, best first; ``-1`` where the window has fewer."""
+    rows, width = score.shape
+    out = torch.full((rows, topk), -1, dtype=torch.int32)
+    if rows == 0 or topk == 0 or width == 0:
+        return out
+    starts = torch.zeros(rows, dtype=torch.int64) if row_starts is None else row_starts.long()
+    cols = torch.arange(width)[None, :]
+    inside = (cols >= starts[:, None]) & (cols < (starts + lengths.long())[:, None])
+    values, columns = score.float().masked_fill(~inside, float("-inf")).topk(min(topk, width), dim=-1)
+    local = (columns - starts[:, None]).masked_fill(torch.isinf(values) & (values < 0), -1)
+    out[:, : local.shape[1]] = local.to(torch.int32)
+    return out
+
+
+def topk_transform_paged(
+    score: torch.Tensor,
+    lengths: torch.Tensor,
+    page_table_size_1: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    topk: int,
+    row_starts: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``fast_topk_transform_fused``: :func:`topk_local`, each row's positions mapped through
+    the page-size-1 table of its request (rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]``
+    belong to request ``b``)."""
+    local = topk_local(score, lengths, topk, row_starts)
+    bounds = cu_seqlens_q.long()
+    request = torch.repeat_interleave(torch.arange(bounds.numel() - 1), (bounds[1:] - bounds[:-1]).clamp(min=0))
+    if request.numel() < local.shape[0]:
+        raise ValueError(f"topk transform (CPU port): {request.numel()} rows in cu_seqlens_q, {local.shape[0]} scored")
+    table = page_table_size_1[request[: local.shape[0]]].long()
+    mapped = torch.gather(table, 1, local.long().clamp(min=0)).to(torch.int32)
+    return torch.where(local >= 0, mapped, torch.full_like(mapped, -1))
+
+
+def topk_transform_ragged(
+    score: torch.Tensor,
+    lengths: torch.Tensor,
+    topk_indices_offset: torch.Tensor,
+    topk: int,
+    row_starts: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``fast_topk_transform_ragged_fused``: :func:`topk_local` plus each row's offset."""
+    local = topk_local(score, lengths, topk, row_starts)
+    shifted = local + topk_indices_offset[: local.shape[0]].to(torch.int32)[:, None]
+    return torch.where(local >= 0, shifted, torch.full_like(local, -1))
+
+
 __all__ = [
     "act_quant",
     "hadamard_rotate",
     "index_k_pages",
     "mqa_logits",
     "paged_mqa_logits",
+    "topk_local",
+    "topk_transform_paged",
+    "topk_transform_ragged",
     "transform_index_page_table_decode",
 ]

@@ -23,7 +23,9 @@ PAGE_SIZE = 64
 LOGICAL_TOKENS = 4096  # each prefill's logical device capacity (64 pages)
 DECODE_TOKENS = 8192
 CHUNKED_PREFILL_SIZE = 512  # a prompt of more than 512 tokens is prefilled in chunks
-HICACHE_SIZE_GB = 1  # per rank: far above the device pool, so the host tier never evicts
+#: Host pool over device pool: 4x keeps a scenario's pages on host while fillers evict the
+#: device (a fixed --hicache-size of 1 GB per rank took 2 GB of the box per TP 2 server).
+HICACHE_RATIO = 4
 ROUTER_REQUEST_TIMEOUT_S = 180
 
 
@@ -80,6 +82,9 @@ class LineLaunch(Protocol):
     release: str
     supports_storage_under_flag: bool
     lane_decisions_logged: bool
+    #: TP size of an extra unsharded reference for the decode tokens, where the line's
+    #: unsharded CP reference is exact for the first token only (None: exact for all).
+    decode_reference_tp: Optional[int]
 
     def model_args(self, decode: bool) -> List[str]:
         """The attention backend flags of a prefill (``decode=False``) or decode server."""
@@ -151,7 +156,7 @@ def prefill_argv(line: LineLaunch, model: Path, endpoint: Endpoint, spec: Prefil
         "--disaggregation-bootstrap-port", str(endpoint.bootstrap_port),
         "--max-total-tokens", str(spec.max_total_tokens),
         "--chunked-prefill-size", str(CHUNKED_PREFILL_SIZE),
-        "--enable-hierarchical-cache", "--hicache-size", str(HICACHE_SIZE_GB),
+        "--enable-hierarchical-cache", "--hicache-ratio", str(HICACHE_RATIO),
         "--hicache-mem-layout", spec.mem_layout,
     ]  # fmt: skip
     if spec.storage is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -40,16 +41,26 @@ class ProcessLeak(RuntimeError):
     """A member of a stopped process group is still running."""
 
 
+#: Ports handed out: below the kernel's ephemeral range (what the OS gives a client socket)
+#: and 10000 under 65536 (SGLang 0.5.12 derives its gRPC port as ``--port + 10000``).
+PORT_RANGE = (20000, 32000)
+
+
 def free_ports(count: int) -> List[int]:
-    """``count`` distinct loopback ports nobody listens on right now."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind((LOOPBACK, 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+    """``count`` distinct loopback ports in :data:`PORT_RANGE` nobody listens on right now."""
+    rng = random.Random()
+    ports: List[int] = []
+    while len(ports) < count:
+        port = rng.randrange(*PORT_RANGE)
+        if port in ports:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind((LOOPBACK, port))
+            except OSError:
+                continue
+        ports.append(port)
+    return ports
 
 
 def http_status(url: str, timeout_s: float = 2.0) -> Optional[int]:

@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 import logging
 import random
+import subprocess
+import sys
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -65,6 +67,7 @@ class ScenarioReport:
     wall_s: float = 0.0
     problems: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
+    decode_logprob_diff_vs_tp1: float = 0.0  # lines with a decode reference only
 
     @property
     def identical(self) -> bool:
@@ -111,11 +114,19 @@ class Recorder:
             return None
 
     def pair(self, label: str, ids: Sequence[int], max_new: int = MAX_NEW, cold: bool = False) -> Tuple[Optional[Completion], Optional[Completion]]:
-        """``ids`` through the sharded and the reference router, compared."""
+        """``ids`` through the sharded and the reference router, compared (on a line with a
+        decode reference: the first token with the reference, the rest with it)."""
         a = self.ask(self.sharded, label, ids, max_new)
         b = self.ask(self.reference, label, ids, max_new)
+        decode_router = self.session.decode_reference_router
+        c = self.ask(decode_router, label, ids, max_new) if decode_router is not None else None
         if a is not None and b is not None:
-            self.compare(label, a, b)
+            if decode_router is None:
+                self.compare(label, a, b)
+            else:
+                self.compare(f"{label} (first token)", _first(a), _first(b))
+                if c is not None:
+                    self.compare_decode(label, a, c)
             for side, completion in ((SHARDED, a), (REFERENCE, b)):
                 for tier in TIERS:
                     self.report.cached[side][tier] += completion.tier(tier)
@@ -132,6 +143,14 @@ class Recorder:
         self.report.max_logprob_diff = max(self.report.max_logprob_diff, diff)
         if diff != 0.0:
             self.report.mismatches.append(f"{label}: logprobs differ by up to {diff:.3g}")
+
+    def compare_decode(self, label: str, a: Completion, c: Completion) -> None:
+        """The decode tokens against a one-rank reference: ids equal; the logprobs carry a
+        TP 1 vs TP 2 KV difference, reported, not a mismatch."""
+        if a.output_ids[1:] != c.output_ids[1:]:
+            self.report.mismatches.append(f"{label}: decode ids {list(a.output_ids[1:])} != TP 1 reference {list(c.output_ids[1:])}")
+        diff = max((abs(x - y) for x, y in zip(a.logprobs[1:], c.logprobs[1:])), default=0.0)
+        self.report.decode_logprob_diff_vs_tp1 = max(self.report.decode_logprob_diff_vs_tp1, diff)
 
     def time(self, completion: Completion, cold: bool) -> None:
         if cold:
@@ -150,6 +169,11 @@ class Recorder:
         self.report.notes.append(text)
 
     def finish(self) -> ScenarioReport:
+        if self.session.decode_reference_router is not None and self.report.decode_logprob_diff_vs_tp1 > 0:
+            self.note(
+                "decode tokens vs the TP 1 reference: ids equal, logprobs differ by up to "
+                f"{self.report.decode_logprob_diff_vs_tp1:.3g} (TP 1 vs TP 2 KV bits)"
+            )
         after = self._sent()
         self.report.sent_mb_per_rank = {r: round(after.get(r, 0.0) - self._sent_before.get(r, 0.0), 3) for r in after}
         if self._cold:
@@ -162,6 +186,11 @@ class Recorder:
 
 
 # ------------------------------------------------------------------------ helpers
+def _first(completion: Completion) -> Completion:
+    """``completion`` cut to its first token (the one the prefill computes)."""
+    return replace(completion, output_ids=completion.output_ids[:1], logprobs=completion.logprobs[:1])
+
+
 def wait_settled(count: Callable[[], int], at_least: int, timeout_s: float = L3_SETTLE_S) -> int:
     """Poll ``count`` until it is at least ``at_least`` and unchanged for 2 s; its value."""
     deadline = time.monotonic() + timeout_s
@@ -208,8 +237,8 @@ def host_load_back(session: ServingSession) -> ScenarioReport:
     rec = Recorder(session, "host load-back")
     prompt = tokens("host", 12 * PAGE_SIZE)
     rec.pair("cold", prompt, cold=True)
-    filler_tokens = 12 * PAGE_SIZE
-    for i in range(LOGICAL_TOKENS // filler_tokens + 2):
+    filler_tokens = 25 * PAGE_SIZE  # three fill the logical pool past its capacity
+    for i in range(LOGICAL_TOKENS // filler_tokens + 1):
         rec.pair(f"filler {i}", tokens(f"host:filler:{i}", filler_tokens))
     a, _ = rec.pair("revisit", prompt + tokens("host:more", 30))
     if a is not None:
@@ -245,7 +274,7 @@ def lane_pressure(session: ServingSession) -> ScenarioReport:
     rec = Recorder(session, "device pressure on owner lanes")
     mark = session.sharded.log_lines()
     # enough three-page prompts to fill the logical pool, then a few that must evict
-    count = LOGICAL_TOKENS // (3 * PAGE_SIZE) + 8
+    count = LOGICAL_TOKENS // (3 * PAGE_SIZE) + 3
     prompts = [tokens(f"lanes:{i}", 3 * PAGE_SIZE + 5) for i in range(count)]
     for i, prompt in enumerate(prompts):
         rec.pair(f"prompt {i}", prompt, cold=i == 0)
@@ -303,73 +332,69 @@ def l3_file(session: ServingSession) -> ScenarioReport:
 
 
 def l3_file_restart(session: ServingSession) -> ScenarioReport:
-    """The sharded server's L3 files read by a fresh sharded prefill of the same CP size
-    started on them (owner-free keys, every rank reading its own pages): its storage hit
-    answers exactly as the reference does over the same prefix on its device."""
+    """The sharded server's L3 files read after a restart, by two prefills started on them
+    together (owner-free keys, every rank reading its own pages):
+
+    * a fresh sharded prefill of the same CP size: its storage hit answers exactly as the
+      reference does over the same prefix on its device;
+    * a one-rank prefill with the flag (``--tp 1``, CP size 1): over the sharded server's
+      pages it answers with the same ids as over a prefix it computed itself (an
+      ``extra_key`` keeps that prefix apart from every tier's pages of the sharded server);
+      the logprobs differ by what a TP 2 and a TP 1 forward differ in the KV they write
+      (measured here on one prompt through the same decode server), which no reader can
+      remove: reported. Its own pages round-trip through the files exactly."""
     rec = Recorder(session, "L3 file: read after a restart")
     storage = session.storage
     prompt = tokens("restart", 9 * PAGE_SIZE)
-    rec.pair("written by the sharded server", prompt, cold=True)
+    written, _ = rec.pair("written by the sharded server", prompt, cold=True)
     _settle_file_tier(storage, 1)
-    spec = PrefillSpec("sharded-restarted", tp=session.tp, storage=storage)
-    restarted, router, times = session.behind_router(spec)
-    rec.note(f"restarted prefill ready in {times[restarted.name]:.0f} s")
+    servers = [
+        session.cluster.prefill(PrefillSpec("sharded-restarted", tp=session.tp, storage=storage)),
+        session.cluster.prefill(PrefillSpec("reader-tp1", tp=1, storage=storage)),
+    ]
+    routers = []
     try:
-        rec.sharded = router
-        a, b = rec.pair("read after the restart", prompt + tokens("restart:more", 21))
+        times = session.cluster.start(*servers)
+        routers = [session.cluster.router(f"router-{s.name}", s, session.decode) for s in servers]
+        session.cluster.start(*routers)
+        rec.note("restarted servers ready in " + ", ".join(f"{n} {t:.0f} s" for n, t in times.items()))
+        request = prompt + tokens("restart:more", 21)
+        rec.sharded = routers[0]
+        a, b = rec.pair("read after the restart", request)
+        rec.sharded = session.sharded_router
+        want = full_pages(len(prompt))
         if a is not None and b is not None:
-            want = full_pages(len(prompt))
             rec.expect(a.tier("storage") >= want, f"restarted server's storage hit {a.cached_by_tier}, want {want}")
             rec.expect(b.tier("device") >= want, f"reference device hit {b.cached_by_tier}, want {want}")
+        _one_rank_reader(rec, routers[1], servers[1], prompt, request, written)
     finally:
         rec.sharded = session.sharded_router
-        session.retire(router, restarted)
+        session.retire(*routers, *servers)
     return rec.finish()
 
 
-def l3_file_one_rank_reader(session: ServingSession) -> ScenarioReport:
-    """The sharded server's L3 files read by a one-rank prefill with the flag (``--tp 1``, CP
-    size 1, owner-free keys). Its own pages round-trip through the files exactly (compared
-    with the same request over its device copy). Over the sharded server's pages it answers
-    with the same ids as over a prefix it computed itself; the logprobs differ by what a
-    TP 2 and a TP 1 forward differ in the KV they write (measured here on one prompt through
-    the same decode server), which no reader can remove: that difference is reported."""
-    rec = Recorder(session, "L3 file: one-rank reader (cp 1)")
-    storage = session.storage
-    prompt = tokens("reader", 9 * PAGE_SIZE)
-    written = rec.ask(session.sharded_router, "written by the sharded server", prompt)
-    _settle_file_tier(storage, 1)
-    reader, router, times = session.behind_router(PrefillSpec("reader-tp1", tp=1, storage=storage))
-    rec.note(f"reader ready in {times[reader.name]:.0f} s")
-    try:
-        request = prompt + tokens("reader:more", 21)
-        hit = rec.ask(router, "storage hit", request)
-        cold = rec.ask(router, "own prefix, cold", prompt, extra_key=OWN_PREFIX_KEY)
-        own = rec.ask(router, "own prefix reused", request, extra_key=OWN_PREFIX_KEY)
-        if None not in (written, hit, cold, own):
-            want = full_pages(len(prompt))
-            rec.expect(hit.tier("storage") >= want, f"reader's storage hit {hit.cached_by_tier}, want {want}")
-            rec.expect(cold.cached_tokens == 0, f"the extra_key request hit a cache: {cold.cached_by_tier}")
-            rec.expect(own.tier("device") >= want, f"reader's own prefix not reused: {own.cached_by_tier}")
-            rec.expect(hit.output_ids == own.output_ids, f"ids over the sharded pages {hit.output_ids} != over its own {own.output_ids}")
-            rec.note(f"TP 2 vs TP 1 KV: same prompt through one decode, logprobs differ by up to {_max_diff(written, cold):.3g}")
-            rec.note(f"over the sharded pages vs its own: logprobs differ by up to {_max_diff(hit, own):.3g}")
-            rec.time(cold, cold=True)
-            rec.time(hit, cold=False)
-        own_prompt = tokens("reader:own", 5 * PAGE_SIZE)
-        extended = own_prompt + tokens("reader:own:more", 19)
-        rec.ask(router, "reader's own prompt", own_prompt)
-        on_device = rec.ask(router, "reader's own prompt extended", extended)
-        _settle_file_tier(storage, 1)
-        rec.expect(flush(reader), "/flush_cache failed on the reader")
-        from_storage = rec.ask(router, "reader's own prompt extended, from storage", extended)
-        if on_device is not None and from_storage is not None:
-            want = full_pages(len(own_prompt))
-            rec.expect(from_storage.tier("storage") >= want, f"reader's own storage hit {from_storage.cached_by_tier}")
-            rec.compare("reader's own pages round trip", from_storage, on_device)
-    finally:
-        session.retire(router, reader)
-    return rec.finish()
+def _one_rank_reader(rec: Recorder, router: Router, reader: Server, prompt: List[int], request: List[int], written: Optional[Completion]) -> None:
+    want = full_pages(len(prompt))
+    hit = rec.ask(router, "cp 1 reader: storage hit", request)
+    cold = rec.ask(router, "cp 1 reader: own prefix, cold", prompt, extra_key=OWN_PREFIX_KEY)
+    own = rec.ask(router, "cp 1 reader: own prefix reused", request, extra_key=OWN_PREFIX_KEY)
+    if None not in (written, hit, cold, own):
+        rec.expect(hit.tier("storage") >= want, f"cp 1 reader's storage hit {hit.cached_by_tier}, want {want}")
+        rec.expect(cold.cached_tokens == 0, f"the extra_key request hit a cache: {cold.cached_by_tier}")
+        rec.expect(own.tier("device") >= want, f"cp 1 reader's own prefix not reused: {own.cached_by_tier}")
+        rec.expect(hit.output_ids == own.output_ids, f"cp 1 reader: ids over the sharded pages {hit.output_ids} != over its own {own.output_ids}")
+        rec.note(f"cp 1 reader: TP 2 vs TP 1 KV, same prompt through one decode: logprobs differ by up to {_max_diff(written, cold):.3g}")
+        rec.note(f"cp 1 reader: over the sharded pages vs its own: logprobs differ by up to {_max_diff(hit, own):.3g}")
+    own_prompt = tokens("restart:own", 5 * PAGE_SIZE)
+    extended = own_prompt + tokens("restart:own:more", 19)
+    rec.ask(router, "cp 1 reader's own prompt", own_prompt)
+    on_device = rec.ask(router, "cp 1 reader's own prompt extended", extended)
+    _settle_file_tier(rec.session.storage, 1)
+    rec.expect(flush(reader), "/flush_cache failed on the cp 1 reader")
+    from_storage = rec.ask(router, "cp 1 reader's own prompt extended, from storage", extended)
+    if on_device is not None and from_storage is not None:
+        rec.expect(from_storage.tier("storage") >= full_pages(len(own_prompt)), f"cp 1 reader's own storage hit {from_storage.cached_by_tier}")
+        rec.compare("cp 1 reader's own pages round trip", from_storage, on_device)
 
 
 def _max_diff(a: Completion, b: Completion) -> float:
@@ -488,6 +513,42 @@ def _phase(server: Server) -> str:
     return ", ".join(f"{n.replace('num_', '').replace('_reqs', '')} {metrics.total('sglang:' + n):.0f}" for n in names)
 
 
+GLM5_SCRIPT = Path(__file__).resolve().parents[4] / "scripts" / "glm5" / "glm5_pd.py"
+GLM5_TIMEOUT_S = 600.0
+
+
+def glm5_checks(session: ServingSession) -> ScenarioReport:
+    """``scripts/glm5``'s own checks, unchanged, against the sharded server's PD cluster in
+    their ``--no-launch`` mode: each endpoint healthy, the prefill's hit rates, and the
+    repeated-prefix workload (prefixes past the device capacity, revisits from host, probe
+    prompts cold / device hit / host hit agreeing), sized for the tiny model by its options."""
+    rec = Recorder(session, "scripts/glm5 checks (--no-launch)")
+    endpoints = [
+        "--no-launch", "--host", "127.0.0.1",
+        "--prefill-port", str(session.sharded.endpoint.port),
+        "--bootstrap-port", str(session.sharded.endpoint.bootstrap_port),
+        "--decode-port", str(session.decode.endpoint.port),
+        "--router-port", str(session.sharded_router.endpoint.port),
+        "--log-dir", str(session.cluster.run_dir / "glm5"),
+    ]  # fmt: skip
+    workload = ["--prefix-tokens", str(8 * PAGE_SIZE), "--suffix-tokens", "16", "--rounds", "2",
+                "--token-ids", f"{FIRST_TOKEN_ID}:{VOCAB_SIZE}", "--probes", "1"]  # fmt: skip
+    for command in (["prefill"], ["decode"], ["router"], ["metrics"], ["repeated-prefix", *workload]):
+        rec.report.requests += 1
+        try:
+            done = subprocess.run(
+                [sys.executable, str(GLM5_SCRIPT), *command, *endpoints],
+                capture_output=True, text=True, timeout=GLM5_TIMEOUT_S,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            rec.expect(False, f"glm5_pd.py {command[0]} ran past {GLM5_TIMEOUT_S:.0f} s")
+            continue
+        lines = (done.stdout + done.stderr).strip().splitlines()
+        rec.expect(done.returncode == 0, f"glm5_pd.py {command[0]} exited {done.returncode}: {' | '.join(lines[-6:])}")
+        rec.note(f"glm5_pd.py {command[0]}: {lines[-1] if lines else '(no output)'}")
+    return rec.finish()
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
@@ -507,10 +568,10 @@ SCENARIOS: Tuple[Scenario, ...] = (
     Scenario("zero_owned_rank", zero_owned_rank),
     Scenario("l3_file", l3_file, needs_storage=True),
     Scenario("l3_file_restart", l3_file_restart, needs_storage=True),
-    Scenario("l3_file_one_rank_reader", l3_file_one_rank_reader, needs_storage=True),
     Scenario("l3_mooncake", l3_mooncake, needs_storage=True),
     Scenario("malformed_request", malformed_request),
     Scenario("over_context", over_context),
+    Scenario("glm5_checks", glm5_checks),
     Scenario("decode_killed", decode_killed),
 )
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}

@@ -4,7 +4,9 @@ The main cluster is one cp-1 decode server and two prefill servers of the same T
 behind its own router on that decode: the **sharded** prefill (the plugin's flag, HiCache, on
 lines that admit it an L3 file tier) and its **unsharded reference** (the same launch without
 the flag, the same logical capacity). A scenario sends each request to both routers and
-compares what comes back. Scenarios that need another server (a restarted one-rank L3
+compares what comes back. On a line whose unsharded CP reference is exact for the first
+token only (``LineLaunch.decode_reference_tp``), a third, one-rank unsharded prefill answers
+for the decode tokens. Scenarios that need another server (a restarted one-rank L3
 reader, a Mooncake-store prefill) start it behind its own router on the session's decode
 (:meth:`ServingSession.behind_router`) and retire it when done.
 """
@@ -23,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 SHARDED = "sharded"
 REFERENCE = "reference"
+DECODE_REFERENCE = "reference-decode"
 
 
 WARM_UP_IDS = tuple(range(3, 3 + 40))  # under one page: nothing is cached
@@ -46,6 +49,8 @@ class ServingSession:
     reference: Server
     sharded_router: Router
     reference_router: Router
+    decode_reference: Optional[Server] = None
+    decode_reference_router: Optional[Router] = None
     start_times: Dict[str, float] = field(default_factory=dict)
 
     @classmethod
@@ -60,18 +65,20 @@ class ServingSession:
             decode = cluster.decode()
             sharded = cluster.prefill(PrefillSpec(SHARDED, tp=tp, storage=storage))
             reference = cluster.prefill(PrefillSpec(REFERENCE, tp=tp, sharded=False))
-            times = cluster.start(decode, sharded, reference)
-            routers = (
-                cluster.router(f"router-{SHARDED}", sharded, decode),
-                cluster.router(f"router-{REFERENCE}", reference, decode),
-            )
+            prefills = [sharded, reference]
+            decode_tp = cluster.line.decode_reference_tp
+            if decode_tp is not None:
+                prefills.append(cluster.prefill(PrefillSpec(DECODE_REFERENCE, tp=decode_tp, sharded=False)))
+            times = cluster.start(decode, *prefills)
+            routers = [cluster.router(f"router-{p.name}", p, decode) for p in prefills]
             times.update(cluster.start(*routers))
             for router in routers:
                 warm_up(router)
         except BaseException:
             cluster.close()
             raise
-        return cls(cluster, tp, storage, decode, sharded, reference, *routers, start_times=times)
+        extra = (prefills[2], routers[2]) if decode_tp is not None else (None, None)
+        return cls(cluster, tp, storage, decode, sharded, reference, routers[0], routers[1], *extra, start_times=times)
 
     @property
     def line(self):
@@ -80,12 +87,15 @@ class ServingSession:
     def restart_decode(self) -> Dict[str, float]:
         """A fresh decode server and fresh routers for both prefills (a router keeps a
         restarted worker marked unavailable)."""
-        self.cluster.stop(self.sharded_router, self.reference_router, self.decode)
+        old = [r for r in (self.sharded_router, self.reference_router, self.decode_reference_router) if r]
+        self.cluster.stop(*old, self.decode)
         self.decode = self.cluster.decode(self.decode.name)
         times = self.cluster.start(self.decode)
-        self.sharded_router = self.cluster.router(self.sharded_router.name, self.sharded, self.decode)
-        self.reference_router = self.cluster.router(self.reference_router.name, self.reference, self.decode)
-        times.update(self.cluster.start(self.sharded_router, self.reference_router))
+        fresh = [self.cluster.router(r.name, r.prefill, self.decode) for r in old]
+        times.update(self.cluster.start(*fresh))
+        self.sharded_router, self.reference_router = fresh[:2]
+        if self.decode_reference_router is not None:
+            self.decode_reference_router = fresh[2]
         self.start_times.update({f"{name} (restart)": s for name, s in times.items()})
         return times
 
@@ -112,4 +122,4 @@ class ServingSession:
         self.cluster.close()
 
 
-__all__ = ["REFERENCE", "SHARDED", "ServingSession"]
+__all__ = ["DECODE_REFERENCE", "REFERENCE", "SHARDED", "ServingSession"]

@@ -58,6 +58,8 @@ from sglang_cp_hicache.testing.reference_sparse_mla import (
     LayerWeights,
     SparseMLAConfig,
     dequantize_index_k,
+    flash_mla_sparse_fwd_reference,
+    interleave_split,
     quantize_index_k,
     random_weights,
 )
@@ -332,49 +334,13 @@ def transform_index_page_table_prefill_reference(
     return result
 
 
-def flash_mla_sparse_fwd_reference(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    sm_scale: float,
-    d_v: int = 512,
-    attn_sink: Optional[torch.Tensor] = None,
-    topk_length: Optional[torch.Tensor] = None,
-    **_: Any,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Torch ``flash_mla_sparse_fwd``: query ``s`` attends, over every head, to the KV rows
-    ``indices[s, 0, :topk_length[s]]`` that are not -1 (the reference sparse MLA's
-    absorbed attention: scores over all ``d_qk``, values the first ``d_v``). A query with
-    no valid row outputs zeros. Returns ``(out, max_logits, lse)``."""
-    if attn_sink is not None:
-        raise NotImplementedError("flash_mla_sparse_fwd stand-in: no attention sinks")
-    selected = indices[:, 0, :].long()
-    valid = selected >= 0
-    if topk_length is not None:
-        valid &= torch.arange(selected.shape[1])[None, :] < topk_length[:, None]
-    rows = kv[selected.clamp(min=0), 0].float()  # [s_q, topk, d_qk]
-    logits = torch.einsum("shd,std->sht", q.float(), rows) * sm_scale
-    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)
-    probs = torch.nan_to_num(torch.exp(logits - lse[..., None]), nan=0.0)
-    out = torch.einsum("sht,std->shd", probs, rows[..., :d_v]).to(q.dtype)
-    return out, logits.amax(dim=-1), lse
-
-
 def dsa_cp_interleave_q_seqs_reference(
     extend_seqs: torch.Tensor, num_rank_seqs: int, cp_size: int, cp_rank: int
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Torch ``dsa_cp_interleave_q_seqs`` (``kernels/ops/attention/dsa/cp_split.py``): this
     rank's share of each request's extend (tokens interleaved over the whole batch, the
     remainder carried to the next request) and the requests it has any of."""
-    lens, batch_rows, carried = [], [], 0
-    for row, extend_len in enumerate(extend_seqs.tolist()):
-        tokens = extend_len + carried
-        share = tokens // cp_size + int(tokens % cp_size > cp_rank)
-        if share:
-            lens.append(share)
-            batch_rows.append(row)
-        carried = tokens - share * cp_size
+    lens, batch_rows = interleave_split(extend_seqs.tolist(), cp_size, cp_rank)
     if len(lens) != num_rank_seqs:
         raise ValueError(f"cp split stand-in: {len(lens)} requests, expected {num_rank_seqs}")
     return (

@@ -47,6 +47,7 @@ import torch
 
 from sglang_cp_hicache.core.import_watcher import process_watcher
 from sglang_cp_hicache.testing.device import CPU_DEVICE_MODULE, CpuDeviceModule
+from sglang_cp_hicache.testing.reference_sparse_mla import get_mla_kv_buffer_reference
 
 logger = logging.getLogger(__name__)
 
@@ -278,24 +279,6 @@ def set_k_and_s_reference(
     )
     buf[page[:, None], key_cols] = index_k.view(torch.uint8)
     buf[page[:, None], scale_cols] = scale.view(torch.uint8).view(-1, _SCALE_BYTES)
-
-
-def get_mla_kv_buffer_reference(
-    kv_buffer: torch.Tensor,
-    loc: torch.Tensor,
-    cache_k_nope: torch.Tensor,
-    cache_k_rope: Optional[torch.Tensor] = None,
-) -> None:
-    """Torch ``get_mla_kv_buffer_triton``: row ``loc`` of ``kv_buffer`` split into its
-    first ``nope_dim`` values and the next ``rope_dim``, converted to the outputs' dtype."""
-    n = loc.numel()
-    rows = kv_buffer.reshape(kv_buffer.shape[0], -1)[loc.long()]
-    nope_dim = cache_k_nope.shape[-1]
-    # view(): the outputs must be written in place, never through a copy.
-    cache_k_nope.view(n, -1)[:, :nope_dim] = rows[:, :nope_dim]
-    if cache_k_rope is not None and cache_k_rope.numel() > 0:
-        rope_dim = cache_k_rope.shape[-1]
-        cache_k_rope.view(n, -1)[:, :rope_dim] = rows[:, nope_dim : nope_dim + rope_dim]
 
 
 def _bind_set_k_and_s(module: ModuleType) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 from sglang_cp_hicache.testing.server.launch import PrefillSpec, StorageSpec
 
@@ -23,6 +23,7 @@ class Launch0523:
     release: str = "0.5.23"
     supports_storage_under_flag: bool = True
     lane_decisions_logged: bool = True  # the CPU server runtime logs the lane planner's plans
+    decode_reference_tp: Optional[int] = None  # the unsharded reference is exact for every token
 
     def model_args(self, decode: bool) -> List[str]:
         args = ["--attention-backend", "dsa", "--dsa-topk-backend", "torch",

@@ -18,16 +18,14 @@ import types
 from typing import Any, Optional, Tuple
 
 from sglang_cp_hicache.core.import_watcher import process_watcher
-from sglang_cp_hicache.testing.server import dsa_kernels
+from sglang_cp_hicache.testing.server import common_steps, dsa_kernels
 from sglang_cp_hicache.testing.server.runtime import RuntimeStep
 
 logger = logging.getLogger(__name__)
 
-HOPPER_CAPABILITY = (9, 0)
 DSA_INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer"
 DSA_BACKEND = "sglang.srt.layers.attention.dsa_backend"
 ROPE_VARIANT = "sglang.srt.layers.rotary_embedding.rope_variant"
-PARALLEL_STATE = "sglang.srt.distributed.parallel_state"
 KV_SHARD_GATE = "sglang.srt.arg_groups.kv_shard_hook"
 ACT_QUANT_TRITON = "sglang.kernels.ops.quantization.act_quant_triton"
 
@@ -52,10 +50,6 @@ SGL_KERNEL_IMPORTED: Tuple[str, ...] = (
 )
 
 
-def _environment() -> None:
-    os.environ.update(ENVIRONMENT)
-
-
 def _sgl_kernel() -> None:
     from sglang_cp_hicache.testing.server import sgl_kernel_stand_in
 
@@ -66,43 +60,6 @@ def _project_runtime() -> None:
     from sglang_cp_hicache.testing import install
 
     install()
-
-
-def _hopper_sm() -> None:
-    import torch
-
-    # What the plugin's Hopper admission and SGLang's SM checks read.
-    torch.cuda.get_device_capability = lambda *args, **kwargs: HOPPER_CAPABILITY
-
-
-def _cuda_streams() -> None:
-    import torch
-
-    from sglang_cp_hicache.testing.device import CPU_DEVICE_MODULE, CpuEvent
-
-    class CudaEventOnCpu(CpuEvent):
-        """``torch.cuda.Event`` on the CPU device module (a class: SGLang annotates with it)."""
-
-        def __init__(self, enable_timing: bool = False, **_kwargs: Any):
-            super().__init__(CPU_DEVICE_MODULE, enable_timing=enable_timing)
-
-    torch.cuda.current_stream = CPU_DEVICE_MODULE.current_stream
-    torch.cuda.stream = CPU_DEVICE_MODULE.stream
-    torch.cuda.synchronize = CPU_DEVICE_MODULE.synchronize
-    torch.cuda.Event = CudaEventOnCpu
-
-
-def _gloo_groups() -> None:
-    def patch(module: Any) -> None:
-        original = module.init_model_parallel_group
-
-        def init_model_parallel_group(*args: Any, **kwargs: Any) -> Any:
-            kwargs["use_pynccl"] = False  # PyNcclCommunicator needs a CUDA device
-            return original(*args, **kwargs)
-
-        module.init_model_parallel_group = init_model_parallel_group
-
-    process_watcher().when_imported(PARALLEL_STATE, patch)
 
 
 def _read_path() -> None:
@@ -244,39 +201,11 @@ def _indexer() -> None:
 
 
 # ------------------------------------------------------------------------------ rope
-def deepseek_rope_forward_native(self: Any, positions: Any, query: Any, key: Any, offsets: Any = None) -> Tuple[Any, Any]:
-    """``DeepseekScalingRotaryEmbedding.forward_native`` for 1-D positions and heads either
-    explicit (``[n, H, head_size]``) or flattened (``[n, H * head_size]``, ``[n, head_size]``).
-
-    Upstream's neox branch repeats a 2-D cos/sin row with ``repeat(1, 1, 2)``, which adds a
-    leading dimension, so every neox query comes back ``[1, n, H, d]`` (and a key without a
-    head dimension broadcasts against the positions); GPUs never run it."""
-    import torch
-
-    from sglang.srt.layers.rotary_embedding import rope_variant
-
-    index = torch.add(positions, offsets) if offsets is not None else positions
-    cos, sin = self.cos_sin_cache[index].chunk(2, dim=-1)
-    if self.is_neox_style:
-        cos, sin, rotate = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1), rope_variant.rotate_neox
-    else:
-        cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
-        rotate = rope_variant.rotate_gptj
-    cos, sin = cos[:, None, :], sin[:, None, :]
-
-    def apply(x: Any) -> Any:
-        shape, dtype = x.shape, x.dtype
-        heads = x.reshape(shape[0], -1, self.head_size)
-        rot = heads[..., : self.rotary_dim]
-        rot = rot * cos + rotate(rot) * sin
-        return torch.cat([rot.to(dtype), heads[..., self.rotary_dim :]], -1).reshape(shape)
-
-    return apply(query), apply(key)
-
-
 def _rope() -> None:
     def patch(module: Any) -> None:
-        module.DeepseekScalingRotaryEmbedding.forward_native = deepseek_rope_forward_native
+        module.DeepseekScalingRotaryEmbedding.forward_native = common_steps.deepseek_rope_forward_native(
+            module.rotate_neox, module.rotate_gptj
+        )
 
     process_watcher().when_imported(ROPE_VARIANT, patch)
 
@@ -323,7 +252,7 @@ def steps() -> Tuple[RuntimeStep, ...]:
     return (
         RuntimeStep(
             "SGLang's CPU engine (SGLANG_USE_CPU_ENGINE=1), torch.compile off, fused DSA top-k off",
-            _environment,
+            common_steps.set_environment(ENVIRONMENT),
         ),
         RuntimeStep("sgl_kernel stand-in (torch bodies; any other op raises naming it)", _sgl_kernel),
         RuntimeStep(
@@ -331,9 +260,9 @@ def steps() -> Tuple[RuntimeStep, ...]:
             "CPU stream/event module, gloo shard gather, SetKAndS and MLA row-read stand-ins)",
             _project_runtime,
         ),
-        RuntimeStep("torch.cuda.get_device_capability reports an H200 (SM 9.0)", _hopper_sm),
-        RuntimeStep("torch.cuda streams, events and synchronize on the CPU device module", _cuda_streams),
-        RuntimeStep("gloo instead of pynccl in model-parallel groups", _gloo_groups),
+        RuntimeStep("torch.cuda.get_device_capability reports an H200 (SM 9.0)", common_steps.hopper_capability),
+        RuntimeStep("torch.cuda streams, events and synchronize on the CPU device module", common_steps.cuda_streams_on_cpu),
+        RuntimeStep("gloo instead of pynccl in model-parallel groups", common_steps.gloo_groups),
         RuntimeStep(
             "read-path stand-ins (FlashMLA sparse/kv, quantize_k_cache_separate, GetKAndS, "
             "prefill and decode page-table transforms, CP query split)",
@@ -346,8 +275,4 @@ def steps() -> Tuple[RuntimeStep, ...]:
     )
 
 
-__all__ = [
-    "deepseek_rope_forward_native",
-    "indexer_forward_native",
-    "steps",
-]
+__all__ = ["indexer_forward_native", "steps"]

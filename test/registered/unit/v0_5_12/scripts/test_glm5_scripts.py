@@ -77,6 +77,27 @@ def test_hit_rates_and_capacity_from_metrics():
     assert glm5.auto_num_prefixes(4096, 1024, 1.5) == 6
 
 
+SHARDED_0_5_23_METRICS = """
+sglang:max_total_num_tokens{model_name="m",tp_rank="0"} 2048.0
+sglang:kv_available_tokens{model_name="m",tp_rank="0"} 3000.0
+sglang:kv_used_tokens{model_name="m",tp_rank="0"} 192.0
+sglang:kv_evictable_tokens{model_name="m",tp_rank="0"} 904.0
+sglang:max_total_num_tokens{model_name="m",tp_rank="1"} 2048.0
+sglang:prompt_tokens_total{model_name="m",tp_rank="0"} 1000.0
+sglang:cached_tokens_total{cache_source="device",model_name="m",tp_rank="0"} 300.0
+sglang:cached_tokens_total{cache_source="host",model_name="m",tp_rank="0"} 100.0
+"""
+
+
+def test_capacity_is_the_logical_pool_where_the_metric_is_a_ranks_physical_tokens():
+    """0.5.23's native sharding reports one rank's physical tokens as
+    ``max_total_num_tokens``; its logical pool is available + used (the repeated-prefix
+    workload sized from 2048 would never evict on a 4096-token logical pool)."""
+    glm5 = _glm5()
+    assert glm5.device_capacity_tokens(SHARDED_0_5_23_METRICS) == 4096
+    assert glm5.hit_rates(SHARDED_0_5_23_METRICS).rate("total") == pytest.approx(0.4)  # no "total" source
+
+
 def test_log_scan_finds_errors(tmp_path):
     glm5 = _glm5()
     log = tmp_path / "prefill.log"

@@ -56,7 +56,7 @@ def prepared(tmp_path):
     wheels.mkdir()
     for name, files in WHEELS.items():
         _make_wheel(wheels / name, files)
-    bundle.trim_kernel_wheel(wheels / KERNEL)
+    bundle.trim_wheel(wheels / KERNEL, bundle.LINES["0.5.12.post1"])
     bundle.write_manifest(tmp_path)
     return tmp_path
 
@@ -70,6 +70,8 @@ def test_trim_keeps_common_and_flashmla_ops_and_drops_the_rest(prepared):
     with zipfile.ZipFile(prepared / "wheels" / KERNEL) as zf:
         names = set(zf.namelist())
         record = zf.read("sglang_kernel-0.4.2.post2.dist-info/RECORD").decode()
+        methods = {info.compress_type for info in zf.infolist()}
+    assert methods == {zipfile.ZIP_DEFLATED}  # this line's wheels stay deflated
     assert {"sgl_kernel/sm90/common_ops.abi3.so", "sgl_kernel/flashmla_ops.abi3.so", "sgl_kernel/spatial_ops.abi3.so"} <= names
     for dropped in ("flash_ops", "sm100", "lib/", "include", "triton_kernels", "mscclpp"):
         assert not any(dropped in n for n in names), dropped
@@ -122,4 +124,6 @@ def test_prepare_bundle_dry_run_downloads_nothing():
                          capture_output=True, text=True, timeout=30, env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
     assert "--no-deps --only-binary=:all: --python-version 3.12" in out.stdout
-    assert "sglang-kernel==0.4.2.post2" in out.stdout and "trim-kernel" in out.stdout
+    assert "-r scripts/gpu/bundle-requirements.txt sglang-kernel==0.4.2.post2" in out.stdout
+    assert "bundle.py trim --line 0.5.12.post1 .gpucheck/wheels/sglang_kernel-*.whl" in out.stdout
+    assert "bundle.py check --line 0.5.12.post1 .gpucheck" in out.stdout

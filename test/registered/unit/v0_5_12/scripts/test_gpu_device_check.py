@@ -28,7 +28,7 @@ def test_dry_run_prints_the_offline_install_and_the_checks():
     )
     assert out.returncode == 0, out.stderr
     assert "--no-index --no-deps" in out.stdout and "--target" in out.stdout
-    assert "bundle.py check .gpucheck" in out.stdout
+    assert "bundle.py check --line 0.5.12.post1 .gpucheck" in out.stdout
     assert "plan: 2 processes, gloo CP group, device=cuda, SGLang kernels" in out.stdout
 
 

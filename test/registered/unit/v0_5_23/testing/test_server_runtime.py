@@ -1,6 +1,6 @@
 """The 0.5.23 CPU server runtime (``testing/v0_5_23/server_runtime.py``): every step reaches the
 SGLang module a server looks it up in (checked in a fresh interpreter, as a server process
-installs it from its ``sitecustomize``), and the rope step fixes upstream's CPU bug."""
+installs it from its ``sitecustomize``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from sglang_cp_hicache.testing.server.runtime import RUNTIME_ENV
 from sglang_cp_hicache.testing.v0_5_23 import server_runtime
@@ -35,7 +34,7 @@ print(json.dumps({
     "hadamard": dsa_indexer.rotate_activation is dsa_kernels.hadamard_rotate,
     "decode_transform": dsa_backend.transform_index_page_table_decode is dsa_kernels.transform_index_page_table_decode,
     "flash_mla": sys.modules["sglang.kernels.ops.attention.flash_mla_interface"].flash_mla_sparse_fwd.__name__,
-    "rope": rope_variant.DeepseekScalingRotaryEmbedding.forward_native is rt.deepseek_rope_forward_native,
+    "rope": rope_variant.DeepseekScalingRotaryEmbedding.forward_native.__qualname__,
     "sm": list(torch.cuda.get_device_capability()),
     "event_timing": torch.cuda.Event(enable_timing=True)._timing,
     "gate_device": kv_shard_hook.resolving_view.__name__,
@@ -56,7 +55,8 @@ def installed():
 def test_every_step_reaches_the_module_that_looks_it_up(installed):
     seen, _ = installed
     assert seen["cpu_engine"] == "1" and seen["fuse_topk"] == "0"
-    assert seen["indexer"] and seen["hadamard"] and seen["decode_transform"] and seen["rope"]
+    assert seen["indexer"] and seen["hadamard"] and seen["decode_transform"]
+    assert seen["rope"] == "deepseek_rope_forward_native.<locals>.forward_native"
     assert seen["flash_mla"] == "flash_mla_sparse_fwd_reference"
     assert seen["sm"] == [9, 0] and seen["event_timing"] is True
     assert seen["gate_device"] == "<lambda>"
@@ -78,47 +78,3 @@ def test_the_gate_view_answers_only_the_device():
 
     view = server_runtime._CudaDeviceView(Record())
     assert view.device == "cuda" and view.enable_prefill_cp is True
-
-
-# ---------------------------------------------------------------------------- rope
-def _rope():
-    """Upstream's class with only what ``forward_native`` reads (its constructor picks a
-    kernel by device, importing vLLM off the CPU engine)."""
-    from sglang.srt.layers.rotary_embedding.rope_variant import DeepseekScalingRotaryEmbedding
-
-    rope = DeepseekScalingRotaryEmbedding.__new__(DeepseekScalingRotaryEmbedding)
-    torch.nn.Module.__init__(rope)
-    rope.head_size = rope.rotary_dim = 64
-    rope.is_neox_style = True
-    angles = torch.arange(256, dtype=torch.float32)[:, None] * 10000.0 ** (-torch.arange(0, 64, 2) / 64)
-    rope.cos_sin_cache = torch.cat([angles.cos(), angles.sin()], dim=-1)
-    return rope
-
-
-def _rotated(rope, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Neox rotation written out: pairs (i, i + d/2) turned by each position's angles."""
-    cos, sin = rope.cos_sin_cache[positions].chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    first, second = x[..., :32], x[..., 32:]
-    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
-
-
-def test_upstream_forward_native_adds_a_dimension_on_cpu():
-    """Pins upstream 0.5.23's bug: with 1-D positions its neox branch repeats a 2-D cos row
-    into 3-D, so a ``[n, H, d]`` query comes back ``[1, n, H, d]``."""
-    rope = _rope()
-    positions = torch.arange(5)
-    query, key = torch.randn(5, 4, 64), torch.randn(5, 1, 64)
-    got_query, _ = rope.forward_native(positions, query, key)
-    assert got_query.shape != query.shape
-
-
-def test_fixed_forward_native_rotates_explicit_and_flattened_heads():
-    rope = _rope()
-    positions = torch.tensor([0, 3, 7, 100])
-    query, key = torch.randn(4, 4, 64), torch.randn(4, 64)  # the indexer's key has no head dim
-    got_query, got_key = server_runtime.deepseek_rope_forward_native(rope, positions, query, key)
-    torch.testing.assert_close(got_query, _rotated(rope, positions, query))
-    torch.testing.assert_close(got_key, _rotated(rope, positions, key[:, None, :])[:, 0])
-    flat_query, _ = server_runtime.deepseek_rope_forward_native(rope, positions, query.reshape(4, -1), key)
-    torch.testing.assert_close(flat_query, got_query.reshape(4, -1))
