@@ -167,3 +167,19 @@ def test_hisparse_sender_takes_the_owned_page_positions_of_the_shared_kv_filter(
     calls = []
     send_kvcache_hisparse_around(lambda *a: calls.append(a[5]), mgr, "s", src_pages, [2], dst_kv_indices, slice(0, 2), None)
     assert calls == [slice(0, 2)]  # upstream's own slice passes through
+
+
+def test_upstream_unsharded_cp_filter_loses_pages_of_a_non_contiguous_request():
+    """Pins upstream 0.5.12's unsharded CP transfer bug the real servers showed
+    (``docs/serving_on_cpu.md``): ``page_indices_to_cp_rank_page_indices`` cuts the range
+    ``[min(page), min(page) + n)`` among the ranks, so a request whose pages are not one
+    contiguous range (a prefix hit, a fragmented pool) has pages no rank sends, while every
+    rank reports Success. The plugin's owner filter sends each page exactly once."""
+    from sglang.srt.disaggregation.utils import page_indices_to_cp_rank_page_indices
+
+    pages = np.array([10, 3, 7, 20, 11], dtype=np.int32)  # 2 cached pages, then 3 new ones
+    upstream = [page_indices_to_cp_rank_page_indices(pages, len(pages), rank, 2) for rank in range(2)]
+    sent = np.concatenate(upstream)
+    assert len(np.unique(sent)) < len(pages)  # pages 7, 10, 11, 20 fall outside [3, 8)
+    positions = [owned_pages_for_transfer(CpSharedKVLayout(2, rank, PAGE), pages).dst_positions for rank in range(2)]
+    assert sorted(np.concatenate(positions).tolist()) == list(range(len(pages)))  # each page once
