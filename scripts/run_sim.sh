@@ -5,17 +5,9 @@
 # native sharding alone and upstream unsharded at cp 1; --sglang 0.5.12.post1 runs the older line.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-RELEASE="0.5.23"
-args=()
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --sglang) RELEASE="$2"; shift 2 ;;
-    --sglang=*) RELEASE="${1#--sglang=}"; shift ;;
-    *) args+=("$1"); shift ;;
-  esac
-done
 source "$ROOT/scripts/lines.sh"
+split_release_args 0.5.23 "$@"
 VENV="$(venv_for_release "$ROOT" "$RELEASE")" || exit 2
 bash "$ROOT/scripts/setup_env.sh" --sglang "$RELEASE"
 cd "$ROOT"
-exec "$VENV/bin/python" -W ignore -m sglang_cp_hicache.sim "${args[@]}"
+exec "$VENV/bin/python" -W ignore -m sglang_cp_hicache.sim "${ARGS[@]}"

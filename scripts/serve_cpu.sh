@@ -10,14 +10,6 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/lines.sh"
-RELEASE="0.5.23"
-args=()
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --sglang) RELEASE="$2"; shift 2 ;;
-    --sglang=*) RELEASE="${1#--sglang=}"; shift ;;
-    *) args+=("$1"); shift ;;
-  esac
-done
+split_release_args 0.5.23 "$@"
 bash "$ROOT/scripts/setup_env.sh" --sglang "$RELEASE"
-exec "$(venv_for_release "$ROOT" "$RELEASE")/bin/python" -m sglang_cp_hicache.testing.server "${args[@]}"
+exec "$(venv_for_release "$ROOT" "$RELEASE")/bin/python" -m sglang_cp_hicache.testing.server "${ARGS[@]}"

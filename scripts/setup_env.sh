@@ -11,15 +11,12 @@
 # the venv's folder.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-RELEASE="0.5.12.post1"
-while [[ $# -gt 0 ]]; do
-  case "$1" in
-    --sglang) RELEASE="$2"; shift 2 ;;
-    --sglang=*) RELEASE="${1#--sglang=}"; shift ;;
-    *) echo "setup_env: unknown option $1 (use --sglang 0.5.12.post1|0.5.23)" >&2; exit 2 ;;
-  esac
-done
 source "$ROOT/scripts/lines.sh"
+split_release_args 0.5.12.post1 "$@"
+if [[ ${#ARGS[@]} -gt 0 ]]; then
+  echo "setup_env: unknown option ${ARGS[0]} (use --sglang 0.5.12.post1|0.5.23)" >&2
+  exit 2
+fi
 DEFAULT_VENV="$(venv_for_release "$ROOT" "$RELEASE")" || exit 2
 VENV="${VENV:-$DEFAULT_VENV}"
 REQ="$ROOT/scripts/requirements-cpu-sglang-$RELEASE.txt"

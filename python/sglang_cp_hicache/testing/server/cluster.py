@@ -12,13 +12,11 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, List, Optional
 
+from sglang_cp_hicache.testing.mooncake_master import master_argv
 from sglang_cp_hicache.testing.server import launch
 from sglang_cp_hicache.testing.server.launch import Endpoint, LineLaunch, PrefillSpec, ServerEnv
 from sglang_cp_hicache.testing.server.metrics import Metrics
@@ -155,10 +153,7 @@ class ServingCluster:
     def mooncake_master(self, name: str = "mooncake-master") -> "MooncakeMaster":
         """Start a Mooncake master on loopback (a ``mooncake`` L3 tier's store)."""
         rpc, metrics_port = free_ports(2)
-        binary = shutil.which("mooncake_master") or os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-        argv = [binary, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
-                "--metrics_host=127.0.0.1", f"--metrics_port={metrics_port}",
-                "--rpc_thread_num=2", "--enable_metric_reporting=false"]  # fmt: skip
+        argv = master_argv(rpc, metrics_port)
         process = self._managed(name, argv, dict(os.environ), port_listening(rpc), MASTER_READY_S)
         self.start(process)
         return MooncakeMaster(name, rpc, metrics_port, process)

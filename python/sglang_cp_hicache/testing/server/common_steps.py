@@ -10,6 +10,7 @@ from sglang_cp_hicache.core.import_watcher import process_watcher
 
 HOPPER_CAPABILITY = (9, 0)
 PARALLEL_STATE = "sglang.srt.distributed.parallel_state"
+ROPE_VARIANT = "sglang.srt.layers.rotary_embedding.rope_variant"
 
 
 def set_environment(values: Dict[str, str]) -> Callable[[], None]:
@@ -90,10 +91,24 @@ def deepseek_rope_forward_native(rotate_neox: Callable, rotate_gptj: Callable) -
     return forward_native
 
 
+def fixed_rope() -> None:
+    """Upstream's ``DeepseekScalingRotaryEmbedding.forward_native`` replaced by
+    :func:`deepseek_rope_forward_native` over the module's own rotations (both lines'
+    ``rope_variant`` import ``rotate_neox`` / ``rotate_gptj``)."""
+
+    def patch(module: Any) -> None:
+        module.DeepseekScalingRotaryEmbedding.forward_native = deepseek_rope_forward_native(
+            module.rotate_neox, module.rotate_gptj
+        )
+
+    process_watcher().when_imported(ROPE_VARIANT, patch)
+
+
 __all__ = [
     "HOPPER_CAPABILITY",
     "cuda_streams_on_cpu",
     "deepseek_rope_forward_native",
+    "fixed_rope",
     "gloo_groups",
     "hopper_capability",
     "set_environment",

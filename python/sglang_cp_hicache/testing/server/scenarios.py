@@ -348,16 +348,12 @@ def l3_file_restart(session: ServingSession) -> ScenarioReport:
     prompt = tokens("restart", 9 * PAGE_SIZE)
     written, _ = rec.pair("written by the sharded server", prompt, cold=True)
     _settle_file_tier(storage, 1)
-    servers = [
-        session.cluster.prefill(PrefillSpec("sharded-restarted", tp=session.tp, storage=storage)),
-        session.cluster.prefill(PrefillSpec("reader-tp1", tp=1, storage=storage)),
-    ]
-    routers = []
+    servers, routers, times = session.behind_routers(
+        PrefillSpec("sharded-restarted", tp=session.tp, storage=storage),
+        PrefillSpec("reader-tp1", tp=1, storage=storage),
+    )
     try:
-        times = session.cluster.start(*servers)
-        routers = [session.cluster.router(f"router-{s.name}", s, session.decode) for s in servers]
-        session.cluster.start(*routers)
-        rec.note("restarted servers ready in " + ", ".join(f"{n} {t:.0f} s" for n, t in times.items()))
+        rec.note("restarted servers ready in " + ", ".join(f"{s.name} {times[s.name]:.0f} s" for s in servers))
         request = prompt + tokens("restart:more", 21)
         rec.sharded = routers[0]
         a, b = rec.pair("read after the restart", request)
@@ -408,9 +404,11 @@ def l3_mooncake(session: ServingSession) -> ScenarioReport:
     master = session.cluster.mooncake_master()
     storage = StorageSpec("mooncake", mooncake_master=master.address)
     spec = PrefillSpec("sharded-mooncake", tp=session.tp, mem_layout="page_first", storage=storage)
-    server = router = None
+    servers: List[Server] = []
+    routers: List[Router] = []
     try:
-        server, router, times = session.behind_router(spec)
+        servers, routers, times = session.behind_routers(spec)
+        server, router = servers[0], routers[0]
         rec = Recorder(session, "L3 Mooncake store: storage hit", sharded=router)
         rec.note(f"Mooncake prefill started in {times[server.name]:.0f} s")
         prompt = tokens("mooncake", 10 * PAGE_SIZE)
@@ -421,7 +419,7 @@ def l3_mooncake(session: ServingSession) -> ScenarioReport:
         _storage_hit_like_reference(rec, server, prompt, "mooncake")
         return rec.finish()
     finally:
-        session.retire(*(c for c in (router, server) if c is not None), master.process)
+        session.retire(*routers, *servers, master.process)
 
 
 def malformed_request(session: ServingSession) -> ScenarioReport:

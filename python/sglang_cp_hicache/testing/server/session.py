@@ -8,7 +8,7 @@ compares what comes back. On a line whose unsharded CP reference is exact for th
 token only (``LineLaunch.decode_reference_tp``), a third, one-rank unsharded prefill answers
 for the decode tokens. Scenarios that need another server (a restarted one-rank L3
 reader, a Mooncake-store prefill) start it behind its own router on the session's decode
-(:meth:`ServingSession.behind_router`) and retire it when done.
+(:meth:`ServingSession.behind_routers`) and retire it when done.
 """
 
 from __future__ import annotations
@@ -99,18 +99,20 @@ class ServingSession:
         self.start_times.update({f"{name} (restart)": s for name, s in times.items()})
         return times
 
-    def behind_router(self, spec: PrefillSpec) -> Tuple[Server, Router, Dict[str, float]]:
-        """Start a prefill of ``spec``, then its router on the session's decode."""
-        server = self.cluster.prefill(spec)
+    def behind_routers(self, *specs: PrefillSpec) -> Tuple[List[Server], List[Router], Dict[str, float]]:
+        """Start prefills of ``specs`` together, then each one's router on the session's
+        decode; their start times. On any failure end what was started and raise."""
+        servers = [self.cluster.prefill(spec) for spec in specs]
+        routers: List[Router] = []
         try:
-            times = self.cluster.start(server)
-            router = self.cluster.router(f"router-{spec.name}", server, self.decode)
-            times.update(self.cluster.start(router))
+            times = self.cluster.start(*servers)
+            routers = [self.cluster.router(f"router-{s.name}", s, self.decode) for s in servers]
+            times.update(self.cluster.start(*routers))
         except BaseException:
-            self.cluster.stop(server)
+            self.cluster.stop(*routers, *servers)
             raise
         self.start_times.update(times)
-        return server, router, times
+        return servers, routers, times
 
     def retire(self, *components) -> None:
         self.cluster.stop(*components)

@@ -25,7 +25,6 @@ logger = logging.getLogger(__name__)
 NSA_INDEXER = "sglang.srt.layers.attention.nsa.nsa_indexer"
 INDEX_BUF_ACCESSOR = "sglang.srt.layers.attention.nsa.index_buf_accessor"
 NSA_UTILS = "sglang.srt.layers.attention.nsa.utils"
-ROPE_VARIANT = "sglang.srt.layers.rotary_embedding.rope_variant"
 
 ENVIRONMENT = {
     "SGLANG_USE_CPU_ENGINE": "1",
@@ -242,9 +241,9 @@ def _indexer_body(
     weights = self._get_logits_head_gate(x_meta, q_scale).squeeze(-1)
     out = torch.full((x_meta.shape[0], self.index_topk), -1, dtype=torch.int32)
     pool = forward_batch.token_to_kv_pool
-    if len(forward_batch.seq_lens_cpu) == 0:
-        pass
-    elif mode.is_decode_or_idle() or mode.is_target_verify() or mode.is_draft_extend(include_v2=True):
+    if len(forward_batch.seq_lens_cpu) == 0:  # an empty (padded) batch selects nothing
+        return m.maybe_capture_indexer_topk(layer_id, out)
+    if mode.is_decode_or_idle() or mode.is_target_verify() or mode.is_draft_extend(include_v2=True):
         rows = sum(metadata.get_nsa_extend_len_cpu())
         seqlens = metadata.get_seqlens_int32()
         if rows != seqlens.shape[0]:
@@ -278,15 +277,6 @@ def _indexer() -> None:
     process_watcher().when_imported(NSA_INDEXER, patch)
 
 
-def _rope() -> None:
-    def patch(module: Any) -> None:
-        module.DeepseekScalingRotaryEmbedding.forward_native = common_steps.deepseek_rope_forward_native(
-            module.rotate_neox, module.rotate_gptj
-        )
-
-    process_watcher().when_imported(ROPE_VARIANT, patch)
-
-
 def steps() -> Tuple[RuntimeStep, ...]:
     """The 0.5.12.post1 runtime, in the order it is applied."""
     return (
@@ -310,7 +300,7 @@ def steps() -> Tuple[RuntimeStep, ...]:
             _triton_kernels,
         ),
         RuntimeStep("torch NSA indexer through the plugin's indexer hook (Indexer.forward_native)", _indexer),
-        RuntimeStep("DeepseekScalingRotaryEmbedding.forward_native fixed for 1-D positions (upstream CPU bug)", _rope),
+        RuntimeStep("DeepseekScalingRotaryEmbedding.forward_native fixed for 1-D positions (upstream CPU bug)", common_steps.fixed_rope),
     )
 
 

@@ -12,7 +12,6 @@ self-test and the GPU checks cover those).
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import types
 from typing import Any, Optional, Tuple
@@ -25,7 +24,6 @@ logger = logging.getLogger(__name__)
 
 DSA_INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer"
 DSA_BACKEND = "sglang.srt.layers.attention.dsa_backend"
-ROPE_VARIANT = "sglang.srt.layers.rotary_embedding.rope_variant"
 KV_SHARD_GATE = "sglang.srt.arg_groups.kv_shard_hook"
 ACT_QUANT_TRITON = "sglang.kernels.ops.quantization.act_quant_triton"
 
@@ -131,12 +129,12 @@ def indexer_forward_native(
     weights = self._get_logits_head_gate(x_meta, q_scale).squeeze(-1)
     topk = torch.full((x_meta.shape[0], self.index_topk), -1, dtype=torch.int32)
     mode = forward_batch.forward_mode
-    if forward_batch.seq_lens.numel() == 0:
-        pass
-    elif mode.is_decode_or_idle() or mode.is_target_verify() or mode.is_draft_extend_v2():
-        topk = _paged_topk(self, m.get_token_to_kv_pool(), layer_id, q_fp8, weights, metadata, topk)
-    else:
-        _ragged_topk(self, m.get_token_to_kv_pool(), layer_id, q_fp8, weights, metadata, topk)
+    if forward_batch.seq_lens.numel() > 0:  # an empty (padded) batch selects nothing
+        pool = m.get_token_to_kv_pool()
+        if mode.is_decode_or_idle() or mode.is_target_verify() or mode.is_draft_extend_v2():
+            _paged_topk(self, pool, layer_id, q_fp8, weights, metadata, topk)
+        else:
+            _ragged_topk(self, pool, layer_id, q_fp8, weights, metadata, topk)
     return m.maybe_capture_indexer_topk(layer_id, m._broadcast_indexer_topk_from_rank0(topk))
 
 
@@ -167,7 +165,7 @@ def _ragged_topk(indexer: Any, pool: Any, layer_id: int, q_fp8: Any, weights: An
     out[:rows] = metadata.topk_transform(logits, indexer.index_topk, ks=ks)
 
 
-def _paged_topk(indexer: Any, pool: Any, layer_id: int, q_fp8: Any, weights: Any, metadata: Any, out: Any) -> Any:
+def _paged_topk(indexer: Any, pool: Any, layer_id: int, q_fp8: Any, weights: Any, metadata: Any, out: Any) -> None:
     """``_get_topk_paged`` with one query per request: keys read from the index-K pages of
     each request's 64-token block table, upstream's masks and top-k transform."""
     seqlens = metadata.get_seqlens_int32()
@@ -189,7 +187,6 @@ def _paged_topk(indexer: Any, pool: Any, layer_id: int, q_fp8: Any, weights: Any
     )
     indexer._mask_init_and_local_tokens(logits, seqlens)
     out[:rows] = metadata.topk_transform(logits, indexer.index_topk)
-    return out
 
 
 def _indexer() -> None:
@@ -198,16 +195,6 @@ def _indexer() -> None:
         module.rotate_activation = dsa_kernels.hadamard_rotate
 
     process_watcher().when_imported(DSA_INDEXER, patch)
-
-
-# ------------------------------------------------------------------------------ rope
-def _rope() -> None:
-    def patch(module: Any) -> None:
-        module.DeepseekScalingRotaryEmbedding.forward_native = common_steps.deepseek_rope_forward_native(
-            module.rotate_neox, module.rotate_gptj
-        )
-
-    process_watcher().when_imported(ROPE_VARIANT, patch)
 
 
 # ------------------------------------------------------------------------------ gate
@@ -269,7 +256,7 @@ def steps() -> Tuple[RuntimeStep, ...]:
             _read_path,
         ),
         RuntimeStep("torch DSA indexer (Indexer.forward_native: act_quant, Hadamard, fp8 MQA logits)", _indexer),
-        RuntimeStep("DeepseekScalingRotaryEmbedding.forward_native fixed for 1-D positions (upstream CPU bug)", _rope),
+        RuntimeStep("DeepseekScalingRotaryEmbedding.forward_native fixed for 1-D positions (upstream CPU bug)", common_steps.fixed_rope),
         RuntimeStep("the KV-sharding gate's CUDA-device rule answered for CPU", _gate),
         RuntimeStep("the plugin's device lane-eviction plans logged (DEBUG) for the harness", _lane_decisions_logged),
     )

@@ -308,19 +308,13 @@ class MooncakeMaster:
         }
 
     def start(self, timeout_s: float = 10.0) -> "MooncakeMaster":
-        import shutil
         import socket
         import subprocess
-        import sys
 
-        binary = shutil.which("mooncake_master") or os.path.join(
-            os.path.dirname(sys.executable), "mooncake_master"
-        )
+        from sglang_cp_hicache.testing.mooncake_master import master_argv
+
         self.process = subprocess.Popen(
-            [binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}",
-             "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
-             "--rpc_thread_num=2", "--enable_metric_reporting=false",
-             f"--default_kv_lease_ttl={self.lease_ttl_ms}"],
+            master_argv(self.rpc_port, self.metrics_port, self.lease_ttl_ms),
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         deadline = time.monotonic() + timeout_s
