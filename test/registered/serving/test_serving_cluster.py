@@ -32,6 +32,9 @@ def session(tmp_path_factory):
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
 def test_scenario(session, scenario):
+    marks = session.cluster.log_marks()
     report = scenario.run(session)
-    errors = session.sharded.log_errors() + session.reference.log_errors()
-    assert report.ok, json.dumps(report.as_dict(), indent=1, default=str) + "\n" + "\n".join(errors[-20:])
+    # Every process's errors during this scenario, routers and decode too: a PD failure shows
+    # on the side that gave up, its cause often on the other.
+    errors = session.cluster.errors_since(marks)
+    assert report.ok, json.dumps(report.as_dict(), indent=1, default=str) + "\n" + "\n".join(errors[-40:])

@@ -14,7 +14,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from sglang_cp_hicache.testing.mooncake_master import master_argv
 from sglang_cp_hicache.testing.server import launch
@@ -38,6 +38,17 @@ MASTER_READY_S = 15.0
 #: within the bootstrap timeout; two missed heartbeats are too few on a loaded 2-core box.
 PD_TIMEOUT_S = 30
 LOG_ERRORS = re.compile(r"Traceback \(most recent call last\)|\bERROR\b|KVTransferError|out of memory")
+ANSI_CODES = re.compile(r"\x1b\[[0-9;]*m")  # the router colours its level names
+
+
+def log_errors(process: ManagedProcess, since: int = 0) -> List[str]:
+    """The error lines of ``process``'s log from line ``since`` on, named by the process."""
+    lines = ANSI_CODES.sub("", process.log_text()).splitlines()[since:]
+    return [f"{process.name}: {line.strip()[:240]}" for line in lines if LOG_ERRORS.search(line)]
+
+
+def log_length(process: ManagedProcess) -> int:
+    return len(process.log_text().splitlines())
 
 
 def pd_environment() -> Dict[str, str]:
@@ -64,11 +75,10 @@ class Server:
         return Metrics.fetch(self.url)
 
     def log_errors(self, since: int = 0) -> List[str]:
-        lines = self.process.log_text().splitlines()[since:]
-        return [f"{self.name}: {line.strip()[:240]}" for line in lines if LOG_ERRORS.search(line)]
+        return log_errors(self.process, since)
 
     def log_lines(self) -> int:
-        return len(self.process.log_text().splitlines())
+        return log_length(self.process)
 
 
 @dataclass
@@ -186,6 +196,19 @@ class ServingCluster:
     def running(self) -> List[str]:
         return [name for name, process in self.processes.items() if process.running()]
 
+    def log_marks(self) -> Dict[str, Tuple[ManagedProcess, int]]:
+        """Where every process's log ends now (for :meth:`errors_since`)."""
+        return {name: (process, log_length(process)) for name, process in self.processes.items()}
+
+    def errors_since(self, marks: Dict[str, Tuple[ManagedProcess, int]]) -> List[str]:
+        """The error lines every process logged after ``marks`` (routers and decode included;
+        a process started since, e.g. a restarted decode, from its first line)."""
+        errors: List[str] = []
+        for name, process in self.processes.items():
+            marked, since = marks.get(name, (None, 0))
+            errors += log_errors(process, since if marked is process else 0)
+        return errors
+
     def __enter__(self) -> "ServingCluster":
         return self
 
@@ -193,4 +216,4 @@ class ServingCluster:
         self.close()
 
 
-__all__ = ["MooncakeMaster", "PD_TIMEOUT_S", "Router", "Server", "ServingCluster", "pd_environment"]
+__all__ = ["MooncakeMaster", "PD_TIMEOUT_S", "Router", "Server", "ServingCluster", "log_errors", "pd_environment"]

@@ -110,6 +110,14 @@ def omp_binding(tp: int) -> str:
     return "|".join(str(rank % cores) for rank in range(tp))
 
 
+#: uvicorn's keep-alive for idle connections (``SGLANG_TIMEOUT_KEEP_ALIVE``, default 5 s), set
+#: above sglang-router's own idle-connection timeout so that the router always closes an idle
+#: connection first. With 5 s the server may close one just as the router reuses it: the
+#: router answers 502 and the prefill half of the pair waits out the bootstrap timeout (seen
+#: in CI on a request sent after a pause of a few seconds).
+SERVER_KEEP_ALIVE_S = 300
+
+
 @dataclass
 class ServerEnv:
     """The environment of every server the harness starts: the CPU server runtime (its
@@ -128,6 +136,7 @@ class ServerEnv:
                 RUNTIME_ENV: "1",
                 "SGLANG_CPU_OMP_THREADS_BIND": omp_binding(tp),
                 "PYTHONUNBUFFERED": "1",
+                "SGLANG_TIMEOUT_KEEP_ALIVE": str(SERVER_KEEP_ALIVE_S),
             }
         )
         env.update(extra or {})
@@ -195,6 +204,7 @@ __all__ = [
     "LineLaunch",
     "PAGE_SIZE",
     "PrefillSpec",
+    "SERVER_KEEP_ALIVE_S",
     "ServerEnv",
     "StorageSpec",
     "decode_argv",

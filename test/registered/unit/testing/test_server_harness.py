@@ -20,7 +20,9 @@ import torch
 
 from sglang_cp_hicache.testing.device import CPU_DEVICE_MODULE, CpuEvent
 from sglang_cp_hicache.testing.server import sgl_kernel_stand_in
+from sglang_cp_hicache.testing.server.cluster import ServingCluster, log_errors
 from sglang_cp_hicache.testing.server.client import Completion, RequestFailed, generate, post
+from sglang_cp_hicache.testing.server.launch import SERVER_KEEP_ALIVE_S, ServerEnv
 from sglang_cp_hicache.testing.server.metrics import Metrics
 from sglang_cp_hicache.testing.server.processes import ManagedProcess, NotReady, ProcessDied
 from sglang_cp_hicache.testing.server.runtime import RuntimeStep, ServerRuntime, write_site_folder
@@ -52,6 +54,41 @@ def test_stop_ends_the_whole_group_even_a_child_that_ignores_sigterm(tmp_path):
 
         os.kill(child, 0)
     assert not process.running()
+
+
+#: sglang-router's idle-connection timeout: reqwest's pool default, which the router keeps.
+ROUTER_IDLE_TIMEOUT_S = 90
+
+
+def test_servers_keep_idle_connections_longer_than_the_router_does(tmp_path):
+    """Else a server may close a connection as the router reuses it: a 502 for a good request
+    and its prefill orphaned until the bootstrap timeout."""
+    env = ServerEnv(tmp_path).for_tp(2)
+    assert int(env["SGLANG_TIMEOUT_KEEP_ALIVE"]) == SERVER_KEEP_ALIVE_S > ROUTER_IDLE_TIMEOUT_S
+
+
+def _logged(tmp_path: Path, name: str, lines) -> ManagedProcess:
+    process = _python(tmp_path, name, "pass")
+    process.log_path.write_text("".join(f"{line}\n" for line in lines))
+    return process
+
+
+def test_log_errors_see_the_routers_coloured_level_and_pd_failures(tmp_path):
+    router = _logged(tmp_path, "router", ["\x1b[2m10:00\x1b[0m \x1b[31mERROR\x1b[0m pd_router: Decode request failed", "INFO ok"])
+    decode = _logged(tmp_path, "decode", ["with exception KVTransferError(bootstrap_room=1): timed out", "ERRORS: 0"])
+    assert log_errors(router) == ["router: 10:00 ERROR pd_router: Decode request failed"]
+    assert log_errors(decode) == ["decode: with exception KVTransferError(bootstrap_room=1): timed out"]
+
+
+def test_errors_since_marks_cover_every_process_and_a_restarted_one_from_its_start(tmp_path):
+    cluster = ServingCluster(tmp_path / "run", tmp_path / "model")
+    old = cluster.processes["decode"] = _logged(tmp_path, "decode", ["ERROR before"])
+    cluster.processes["router"] = _logged(tmp_path, "router", ["ERROR before"])
+    marks = cluster.log_marks()
+    cluster.processes["router"].log_path.write_text("ERROR before\nERROR during\n")
+    cluster.processes["decode"] = _logged(tmp_path / "run", "decode", ["ERROR restarted"])
+    assert cluster.processes["decode"] is not old
+    assert cluster.errors_since(marks) == ["decode: ERROR restarted", "router: ERROR during"]
 
 
 def test_a_process_that_dies_before_ready_names_itself_with_its_log_tail(tmp_path):
