@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -69,6 +69,7 @@ class ColumnSummary:
     h2d_bytes_per_rank: List[int]
     hot_path_collectives: int
     leaked_slots: int  # device + req + host slots over ranks
+    backups_skipped_host_full: int = 0  # backups dropped for want of host room (replicated)
     # L3 storage (SimConfig.storage_backend; empty where the column ran without it)
     storage_backend_class: str = ""
     storage_hit_tokens: int = 0  # of host_hit_tokens, prefetched from L3 first
@@ -394,6 +395,9 @@ class SimReport:
     # plugin run where the line has it, then "upstream"): the same figures for each.
     columns: Dict[str, ColumnSummary] = field(default_factory=dict)
     native_column_note: Optional[str] = None  # why a native column was asked for and not run
+    # The native column's op times beside a plugin run (same trace, same cp): what the
+    # plugin's hooks cost per op, which the cp-1 upstream comparison cannot isolate.
+    native_op_time_us: Optional[Dict[str, Dict[str, float]]] = None
     # ---- PD (SimConfig.pd): the main column's transfers to the decode process
     pd: bool = False
     pd_transferred_tokens: int = 0
@@ -557,6 +561,7 @@ def _column_summary(column: "Column", results: List[RankResult], problems: List[
         h2d_bytes_per_rank=[r.h2d_bytes for r in results],
         hot_path_collectives=sum(_hot_by_name(results).values()),
         leaked_slots=device_leaks + host_leaks,
+        backups_skipped_host_full=c.backups_skipped_host_full,
         **_column_storage(results),
     )
 
@@ -719,6 +724,9 @@ def build_report(
         rejected_insert_hit_tokens=c.rejected_insert_hit_tokens,
         columns=summaries,
         native_column_note=native_note,
+        native_op_time_us=(
+            _op_stats(results_by_column["native"]) if main.name != "native" and "native" in results_by_column else None
+        ),
         pd=pd is not None,
         pd_transferred_tokens=pd.transferred_tokens if pd else 0,
         pd_kv_mismatches=pd.kv_mismatches if pd else 0,
@@ -905,23 +913,127 @@ def _balance_rows(report: SimReport) -> List[str]:
     return lines
 
 
-def _op_rows(report: SimReport) -> List[str]:
+OpStats = Dict[str, Dict[str, float]]
+
+
+def _p50_ratio(stats: Dict[str, float], other: Optional[Dict[str, float]]) -> Optional[float]:
+    """``stats`` p50 over ``other``'s, or None where either did not run."""
+    if other is None or other["p50"] <= 0 or stats["count"] == 0:
+        return None
+    return stats["p50"] / other["p50"]
+
+
+def _ratio_cell(ratio: Optional[float]) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _op_table(main: str, op_time_us: OpStats, comparisons: Sequence[Tuple[str, Optional[OpStats]]]) -> List[str]:
+    """The per-op table: ``main``'s p50/p99, then per ``(name, stats or None)`` comparison
+    its p50/p99 and ``main``'s p50 over it. The native comparison (same trace, same cp)
+    isolates the plugin's deltas; the cp-1 upstream one adds cp x the logical cache and the
+    all-reduce of cp > 1 on top."""
+    header = f"{'op':14}{'n':>6}{main + ' p50':>13}{'p99':>10}"
+    for name, _ in comparisons:
+        header += f"{name + ' p50':>14}{'p99':>10}{main + '/' + name:>17}"
     lines = [
         "scheduler-thread CPU time per batch (us), pooled over ranks; the CPU runtime's "
-        "synchronous copies are included",
-        f"{'op':14}{'n':>6}{'p50':>10}{'p99':>10}{'upstream p50':>14}{'upstream p99':>14}"
-        f"{'p50 ratio':>11}",
+        "synchronous copies are included; ratios of p50",
+        header,
     ]
-    for op, stats in report.op_time_us.items():
-        base = (report.baseline_op_time_us or {}).get(op)
-        base_p50 = f"{base['p50']:.1f}" if base else "-"
-        base_p99 = f"{base['p99']:.1f}" if base else "-"
-        comparable = base is not None and base["p50"] > 0 and stats["count"] > 0
-        ratio = f"{stats['p50'] / base['p50']:.2f}x" if comparable else "-"
-        lines.append(
-            f"{op:14}{stats['count']:>6}{stats['p50']:>10.1f}{stats['p99']:>10.1f}"
-            f"{base_p50:>14}{base_p99:>14}{ratio:>11}"
-        )
+    for op, stats in op_time_us.items():
+        line = f"{op:14}{stats['count']:>6}{stats['p50']:>13.1f}{stats['p99']:>10.1f}"
+        for _, other_stats in comparisons:
+            other = (other_stats or {}).get(op)
+            p50 = f"{other['p50']:.1f}" if other else "-"
+            p99 = f"{other['p99']:.1f}" if other else "-"
+            line += f"{p50:>14}{p99:>10}{_ratio_cell(_p50_ratio(stats, other)):>17}"
+        lines.append(line)
+    return lines
+
+
+def _op_rows(report: SimReport) -> List[str]:
+    main = report.config["shard_impl"]
+    comparisons: List[Tuple[str, Optional[OpStats]]] = [("upstream", report.baseline_op_time_us)]
+    if main != "native":
+        comparisons.insert(0, ("native", report.native_op_time_us))
+    return _op_table(main, report.op_time_us, comparisons)
+
+
+# Per-op p50 ratios to native inside this band (either way) read as equal: the issue's
+# bench target for the plugin's hooks (bench_radix_ops within 1.15x of native per op).
+_OP_RATIO_BAND = 1.15
+
+
+def _change(plugin: int, native: int) -> str:
+    if plugin == native:
+        return "same"
+    pct = f", {100.0 * (plugin - native) / native:+.1f} %" if native else ""
+    return f"{plugin - native:+d}{pct}"
+
+
+def _delta_rows(report: SimReport) -> List[str]:
+    """Where the plugin's deltas matter on this run: each delta's figure in the plugin
+    and native columns of the same trace, the mechanism behind it, and whether it moved."""
+    p, n = report.columns["plugin"], report.columns["native"]
+    cfg = report.config
+    native_ops = report.native_op_time_us or {}
+    ratios = {op: _p50_ratio(stats, native_ops.get(op)) for op, stats in report.op_time_us.items()}
+    beyond = [
+        f"{op} {_ratio_cell(ratio)}"
+        for op, ratio in ratios.items()
+        if ratio is not None and not 1 / _OP_RATIO_BAND <= ratio <= _OP_RATIO_BAND
+    ]
+    p_hits, n_hits = p.device_hit_tokens + p.host_hit_tokens, n.device_hit_tokens + n.host_hit_tokens
+    per_layer = report.per_layer_forwards > 0
+    deltas = [
+        ("hits", p_hits != n_hits,
+         f"hit tokens {p_hits} vs {n_hits} ({_change(p_hits, n_hits)}), hit rate {p.hit_rate:.3f} vs "
+         f"{n.hit_rate:.3f}: what the deltas below buy or cost"),
+        ("lane-aware device eviction",
+         p.device_evicted_tokens != n.device_evicted_tokens or p.device_lane_peak_skew != n.device_lane_peak_skew,
+         f"device evicted tokens {p.device_evicted_tokens} vs {n.device_evicted_tokens} "
+         f"({_change(p.device_evicted_tokens, n.device_evicted_tokens)}), device lane skew "
+         f"{p.device_lane_peak_skew:.3f} vs {n.device_lane_peak_skew:.3f}: the plugin frees pages only on "
+         "the owner lanes that are short, upstream's lane-blind walk also on lanes that were not; "
+         "acts once the device pool is full"),
+        ("lane-aware host room",
+         p.backups_skipped_host_full != n.backups_skipped_host_full or p.host_evicted_tokens != n.host_evicted_tokens,
+         f"backups skipped for want of host room {p.backups_skipped_host_full} vs "
+         f"{n.backups_skipped_host_full}, host evicted tokens {p.host_evicted_tokens} vs "
+         f"{n.host_evicted_tokens}: upstream's room counts tokens, not the backup's lanes, and skips "
+         "a backup whose lane stays short; acts once the host pool is full"),
+        ("batch-mates on one rotation run", p.rejected_inserts != n.rejected_inserts,
+         f"rejected inserts {p.rejected_inserts} vs {n.rejected_inserts} (tokens {p.rejected_insert_tokens} "
+         f"vs {n.rejected_insert_tokens}, hits they cost {p.rejected_insert_hit_tokens} vs "
+         f"{n.rejected_insert_hit_tokens}): upstream declines a new chain's insert that joins two "
+         "rotation runs, which needs two requests of one batch starting chains over one prefix"
+         + (" (none at batch size 1: try --batch-size 4)" if cfg["batch_size"] == 1 else "")),
+        ("per-layer D2H backup", per_layer,
+         f"{'on' if per_layer else 'off'} ({report.per_layer_forwards} forwards): the plugin reserves "
+         "host slots in alloc and copies each layer during the forward (not timed here), native "
+         "copies all layers after it; scheduler time, not hits"
+         + ("" if per_layer else "; on with --mem-layout layer_first")),
+        ("scheduler time", bool(beyond),
+         f"ops whose p50 is beyond {_OP_RATIO_BAND}x of native's either way: "
+         + (", ".join(beyond) if beyond else "none") + " (the per-op table above; one run's CPU "
+         "times, noisy where cores are shared: benchmark/hicache/bench_radix_ops.py interleaves "
+         "plugin and native call by call)"),
+        ("L3 storage", bool(cfg["storage_backend"]),
+         f"{cfg['storage_backend'] or 'off'}: upstream refuses --hicache-storage-backend under sharding, "
+         "the plugin admits it (the L3 section above)" if cfg["storage_backend"]
+         else "off: upstream refuses --hicache-storage-backend under sharding; see --storage-backend file "
+         "and --workload l3"),
+    ]
+    moved = [name for name, differs, _ in deltas if differs]
+    lines = [
+        f"where the plugin's deltas matter: plugin vs native, same trace (workload {cfg['workload']}, "
+        f"cp {cfg['cp_size']}, batch size {cfg['batch_size']}, seed {cfg['seed']})",
+    ]
+    lines += [f"  {name}: {text}" for name, _, text in deltas]
+    lines.append(
+        "  on this run they show in: " + (", ".join(moved) if moved else "nothing (plugin = native)")
+        + "; other workloads and cp sizes: docs/simulator.md"
+    )
     return lines
 
 
@@ -985,6 +1097,8 @@ def format_table(report: SimReport) -> str:
         lines += [""] + _storage_rows(report)
     lines += [""] + _balance_rows(report)
     lines += [""] + _op_rows(report)
+    if "plugin" in report.columns and "native" in report.columns:
+        lines += [""] + _delta_rows(report)
     if report.invariant_violations:
         lines += ["", "violations (first 10):"]
         lines += [f"  {v}" for v in report.invariant_violations[:10]]

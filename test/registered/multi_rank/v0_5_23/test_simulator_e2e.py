@@ -66,8 +66,12 @@ def test_table_and_json_carry_every_column(cp2_report: SimReport, tmp_path: Path
 
     table = format_table(cp2_report)
     assert "SGLang 0.5.23" in table
-    for header in ("cp=2 plugin", "cp=2 native", "cp=1 upstream", "rejected inserts", "lane fill skew"):
+    for header in ("cp=2 plugin", "cp=2 native", "cp=1 upstream", "rejected inserts", "lane fill skew",
+                   "plugin/native", "plugin/upstream", "where the plugin's deltas matter"):  # fmt: skip
         assert header in table, header
+    # The per-op comparison with native is the native column's own replay of the trace.
+    assert set(cp2_report.native_op_time_us) == set(cp2_report.op_time_us)
+    assert cp2_report.native_op_time_us != cp2_report.baseline_op_time_us
     path = tmp_path / "report.json"
     cp2_report.write_json(str(path))
     data = json.loads(path.read_text())
