@@ -24,6 +24,12 @@ import there is an error, never a fallback). On CPU:
   hold in flight.
 * **gather communicator**: the sharded pool's ``PyNcclCommunicator`` becomes the gloo
   :class:`~sglang_cp_hicache.testing.v0_5_23.shard_group.GlooGatherCommunicator`.
+* **JIT HiCache modules**: ``kernels/ops/kvcache/hicache.py``'s wrappers run as shipped over
+  the torch stand-ins of their compiled modules (:mod:`sglang_cp_hicache.testing.hicache_jit`:
+  ``_jit_hicache_module``, ``_jit_hicache_tma_module``) and answer ``use_hicache_tma_kernel``
+  as an sm_90 part would, so ``can_use_hicache_jit_kernel`` and the one-layer
+  ``transfer_hicache_one_layer_mla`` work on CPU. The host pools' own ``can_use_jit`` stays
+  False here (``pool_host/mla.py:264`` gates it on CUDA/ROCm first).
 * **Triton stand-ins** (only when Triton has no driver): torch versions of the indexer
   store ``dsa_index_k_cache.SetKAndS.execute`` and the sharded pool's MLA row read
   ``page_interleave_pool.get_mla_kv_buffer_triton``.
@@ -70,6 +76,7 @@ DEVICE_MODULE_HOLDERS: Tuple[str, ...] = (
 HOST_POOL_BASE = "sglang.srt.mem_cache.pool_host.base"
 PAGE_INTERLEAVE_POOL = "sglang.srt.mem_cache.page_interleave_pool"  # = shard_group.POOL_MODULE
 DSA_INDEX_K_CACHE = "sglang.kernels.ops.kvcache.dsa_index_k_cache"
+HICACHE_JIT = "sglang.kernels.ops.kvcache.hicache"
 _KVCACHEIO = "sgl_kernel.kvcacheio"
 
 _plan: Optional["InstallPlan"] = None
@@ -84,6 +91,7 @@ class InstallPlan:
     cpu_device_module: bool
     gloo_gather_communicator: bool
     triton_stand_ins: bool
+    hicache_jit_stand_ins: bool
 
     @property
     def installs_nothing(self) -> bool:
@@ -137,13 +145,14 @@ def plan_install(
             raise RealKernelMissing(
                 f"CUDA is available but {_KVCACHEIO} failed to import: {error!r}"
             ) from error
-        return InstallPlan(False, False, False, False, False)
+        return InstallPlan(False, False, False, False, False, False)
     return InstallPlan(
         kvcacheio_reference_ops=True,
         host_memory_patches=True,
         cpu_device_module=True,
         gloo_gather_communicator=True,
         triton_stand_ins=not triton_can_run(),
+        hicache_jit_stand_ins=True,
     )
 
 
@@ -289,6 +298,17 @@ def _bind_get_mla_kv_buffer(module: ModuleType) -> None:
     module.get_mla_kv_buffer_triton = get_mla_kv_buffer_reference
 
 
+def _bind_hicache_jit(module: ModuleType) -> None:
+    from sglang_cp_hicache.testing import hicache_jit
+
+    for name in ("_jit_hicache_module", "_jit_hicache_tma_module", "use_hicache_tma_kernel"):
+        if not callable(getattr(module, name, None)):
+            raise UpstreamLayoutChanged(f"{module.__name__}.{name} is gone")
+    module._jit_hicache_module = hicache_jit.register_module
+    module._jit_hicache_tma_module = hicache_jit.tma_module
+    module.use_hicache_tma_kernel = hicache_jit.tma_selector(module.envs.SGLANG_HICACHE_TMA_TRANSFER.get)
+
+
 # ------------------------------------------------------------------------------------
 # Install
 # ------------------------------------------------------------------------------------
@@ -313,6 +333,8 @@ def patches(plan: InstallPlan) -> Dict[str, Tuple[Callable[[ModuleType], None], 
         from sglang_cp_hicache.testing.v0_5_23.shard_group import bind_gather_communicator
 
         add(PAGE_INTERLEAVE_POOL, bind_gather_communicator)
+    if plan.hicache_jit_stand_ins:
+        add(HICACHE_JIT, _bind_hicache_jit)
     if plan.triton_stand_ins:
         add(DSA_INDEX_K_CACHE, _bind_set_k_and_s)
         add(PAGE_INTERLEAVE_POOL, _bind_get_mla_kv_buffer)

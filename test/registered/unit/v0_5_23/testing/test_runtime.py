@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sglang_cp_hicache.core.import_watcher import process_watcher
-from sglang_cp_hicache.testing import kvcacheio
+from sglang_cp_hicache.testing import hicache_jit, kvcacheio
 from sglang_cp_hicache.testing.device import CPU_DEVICE_MODULE
 from sglang_cp_hicache.testing.v0_5_23 import runtime
 from sglang_cp_hicache.testing.v0_5_23.runtime import InstallPlan, RealKernelMissing, plan_install
@@ -26,6 +26,7 @@ CPU_PLAN = InstallPlan(
     cpu_device_module=True,
     gloo_gather_communicator=True,
     triton_stand_ins=True,
+    hicache_jit_stand_ins=True,
 )
 
 
@@ -196,6 +197,77 @@ def test_mla_row_read_reference_splits_nope_and_rope() -> None:
     rope = torch.empty((3, 1, 64), dtype=torch.bfloat16)
     runtime.get_mla_kv_buffer_reference(kv, loc, nope, rope)
     assert torch.equal(nope, kv[loc][..., :512]) and torch.equal(rope, kv[loc][..., 512:])
+
+
+# ---- the JIT HiCache modules -------------------------------------------------------------
+
+
+def test_jit_hicache_wrappers_run_over_the_stand_in_modules() -> None:
+    module = importlib.import_module(runtime.HICACHE_JIT)
+    assert module._jit_hicache_module is hicache_jit.register_module
+    assert module._jit_hicache_tma_module is hicache_jit.tma_module
+    # as an sm_90 part: bf16 and DSA FP8 latent rows, and indexer pages as items
+    assert module.can_use_hicache_jit_kernel(element_size=1152, page_size=64)
+    assert module.can_use_hicache_jit_kernel(element_size=656, page_size=64)
+    assert module.can_use_hicache_jit_kernel(element_size=64 * 132, page_size=1)
+    assert not module.can_use_hicache_jit_kernel(element_size=40, page_size=64)
+
+
+def test_without_tma_the_dsa_fp8_latent_row_has_no_jit_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    # SGLANG_HICACHE_TMA_TRANSFER=0: the register kernel tiles 128-byte groups, 656 B does not
+    module = importlib.import_module(runtime.HICACHE_JIT)
+    monkeypatch.setenv("SGLANG_HICACHE_TMA_TRANSFER", "0")
+    assert not module.use_hicache_tma_kernel(element_size=656, block_quota=4, page_size=64)
+    assert not module.can_use_hicache_jit_kernel(element_size=656, page_size=64)
+    assert module.can_use_hicache_jit_kernel(element_size=1152, page_size=64)
+
+
+def test_one_layer_jit_backup_into_page_first_host_pools(gloo_world1) -> None:
+    """Upstream's wrapper, as ``pool_host/mla.py`` calls it for a layer-sharded page_first
+    backup (``cache_dst=self.data_refs[host_layer_id]``), and the same kernel over the DSA
+    indexer host pool's per-layer view (pages as items, ``page_size=1``): exactly that
+    layer's slots change, to the device bytes."""
+    from sglang.kernels.ops.kvcache.hicache import transfer_hicache_one_layer_mla
+
+    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_unsharded_stack
+
+    config = StackConfig(device_pages_per_rank=8, mem_layout="page_first")
+    with build_unsharded_stack(gloo_world1, config) as stack:
+        kv_host, indexer_host = stack.kv_host_pool, stack.indexer_host_pool
+        layers = config.layer_num
+        assert kv_host.kv_buffer.shape == (kv_host.size, layers, 1, config.kv_cache_dim)
+        pages = indexer_host.index_k_with_scale_buffer
+        assert pages.shape == (indexer_host.indexer_page_num, layers, 1, 64 * 132)
+        assert pages.dtype == torch.uint8
+        generator = torch.Generator().manual_seed(11)
+        kv_host.kv_buffer.view(torch.uint8).copy_(
+            torch.randint(0, 256, kv_host.kv_buffer.view(torch.uint8).shape, generator=generator)
+        )
+        pages.copy_(torch.randint(0, 256, pages.shape, generator=generator))
+        kv_before, pages_before = kv_host.kv_buffer.clone(), pages.clone()
+        device_tokens = torch.cat([torch.arange(128, 192), torch.arange(64, 128)])
+        host_tokens = torch.cat([torch.arange(256, 320), torch.arange(0, 64)])
+        layer = 1
+        device_kv = stack.kv_pool.kv_buffer[layer]
+        device_kv.view(torch.uint8).copy_(torch.randint(0, 256, device_kv.view(torch.uint8).shape, generator=generator))
+        transfer_hicache_one_layer_mla(
+            cache_dst=kv_host.data_refs[layer], indices_dst=host_tokens,
+            cache_src=device_kv, indices_src=device_tokens,
+            element_dim=config.kv_cache_dim, page_size=config.page_size,
+        )  # fmt: skip
+        kv_before[host_tokens, layer] = device_kv[device_tokens]
+        assert torch.equal(kv_host.kv_buffer.view(torch.uint8), kv_before.view(torch.uint8))
+
+        device_pages = stack.kv_pool.index_k_with_scale_buffer[layer]
+        device_pages.copy_(torch.randint(0, 256, device_pages.shape, generator=generator))
+        host_page_idx, device_page_idx = host_tokens[::64] // 64, device_tokens[::64] // 64
+        transfer_hicache_one_layer_mla(
+            cache_dst=pages.transpose(0, 1)[layer], indices_dst=host_page_idx,
+            cache_src=device_pages, indices_src=device_page_idx,
+            element_dim=indexer_host.indexer_page_stride_size, page_size=1,
+        )  # fmt: skip
+        pages_before[host_page_idx, layer, 0] = device_pages[device_page_idx]
+        assert torch.equal(pages, pages_before)
 
 
 # ---- end to end: the real unsharded stack through the injected ops --------------------
