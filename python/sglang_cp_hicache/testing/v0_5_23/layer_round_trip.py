@@ -90,11 +90,36 @@ class _Timing:
         return float(self._layer0_copied.elapsed_time(self._last_stored))
 
 
+#: The hook targets the round trip runs through; the others (scheduler, model runner,
+#: server entrypoints) import packages the GPU check's bundle does not carry (uvloop,
+#: uvicorn, fastapi, setproctitle), so they are verified only where already imported.
+ROUND_TRIP_TARGETS = "sglang.srt.mem_cache."
+
+
+def apply_check_hooks() -> None:
+    """The plugin's hooks applied in this process; those on :data:`ROUND_TRIP_TARGETS`
+    verified in place, importing their modules (``layer_backup_stack.apply_plugin_hooks``
+    imports every target, ``sglang.srt.entrypoints.engine`` among them): the GPU check's
+    own shim."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_cp_hicache.plugin import register
+    from sglang_cp_hicache.v0_5_23.hooks import HOOKS, RESOLUTION_STEPS, missing_hooks, missing_resolution_steps
+
+    register()
+    HookRegistry.apply_hooks()
+    ours = [spec for spec in HOOKS if spec.dotted_target.startswith(ROUND_TRIP_TARGETS)]
+    others = [spec for spec in HOOKS if not spec.dotted_target.startswith(ROUND_TRIP_TARGETS)]
+    missing = missing_hooks(ours) + missing_hooks(others, import_targets=False)
+    missing += missing_resolution_steps(RESOLUTION_STEPS, import_targets=False)
+    if not ours or missing:
+        raise RuntimeError(f"plugin hooks not in place: {missing or 'no mem_cache hook'}")
+
+
 def _stack(ctx: Any, device: str, layout: str) -> Any:
-    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import apply_plugin_hooks
     from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_sharded_stack
 
-    apply_plugin_hooks()
+    apply_check_hooks()
     config = StackConfig(layer_num=LAYERS, cp_shared_kv=True, mem_layout=layout, device=device)
     return build_sharded_stack(ctx, config)
 
@@ -259,6 +284,7 @@ def planted(name: str) -> Any:
 
 __all__ = [
     "LAYERS",
+    "apply_check_hooks",
     "LAYOUTS",
     "PAGE_FIRST_REFUSAL",
     "PLANTS_CPU",
