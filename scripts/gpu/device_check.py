@@ -35,26 +35,14 @@ cpu`` runs the same checks with the CPU runtime's reference kernels.
 
 ``--sglang 0.5.23`` checks the 0.5.23 line instead, on ``--cp`` gloo ranks, for every KV
 format the plugin admits on Hopper (``flashmla_sparse`` over bf16, ``flashmla_kv`` over
-packed fp8). With ``--device cpu``:
-
-1. **self-test**: the startup self-test through its hook
-   (``v0_5_23/layers/attention/kv_shard_selftest.py``: gather, indexer, translation,
-   attention, sharded against replicated, with the CPU runtime's kernel set);
-2. **twin**: the read-path twin (``testing/v0_5_23/read_path.py``): one extend through
-   upstream's real sharded pool and ``DeepseekSparseAttnBackend`` against the unsharded
-   pool, every record bit for bit, owned rows only, the block table consistent.
-
-With ``--device cuda`` (the 0.5.23 bundle: sglang-kernel 0.4.6, the newest build linked
-against the host's torch 2.11, and sgl-flash-mla):
-
-1. **load**: ``sgl_kernel`` and ``flash_mla`` import (a build that does not match the host's
-   torch fails here, naming the symbol);
-2. **self-test** (every rank): the startup self-test through its hook with SGLang's CUDA
-   kernels at GLM-5's KV geometry, per format and per top-k path (the fused JIT kernel, and
-   sglang-kernel's fused transform), the CP gathers over gloo with host staging
-   (``testing/v0_5_23/gpu_selftest.py``, the check's shim for NCCL on one GPU);
-3. **kvcacheio** (main process): sglang-kernel's per-layer and all-layer MLA transfers called
-   as SGLang 0.5.23's DSA host pools call them, layer_first and page_first, byte-exact.
+packed fp8), the same checks on both devices (CUDA: SGLang's kernels from the 0.5.23
+bundle, loaded first; CPU: the torch stand-ins): the startup self-test (CUDA: per top-k
+path), the sharded-vs-replicated twins of the target and MTP draft extends
+(``testing/v0_5_23/device_twins.py``), the per-layer backup round trip on the real sharded
+stack (``testing/v0_5_23/layer_round_trip.py``; layer_first, page_first's slot refused),
+then sglang-kernel's kvcacheio MLA transfers and the owned-shard D2H/H2D against pinned
+peak (>= 80 % on CUDA) in the main process; and a planted fault per check, run here, that
+must be caught. See docs/gpu_checks.md.
 """
 
 from __future__ import annotations
