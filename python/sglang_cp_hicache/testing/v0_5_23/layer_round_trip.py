@@ -116,12 +116,59 @@ def apply_check_hooks() -> None:
         raise RuntimeError(f"plugin hooks not in place: {missing or 'no mem_cache hook'}")
 
 
+class PreparedStores:
+    """One forward's stores over ``batch`` (``(logical locs, logical KV on the device)`` per
+    request), computed ahead so each layer's stores issue without a host sync: one locs
+    tensor for every layer (upstream caches the sharded pool's owner filter per batch, so
+    only layer 0's store computes it), owned index-K page rows and values gathered once.
+    Then a write stream that does not wait for a layer's stores reads the bytes from before
+    them while the forward's stream is stalled (layers after 0 at least)."""
+
+    def __init__(self, stack: Any, batch: List[tuple]) -> None:
+        from sglang.srt.layers.radix_attention import RadixAttention
+
+        from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import fresh_write_plan
+
+        page = stack.config.page_size
+        self._stack = stack
+        self.locs = torch.cat([locs for locs, _ in batch])
+        self.latent = torch.cat([latent for _, (latent, _) in batch], dim=1)  # [layer, token, 1, dim]
+        page_rows, page_values = [], []
+        for locs, (_, indexer) in batch:
+            first = locs[::page]
+            page_rows.append(stack.physical_rows(first) // page)
+            page_values.append(indexer[:, torch.nonzero(stack.owned_mask(first)).squeeze(1)])
+        self.page_rows = torch.cat(page_rows)
+        self.page_values = torch.cat(page_values, dim=1)
+        dim = self.latent.shape[-1]
+        self.layers = [
+            RadixAttention(num_heads=1, head_dim=dim, scaling=1.0, num_kv_heads=1, layer_id=layer)
+            for layer in range(self.latent.shape[0])
+        ]
+        fresh_write_plan(stack.kv_pool)  # a new batch for the pool's owner filter
+
+    def store(self, layer: int) -> None:
+        """Layer ``layer``'s stores: owned index-K pages, then the batch's latent in one
+        ``set_mla_kv_buffer`` (whose store hook backs the layer up)."""
+        from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+        pool, rank = self._stack.kv_pool, self._stack.config.kv_lora_rank
+        pool.index_k_with_scale_buffer[layer][self.page_rows] = self.page_values[layer]
+        rows = self.latent[layer]
+        pool.set_mla_kv_buffer(self.layers[layer], KVWriteLoc(self.locs), rows[..., :rank], rows[..., rank:])
+
+
 def _stack(ctx: Any, device: str, layout: str) -> Any:
     from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_sharded_stack
 
     apply_check_hooks()
     config = StackConfig(layer_num=LAYERS, cp_shared_kv=True, mem_layout=layout, device=device)
     return build_sharded_stack(ctx, config)
+
+
+def _settle(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def _on_device(kv: tuple, device: str) -> tuple:
@@ -141,7 +188,7 @@ def round_trip(
         return page_first_round_trip()
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import logical_kv, store_layer
+    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import logical_kv
     from sglang_cp_hicache.testing.v0_5_23.mtp_draft import device_layer_mismatches
     from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of, notify_forward_end
 
@@ -165,13 +212,13 @@ def round_trip(
         report["owned_pages"] = {rid: int(stack.owned_mask(locs[::PAGE]).sum()) for rid, _, locs, _, _ in plan}
         queue = stack.controller.ack_write_queue
         before = len(queue)
-        batch = [(locs, kv) for _, _, locs, _, kv in plan]
+        stores = PreparedStores(stack, [(locs, kv) for _, _, locs, _, kv in plan])
         d2h = stack.controller.l2_transfer_engine.device_to_host_stream
         for layer in range(LAYERS):
             timing.stall(stall_cycles)  # the layer's compute, before its stores
             if layer == LAYERS - 1:
                 report["acks_before_last_layer"] = len(queue) - before
-            store_layer(stack, layer, batch)  # the store hook copies it on the D2H stream
+            stores.store(layer)  # the store hook copies it on the D2H stream
             if layer == 0:
                 timing.layer0_copied(d2h)
             if layer == LAYERS - 1:
@@ -181,6 +228,7 @@ def round_trip(
         for _, tokens, locs, base, _ in plan:
             stack.insert(tokens, locs, base)
         stack.cache.flush_pending_backups()
+        _settle(device)  # the scheduler polls until the copies end; the check waits once
         stack.cache.writing_check()  # MIN all-reduce: every rank's ack, a zero-owned one too
         nodes = {rid: stack.cache.tree_core.node_by_id(stack.match(tokens).last_device_node) for rid, tokens, *_ in plan}
         report["pending_after_ack"] = {rid: n.write_through_pending_id is not None for rid, n in nodes.items()}
@@ -196,9 +244,8 @@ def round_trip(
                 report["loaded"][rid] = [f"load_back refused ({match.host_hit_length} host tokens)"]
                 continue
             stack.cache.ready_to_load_host_cache()
+            _settle(device)
             stack.cache.loading_check()
-            if device == "cuda":
-                torch.cuda.synchronize()
             reloaded = stack.cache.path_device_indices(stack.match(tokens).last_device_node)
             report["loaded"][rid] = device_layer_mismatches(stack, stack.kv_pool, reloaded, kv, range(LAYERS))
         stack.cache.evict(EvictParams(num_tokens=stack.allocator.size))
@@ -290,6 +337,7 @@ __all__ = [
     "PLANTS_CPU",
     "PLANTS_CUDA",
     "PageFirstUnavailable",
+    "PreparedStores",
     "page_first_round_trip",
     "plants_for",
     "planted",
