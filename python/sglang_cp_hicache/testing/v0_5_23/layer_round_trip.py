@@ -260,7 +260,10 @@ def round_trip(
 
 
 def round_trip_problems(reports: List[Dict[str, Any]]) -> List[str]:
-    """What the ranks' reports break of the contract, one line each (none: it held)."""
+    """What the ranks' reports break of the contract, one line each (none: it held): no
+    ack before the last layer and one after the forward on every rank, every request
+    published by the ack, load-backs byte-exact, free counts back, C owned by the last
+    rank only, and on CUDA layer 0's copy done before the last layer's stores."""
     problems = []
     for rank, r in enumerate(reports):
         if r["acks_before_last_layer"] != 0:
@@ -276,6 +279,9 @@ def round_trip_problems(reports: List[Dict[str, Any]]) -> List[str]:
         start, end = r["free_counts"]
         if start != end:
             problems.append(f"rank {rank}: free counts {start} -> {end}")
+        overlap = r.get("overlap_ms")  # CUDA only: layer 0 on host while the forward still ran
+        if overlap is not None and overlap <= 0:
+            problems.append(f"rank {rank}: layer 0's copy ended {-overlap:.3f} ms after the last layer's stores")
     owners_of_c = [rank for rank, r in enumerate(reports) if r["owned_pages"]["C"]]
     if owners_of_c != [len(reports) - 1]:
         problems.append(f"C owned by ranks {owners_of_c}, expected [{len(reports) - 1}] (the others own none)")

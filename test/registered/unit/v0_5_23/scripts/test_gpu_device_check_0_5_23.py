@@ -340,3 +340,14 @@ def test_without_a_visible_gpu_the_cuda_mode_says_so(driver, monkeypatch, capsys
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert driver.main_0_5_23(["--device", "cuda"], launch=lambda *a: pytest.fail("no rank without a GPU")) == 1
     assert capsys.readouterr().out.startswith("FAIL no CUDA device visible")
+
+
+def test_on_cuda_the_round_trip_needs_layer_0_on_host_before_the_last_layers_stores(driver):
+    ranks = [_rank_report(driver, r, 2, "cuda") for r in range(2)]
+    for rank, overlap in enumerate((4.8, -0.2)):
+        ranks[rank]["round_trip"]["layer_first"]["overlap_ms"] = overlap
+    ok, lines = _summarize(driver, ranks, _main("cuda"), "cuda")
+    assert not ok and "round trip layer_first: rank 1: layer 0's copy ended 0.200 ms after the last layer's stores" in lines[0]
+    ranks[1]["round_trip"]["layer_first"]["overlap_ms"] = 4.6
+    ok, lines = _summarize(driver, ranks, _main("cuda"), "cuda")
+    assert ok and "round trip layer_first: ok, layer 0 on host 4.60-4.80 ms before the last layer's stores" in lines
