@@ -351,3 +351,16 @@ def test_on_cuda_the_round_trip_needs_layer_0_on_host_before_the_last_layers_sto
     ranks[1]["round_trip"]["layer_first"]["overlap_ms"] = 4.6
     ok, lines = _summarize(driver, ranks, _main("cuda"), "cuda")
     assert ok and "round trip layer_first: ok, layer 0 on host 4.60-4.80 ms before the last layer's stores" in lines
+
+
+def test_the_driver_names_the_round_trip_layouts_and_plants_the_ranks_run(driver):
+    """The dry run and the verdict use the driver's names (no torch); the ranks run the
+    testing module's: they must agree, or a plant would read as not caught."""
+    from sglang_cp_hicache.testing.v0_5_23 import layer_round_trip
+
+    assert driver.ROUND_TRIP_LAYOUTS_0_5_23 == layer_round_trip.LAYOUTS
+    for device in ("cpu", "cuda"):
+        named = [n for n in driver.PLANTED_0_5_23[device] if n.startswith("round-trip/")]
+        assert named == [f"round-trip/{p}" for p in layer_round_trip.plants_for(device)]
+    with pytest.raises(layer_round_trip.PageFirstUnavailable, match="no per-layer D2H path"):
+        layer_round_trip.round_trip(None, "cpu", "page_first")
