@@ -35,26 +35,14 @@ cpu`` runs the same checks with the CPU runtime's reference kernels.
 
 ``--sglang 0.5.23`` checks the 0.5.23 line instead, on ``--cp`` gloo ranks, for every KV
 format the plugin admits on Hopper (``flashmla_sparse`` over bf16, ``flashmla_kv`` over
-packed fp8). With ``--device cpu``:
-
-1. **self-test**: the startup self-test through its hook
-   (``v0_5_23/layers/attention/kv_shard_selftest.py``: gather, indexer, translation,
-   attention, sharded against replicated, with the CPU runtime's kernel set);
-2. **twin**: the read-path twin (``testing/v0_5_23/read_path.py``): one extend through
-   upstream's real sharded pool and ``DeepseekSparseAttnBackend`` against the unsharded
-   pool, every record bit for bit, owned rows only, the block table consistent.
-
-With ``--device cuda`` (the 0.5.23 bundle: sglang-kernel 0.4.6, the newest build linked
-against the host's torch 2.11, and sgl-flash-mla):
-
-1. **load**: ``sgl_kernel`` and ``flash_mla`` import (a build that does not match the host's
-   torch fails here, naming the symbol);
-2. **self-test** (every rank): the startup self-test through its hook with SGLang's CUDA
-   kernels at GLM-5's KV geometry, per format and per top-k path (the fused JIT kernel, and
-   sglang-kernel's fused transform), the CP gathers over gloo with host staging
-   (``testing/v0_5_23/gpu_selftest.py``, the check's shim for NCCL on one GPU);
-3. **kvcacheio** (main process): sglang-kernel's per-layer and all-layer MLA transfers called
-   as SGLang 0.5.23's DSA host pools call them, layer_first and page_first, byte-exact.
+packed fp8), the same checks on both devices (CUDA: SGLang's kernels from the 0.5.23
+bundle, loaded first; CPU: the torch stand-ins): the startup self-test (CUDA: per top-k
+path), the sharded-vs-replicated twins of the target and MTP draft extends
+(``testing/v0_5_23/device_twins.py``), the per-layer backup round trip on the real sharded
+stack (``testing/v0_5_23/layer_round_trip.py``; layer_first, page_first's slot refused),
+then sglang-kernel's kvcacheio MLA transfers and the owned-shard D2H/H2D against pinned
+peak (>= 80 % on CUDA) in the main process; and a planted fault per check, run here, that
+must be caught. See docs/gpu_checks.md.
 """
 
 from __future__ import annotations
@@ -751,6 +739,7 @@ def write_json(report: dict) -> Optional[str]:
 
 
 # ----------------------------------------------------------------- the 0.5.23 line
+# ----------------------------------------------------------------- the 0.5.23 line
 LINE_0_5_12 = "0.5.12.post1"
 LINE_0_5_23 = "0.5.23"
 #: What the Hopper admission admits (``testing/v0_5_23/read_path.py`` ``KV_FORMATS``).
@@ -761,6 +750,23 @@ _MODULE_NAME = "gpu_device_check"  # how the rank processes import this file
 TOPK_PATHS_0_5_23 = ("jit-v2", "sgl-kernel")
 #: The packages the 0.5.23 CUDA path loads first: (distribution, module).
 KERNEL_PACKAGES_0_5_23 = (("sglang-kernel", "sgl_kernel"), ("sgl-flash-mla", "flash_mla"))
+#: The per-layer round trip's host layouts (``layer_round_trip.LAYOUTS``) and the slot of
+#: the one that has no per-layer path yet (refused, with the reason, in the report).
+ROUND_TRIP_LAYOUTS_0_5_23 = ("layer_first",)
+ROUND_TRIP_PENDING_0_5_23 = ("page_first",)
+#: Planted faults per device (``layer_round_trip.PLANTS_*`` for the round trip), each run
+#: inside the check; every one must be caught or the check fails.
+PLANTED_0_5_23 = {
+    "cpu": ("self-test", "twin", "twin-mtp", "round-trip/layer_copy_dropped", "kvcacheio", "bandwidth-sanity"),
+    "cuda": (
+        "self-test", "twin", "twin-mtp", "round-trip/layer_copy_dropped", "round-trip/missing_wait",
+        "kvcacheio", "bandwidth-sanity",
+    ),
+}  # fmt: skip
+#: On the GPU, the owned-shard D2H and H2D must reach this share of the pinned peak.
+BANDWIDTH_TARGET_OF_PEAK = 0.8
+#: A rate above this share of the pinned peak did not move the bytes it claims.
+BANDWIDTH_SANITY_OF_PEAK = 1.25
 
 
 def _line_of(argv: Optional[Sequence[str]]) -> tuple[str, List[str]]:
@@ -772,20 +778,30 @@ def _line_of(argv: Optional[Sequence[str]]) -> tuple[str, List[str]]:
 
 
 def describe_0_5_23(options: CheckOptions) -> str:
-    if options.device == "cuda":
-        return (
-            f"plan (sglang 0.5.23): load sglang-kernel and sgl-flash-mla; {options.cp_size} processes on "
-            "the one GPU, gloo CP group with host-staged gathers (the check's shim for NCCL); per admitted "
-            f"format {list(FORMATS_0_5_23)} at GLM-5's KV geometry x top-k path {list(TOPK_PATHS_0_5_23)}: "
-            "the startup self-test through its hook with SGLang's CUDA kernels (gather, indexer, "
-            "translation, attention); then sglang-kernel's per-layer / all-layer MLA transfers as the "
-            "DSA host pools call them (layer_first, page_first), byte-exact"
-        )
+    cuda = options.device == "cuda"
+    head = (
+        f"plan (sglang 0.5.23): load sglang-kernel and sgl-flash-mla; {options.cp_size} processes on the one "
+        "GPU, gloo CP group with host-staged gathers (the check's shim for NCCL), SGLang's CUDA kernels"
+        if cuda
+        else f"plan (sglang 0.5.23): {options.cp_size} processes, gloo CP group, device={options.device}, "
+        "torch stand-in kernels"
+    )
+    selftest = (
+        f"at GLM-5's KV geometry x top-k path {list(TOPK_PATHS_0_5_23)}" if cuda else "at the CPU twin's geometry"
+    )
+    target = f">= {BANDWIDTH_TARGET_OF_PEAK:.0%} of pinned peak" if cuda else "figures only"
     return (
-        f"plan (sglang 0.5.23): {options.cp_size} processes, gloo CP group, device={options.device}, "
-        f"torch stand-in kernels; per admitted format {list(FORMATS_0_5_23)}: the startup self-test "
-        "through its hook (gather, indexer, translation, attention) and the read-path twin "
-        "(sharded vs replicated extend, owned rows, block table); identical bytes required"
+        f"{head}; per admitted format {list(FORMATS_0_5_23)}: the startup self-test through its hook "
+        f"(gather, indexer, translation, attention) {selftest}, and the read-path twins sharded vs "
+        "replicated (target extend and MTP draft extend: records bit for bit, owned rows, block table); "
+        f"the per-layer backup round trip on the real sharded stack ({list(ROUND_TRIP_LAYOUTS_0_5_23)}; "
+        f"{list(ROUND_TRIP_PENDING_0_5_23)} refused until it has a per-layer path): reservations before the "
+        "forward, per-layer stores then backups on the D2H stream, one ack per forward after the last layer on "
+        "every rank (a zero-owned one too), device wipe, load-back byte-exact"
+        + (", layer 0's copy overlapping the forward from CUDA events" if cuda else "")
+        + "; then in the main process sglang-kernel's per-layer / all-layer MLA transfers as the DSA host "
+        f"pools call them (layer_first, page_first) byte-exact, and owned-shard D2H/H2D GB/s ({target}); "
+        f"planted faults that must be caught: {list(PLANTED_0_5_23[options.device])}"
     )
 
 
@@ -797,8 +813,11 @@ def _timed_call(fn: Callable[[], Any]) -> tuple[Any, float]:
     return fn(), time.perf_counter() - start
 
 
-def _twin_entry(rank: Any) -> dict:
-    comparison, seconds = _timed_call(rank.compare_sharded_to_replicated)
+def _twin_entry(compare: Callable[[], Any]) -> dict:
+    try:
+        comparison, seconds = _timed_call(compare)
+    except Exception as exc:  # a kernel that would not run is a failure too
+        return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
     return {
         "identical": comparison.identical,
         "table_translated": comparison.table_translated,
@@ -808,60 +827,353 @@ def _twin_entry(rank: Any) -> dict:
     }
 
 
-def check_rank_0_5_23(ctx: Any, options: dict) -> dict:
-    """One CPU rank: the self-test and the twin for every admitted format."""
-    from sglang_cp_hicache.testing.v0_5_23 import read_path
-    from sglang_cp_hicache.testing.v0_5_23.gpu_selftest import selftest_entry
-    from sglang_cp_hicache.testing.v0_5_23.selftest_kernels import selftest_runner
-    from sglang_cp_hicache.testing.v0_5_23.shard_group import GlooShardGroup
+def twin_problems(twin: dict) -> List[str]:
+    """What a twin entry breaks (none: sharded == replicated)."""
+    if "error" in twin:
+        return [f"raised {twin['error']}"]
+    problems = [] if twin["identical"] else ["read_path: sharded extend != replicated"]
+    if not twin["table_translated"]:
+        problems.append("translation: the kernel read the logical table")
+    problems += [f"pool: {p}" for p in twin["pool_problems"]]
+    problems += [f"block_table: {p}" for p in twin["block_table_problems"]]
+    return problems
 
-    names = tuple(f.name for f in read_path.KV_FORMATS)
-    if names != FORMATS_0_5_23:
-        raise RuntimeError(f"admitted formats changed: {names}, this check knows {FORMATS_0_5_23}")
-    group = GlooShardGroup.from_rank_context(ctx)
-    formats = []
-    for kv_format in read_path.KV_FORMATS:
-        with read_path.read_path_session(group, kv_format=kv_format) as rank:
-            formats.append(
+
+def _planted_selftest_caught(entry: dict) -> bool:
+    """Caught by one of the self-test's own stages (a crash proves nothing)."""
+    return not entry["ok"] and entry.get("stage") in ("gather", "indexer", "translation", "attention")
+
+
+def _rank_selftests(group: Any, device: Any, plant: Callable = contextlib.nullcontext) -> List[dict]:
+    """The self-test per format (and, on CUDA, per top-k path), under ``plant``."""
+    from sglang_cp_hicache.testing.v0_5_23 import device_twins
+    from sglang_cp_hicache.testing.v0_5_23.gpu_selftest import run_selftests, selftest_entry
+    from sglang_cp_hicache.testing.v0_5_23.selftest_kernels import selftest_runner
+
+    with plant():
+        if device.type == "cuda":
+            return run_selftests(group)
+        entries = []
+        for kv_format in device_twins.twin_formats(device):
+            with device_twins.twin_session(group, kv_format, device) as rank:
+                entry = selftest_entry(selftest_runner(rank), group.cpu_group)
+            entries.append({"format": kv_format.name, "topk": "torch", "selftest": entry})
+        return entries
+
+
+def _rank_twins(group: Any, device: Any) -> tuple[List[dict], dict]:
+    """Per format the target and MTP draft twins; then, planted, both twins of the first."""
+    from sglang_cp_hicache.testing.v0_5_23 import device_twins
+
+    twins, planted = [], {}
+    for i, kv_format in enumerate(device_twins.twin_formats(device)):
+        with device_twins.twin_session(group, kv_format, device) as rank:
+            twins.append(
                 {
                     "format": kv_format.name,
-                    "selftest": selftest_entry(selftest_runner(rank), group.cpu_group),
-                    "twin": _twin_entry(rank),
+                    "target": _twin_entry(rank.compare_sharded_to_replicated),
+                    "draft": _twin_entry(rank.draft().compare_sharded_to_replicated),
                 }
             )
-    return {"formats": formats}
+            if i == 0:
+                with device_twins.misread_prefix_page():
+                    planted["twin"] = _twin_entry(rank.compare_sharded_to_replicated)
+                    planted["twin-mtp"] = _twin_entry(rank.draft().compare_sharded_to_replicated)
+    return twins, planted
 
 
-def summarize_0_5_23(per_rank: Sequence[dict], options: CheckOptions, wall_s: float) -> tuple[bool, List[str]]:
+def _rank_round_trips(ctx: Any, group: Any) -> tuple[dict, dict]:
+    """The round trip per layout (page_first's slot refused with its reason), then each
+    planted fault of this device on layer_first. An error is recorded, not raised. On
+    CUDA the sharded pools gather over gloo, host-staged (the check's shim for NCCL)."""
+    from sglang_cp_hicache.testing.v0_5_23 import layer_round_trip as rt
+    from sglang_cp_hicache.testing.v0_5_23.gpu_selftest import staged_gathers
+
+    device = group.device.type
+    shim = staged_gathers if device == "cuda" else lambda _: contextlib.nullcontext()
+
+    def run(layout: str, plant: Any = contextlib.nullcontext()) -> dict:
+        try:
+            with shim(group), plant:
+                return rt.round_trip(
+                    ctx, device, layout, stall_cycles=STALL_CYCLES if device == "cuda" else 0,
+                    keep_stacks=LIVE_HOST_POOLS,
+                )  # fmt: skip
+        except rt.PageFirstUnavailable as exc:
+            return {"refused": str(exc)}
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+
+    layouts = {layout: run(layout) for layout in (*ROUND_TRIP_LAYOUTS_0_5_23, *ROUND_TRIP_PENDING_0_5_23)}
+    planted = {f"round-trip/{name}": run("layer_first", rt.planted(name)) for name in rt.plants_for(device)}
+    return layouts, planted
+
+
+def check_rank_0_5_23(ctx: Any, options: dict) -> dict:
+    """One rank: self-tests, twins (target + MTP draft), the per-layer round trip, and the
+    planted faults of each; every part reports its own error and the others still run."""
+    import torch
+
+    from sglang_cp_hicache.testing.v0_5_23 import device_twins
+    from sglang_cp_hicache.testing.v0_5_23.gpu_selftest import shard_group_on
+
+    names = tuple(f.name for f in device_twins.twin_formats(torch.device("cpu")))
+    if names != FORMATS_0_5_23:
+        raise RuntimeError(f"admitted formats changed: {names}, this check knows {FORMATS_0_5_23}")
+    cuda = options["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+    device = torch.device("cuda:0" if cuda else "cpu")
+    group = shard_group_on(ctx, device)
+    report: dict = {"planted": {}}
+    report["selftests"] = _rank_selftests(group, device)
+    planted_selftest = _rank_selftests(group, device, device_twins.misread_prefix_page)
+    report["planted"]["self-test"] = {
+        "caught": all(_planted_selftest_caught(e["selftest"]) for e in planted_selftest),
+        "entries": planted_selftest,
+    }
+    report["twins"], planted_twins = _rank_twins(group, device)
+    for name, twin in planted_twins.items():
+        report["planted"][name] = dict(twin, caught="error" not in twin and bool(twin_problems(twin)))
+    report["round_trip"], planted_trips = _rank_round_trips(ctx, group)
+    report["planted"].update(planted_trips)
+    return report
+
+
+# ----------------------------------------------------------------- main-process checks (0.5.23)
+class _MisplacingOps:
+    """sglang-kernel's ``kvcacheio`` (or the CPU reference) whose per-layer loads land one
+    row off: the kvcacheio check's planted fault."""
+
+    def __init__(self, ops: Any) -> None:
+        self._ops = ops
+
+    def _shifted(self, name: str) -> Callable:
+        def call(**kwargs: Any) -> Any:
+            kwargs["dst_indices"] = kwargs["dst_indices"].roll(1)
+            return getattr(self._ops, name)(**kwargs)
+
+        return call
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("transfer_kv_per_layer_mla", "transfer_kv_per_layer_mla_pf_lf"):
+            return self._shifted(name)
+        return getattr(self._ops, name)
+
+
+@contextlib.contextmanager
+def _kvcacheio_misplaced() -> Iterator[None]:
+    from sglang_cp_hicache.testing.v0_5_23 import gpu_selftest
+
+    real = gpu_selftest.kvcacheio_ops
+    gpu_selftest.kvcacheio_ops = lambda device: _MisplacingOps(real(device))
+    try:
+        yield
+    finally:
+        gpu_selftest.kvcacheio_ops = real
+
+
+def owned_shard_bandwidth(device: Any, shard: ShardGeometry, repeats: int = 5, skip_half: bool = False) -> dict:
+    """One layer's owned shard gathered D2H and scattered H2D (pinned host memory on CUDA)
+    against pinned contiguous copies of the same bytes (the peak), in GB/s, and whether
+    the bytes arrived: host == the owned device pages after D2H, and the owned pages of a
+    cleared pool == host after H2D. ``skip_half``: the planted fault, a D2H and an H2D that
+    move only half the pages (a rate that did not move its bytes)."""
+    import torch
+
+    pages = shard.owned_pages
+    pin = device.type == "cuda"
+    gen = torch.Generator().manual_seed(38)
+    pool = torch.randint(0, 255, (3 * pages, shard.page_bytes), dtype=torch.uint8, generator=gen).to(device)
+    owned = torch.randperm(3 * pages, generator=gen)[:pages].to(device)
+    moved = owned[: pages // 2] if skip_half else owned
+    # Zeroed: a D2H that skips pages must leave bytes that differ (a reused block may hold them).
+    host = torch.zeros(pages, shard.page_bytes, dtype=torch.uint8, pin_memory=pin)
+    staging = torch.empty(pages, shard.page_bytes, dtype=torch.uint8, device=device)
+    target = torch.zeros_like(pool)
+
+    def d2h() -> None:
+        torch.index_select(pool, 0, moved, out=staging[: len(moved)])
+        host[: len(moved)].copy_(staging[: len(moved)], non_blocking=pin)
+
+    def h2d() -> None:
+        staging[: len(moved)].copy_(host[: len(moved)], non_blocking=pin)
+        target.index_copy_(0, moved, staging[: len(moved)])
+
+    nbytes = pages * shard.page_bytes
+    result = {"layer_shard_bytes": nbytes, "owned_pages": pages, "prefix_tokens": shard.prefix_tokens, "cp": shard.cp_size, "pinned": pin}
+    for name, fn in (
+        ("d2h", d2h), ("h2d", h2d),
+        ("peak_d2h", lambda: host.copy_(staging, non_blocking=pin)),
+        ("peak_h2d", lambda: staging.copy_(host, non_blocking=pin)),
+    ):  # fmt: skip
+        if name == "h2d":  # what the H2D must bring back, whatever the D2H left
+            host.copy_(pool.index_select(0, owned).cpu())
+        result[f"{name}_gbps"] = nbytes / _timed(fn, device, repeats) / 1e9
+        if name == "d2h":
+            result["d2h_exact"] = bool(torch.equal(host, pool.index_select(0, owned).cpu()))
+        if name == "h2d":
+            result["h2d_exact"] = bool(torch.equal(target.index_select(0, owned).cpu(), pool.index_select(0, owned).cpu()))
+    result["d2h_of_peak"] = result["d2h_gbps"] / result["peak_d2h_gbps"]
+    result["h2d_of_peak"] = result["h2d_gbps"] / result["peak_h2d_gbps"]
+    return result
+
+
+def bandwidth_problems(bw: dict, device: str) -> List[str]:
+    """The bytes arrived; on the GPU also no rate beyond :data:`BANDWIDTH_SANITY_OF_PEAK`
+    of its peak and both at least :data:`BANDWIDTH_TARGET_OF_PEAK` of it (on a shared CPU
+    the rates are noise: figures only)."""
+    if "error" in bw:
+        return [f"raised {bw['error']}"]
+    problems = [f"{d} bytes did not arrive" for d in ("d2h", "h2d") if not bw[f"{d}_exact"]]
+    for d in ("d2h", "h2d") if device == "cuda" else ():
+        share = bw[f"{d}_of_peak"]
+        if share > BANDWIDTH_SANITY_OF_PEAK:
+            problems.append(f"{d} {share:.0%} of pinned peak: more than a copy of those bytes can reach")
+        elif device == "cuda" and share < BANDWIDTH_TARGET_OF_PEAK:
+            problems.append(f"{d} {share:.0%} of pinned peak, below the {BANDWIDTH_TARGET_OF_PEAK:.0%} target")
+    return problems
+
+
+def main_process_0_5_23(device: Any) -> dict:
+    """kvcacheio and bandwidth, each with its planted fault; an error is recorded."""
+    from sglang_cp_hicache.testing.v0_5_23.gpu_selftest import kvcacheio_check
+
+    shard = ShardGeometry() if device.type == "cuda" else ShardGeometry(prefix_tokens=16384)
+
+    def guarded(fn: Callable[[], dict], failed: Callable[[str], dict]) -> dict:
+        try:
+            return fn()
+        except Exception as exc:
+            logging.exception("main-process check raised")
+            return failed(f"{type(exc).__name__}: {exc}")
+
+    def kvcacheio_failed(error: str) -> dict:
+        return {"ok": False, "cases": [], "problems": [error]}
+
+    def bandwidth_failed(error: str) -> dict:
+        return {"error": error}
+
+    out = {"kvcacheio": guarded(lambda: kvcacheio_check(device), kvcacheio_failed)}
+    with _kvcacheio_misplaced():
+        planted_io = guarded(lambda: kvcacheio_check(device), kvcacheio_failed)
+    out["bandwidth"] = guarded(lambda: owned_shard_bandwidth(device, shard), bandwidth_failed)
+    planted_bw = guarded(lambda: owned_shard_bandwidth(device, shard, skip_half=True), bandwidth_failed)
+    out["planted"] = {
+        # Caught by the byte check of a load (a transfer that raised proves nothing).
+        "kvcacheio": dict(planted_io, caught=any("per-layer load" in p for p in planted_io["problems"])),
+        "bandwidth-sanity": dict(planted_bw, caught="error" not in planted_bw and bool(bandwidth_problems(planted_bw, device.type))),
+    }  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------- verdict (0.5.23)
+def _round_trip_verdicts(per_rank: Sequence[dict], key: str) -> dict:
+    """Per layout (``key="round_trip"``) or planted fault (``key="planted"``), the ranks'
+    round trips judged together: errors, the contract's breaches, stale loads, overlap."""
+    from sglang_cp_hicache.testing.v0_5_23.layer_round_trip import round_trip_problems, stale_loads
+
+    names = [n for n in per_rank[0][key] if key == "round_trip" or n.startswith("round-trip/")]
+    verdicts = {}
+    for name in names:
+        entries = [report[key][name] for report in per_rank]
+        if all("refused" in e for e in entries):
+            verdicts[name] = {"refused": entries[0]["refused"], "problems": []}
+            continue
+        errors = [f"rank {r}: {e.get('error', 'refused: ' + str(e.get('refused')))}" for r, e in enumerate(entries) if "loaded" not in e]
+        verdicts[name] = {
+            "problems": errors or round_trip_problems(entries),
+            "raised": bool(errors),
+            "stale_loads": 0 if errors else stale_loads(entries),
+            "overlap_ms": [e.get("overlap_ms") for e in entries],
+        }
+    return verdicts
+
+
+def planted_verdicts(per_rank: Sequence[dict], main: dict, device: str) -> dict:
+    """Each planted fault of ``device``: caught or not (a round-trip plant only by stale
+    bytes in the load-back on every rank's report, never by a crash)."""
+    caught = {}
+    trips = _round_trip_verdicts(per_rank, "planted") if per_rank else {}
+    for name in PLANTED_0_5_23[device]:
+        if name.startswith("round-trip/"):
+            v = trips.get(name)
+            caught[name] = bool(v) and not v["raised"] and v["stale_loads"] > 0
+        elif name in ("kvcacheio", "bandwidth-sanity"):
+            caught[name] = bool(main.get("planted", {}).get(name, {}).get("caught"))
+        else:
+            caught[name] = bool(per_rank) and all(r["planted"][name]["caught"] for r in per_rank)
+    return caught
+
+
+def summarize_0_5_23(
+    per_rank: Optional[Sequence[dict]], rank_error: Optional[BaseException], main: dict,
+    options: CheckOptions, wall_s: float,
+) -> tuple[bool, List[str]]:  # fmt: skip
+    """One PASS/FAIL line naming the first failure (rank, format, check, stage), then the
+    figures: slowest self-test and twin per format, the round trip, bandwidth, planted."""
     failures = []
-    for rank, report in enumerate(per_rank):
-        for entry in report["formats"]:
-            label = f"rank {rank} {entry['format']}"
-            test = entry["selftest"]
-            if not test["ok"]:
-                failures.append(f"{label} self-test stage {test['stage']}: {test['error']}")
-            twin = entry["twin"]
-            if not twin["identical"]:
-                failures.append(f"{label} twin stage read_path: sharded extend != replicated")
-            if not twin["table_translated"]:
-                failures.append(f"{label} twin stage translation: the kernel read the logical table")
-            failures.extend(f"{label} twin stage pool: {p}" for p in twin["pool_problems"])
-            failures.extend(f"{label} twin stage block_table: {p}" for p in twin["block_table_problems"])
+    if rank_error is not None:
+        failures.append(f"stage rank: {type(rank_error).__name__}: {str(rank_error).strip().splitlines()[-1]}")
+    for rank, report in enumerate(per_rank or ()):
+        for e in report["selftests"]:
+            if not e["selftest"]["ok"]:
+                t = e["selftest"]
+                failures.append(f"rank {rank} {e['format']} top-k {e['topk']} self-test stage {t['stage']}: {t['error']}")
+        for twin in report["twins"]:
+            for which, label in (("target", "twin"), ("draft", "twin-mtp")):
+                failures += [f"rank {rank} {twin['format']} {label} stage {p}" for p in twin_problems(twin[which])]
+    trips = _round_trip_verdicts(per_rank, "round_trip") if per_rank else {}
+    for layout, verdict in trips.items():
+        failures += [f"round trip {layout}: {p}" for p in verdict["problems"]]
+    failures += [f"stage kvcacheio: {p}" for p in main.get("kvcacheio", {}).get("problems", ())]
+    failures += [f"stage bandwidth: {p}" for p in bandwidth_problems(main.get("bandwidth", {"error": "not run"}), options.device)]
+    caught = planted_verdicts(per_rank, main, options.device)
+    failures += [f"planted fault {name} not caught" for name, ok in caught.items() if not ok]
     head = f"cp={options.cp_size} device={options.device} sglang=0.5.23"
     if failures:
-        lines = [f"FAIL 0.5.23 sharded read path != replicated ({head}): {failures[0]} (+{len(failures) - 1} more)"]
+        lines = [f"FAIL 0.5.23 sharded KV != replicated or the check cannot fail ({head}): {failures[0]} (+{len(failures) - 1} more)"]
     else:
+        ran = [layout for layout, v in trips.items() if "refused" not in v]
+        refused = [layout for layout, v in trips.items() if "refused" in v]
+        paths = sorted({e["topk"] for e in per_rank[0]["selftests"]})
         lines = [
-            f"PASS 0.5.23 sharded read path == replicated ({head}, {len(FORMATS_0_5_23)} formats x "
-            f"(self-test + twin) x {options.cp_size} ranks)"
+            f"PASS 0.5.23 sharded KV == replicated ({head}, {len(FORMATS_0_5_23)} formats x {options.cp_size} ranks: "
+            f"self-test x {len(paths)} top-k paths, twins target + MTP draft; per-layer round trip {ran}"
+            + (f" ({refused} refused: no per-layer path yet)" if refused else "")
+            + f"; kvcacheio {len(main['kvcacheio']['cases'])} cases byte-exact; {len(caught)} planted faults caught)"
         ]
-    timings = []
-    for i, name in enumerate(FORMATS_0_5_23):
-        entries = [report["formats"][i] for report in per_rank]
-        selftest_s = max(e["selftest"].get("seconds", 0.0) for e in entries)
-        twin_s = max(e["twin"]["seconds"] for e in entries)
-        timings.append(f"{name}: self-test {selftest_s:.2f} s, twin {twin_s:.2f} s (slowest rank)")
-    lines.append(f"timings: {'; '.join(timings)}; total {wall_s:.1f} s")
+    if per_rank:
+        timings = []
+        for i, e in enumerate(per_rank[0]["selftests"]):
+            seconds = max(r["selftests"][i]["selftest"].get("seconds", 0.0) for r in per_rank)
+            timings.append(f"{e['format']} top-k {e['topk']} {seconds:.2f} s")
+        lines.append(f"self-test (slowest rank): {'; '.join(timings)}")
+        twins = []
+        for i, t in enumerate(per_rank[0]["twins"]):
+            target = max(r["twins"][i]["target"].get("seconds", 0.0) for r in per_rank)
+            draft = max(r["twins"][i]["draft"].get("seconds", 0.0) for r in per_rank)
+            twins.append(f"{t['format']} target {target:.2f} s, MTP draft {draft:.2f} s")
+        lines.append(f"twins (slowest rank): {'; '.join(twins)}")
+        for layout, v in trips.items():
+            if "refused" in v:
+                lines.append(f"round trip {layout}: refused ({v['refused']})")
+                continue
+            overlap = [o for o in v["overlap_ms"] if o is not None]
+            lines.append(
+                f"round trip {layout}: {'ok' if not v['problems'] else 'FAILED'}"
+                + (f", layer 0 on host {min(overlap):.2f}-{max(overlap):.2f} ms before the last layer's stores" if overlap else "")
+            )
+    bw = main.get("bandwidth", {})
+    if "d2h_gbps" in bw:
+        lines.append(
+            f"owned shard per layer ({bw['layer_shard_bytes'] / 1e6:.1f} MB, prefix {bw['prefix_tokens']}, cp {bw['cp']}, "
+            f"pinned={bw['pinned']}): D2H {bw['d2h_gbps']:.1f} GB/s ({bw['d2h_of_peak']:.0%} of peak {bw['peak_d2h_gbps']:.1f}), "
+            f"H2D {bw['h2d_gbps']:.1f} GB/s ({bw['h2d_of_peak']:.0%} of {bw['peak_h2d_gbps']:.1f})"
+            + ("" if options.device == "cuda" else "; CPU: figures only")
+        )
+    lines.append("planted faults: " + ", ".join(f"{n} {'caught' if ok else 'NOT caught'}" for n, ok in caught.items()))
+    lines.append(f"total {wall_s:.1f} s")
     return not failures, lines
 
 
@@ -893,89 +1205,6 @@ def _loader_reason(exc: BaseException) -> str:
     return attempts[0] if attempts else f"{type(exc).__name__}: {lines[-1]}"
 
 
-def check_rank_0_5_23_cuda(ctx: Any, options: dict) -> dict:
-    """One rank on the host's one GPU: the self-test per format and top-k path."""
-    import torch
-
-    from sglang_cp_hicache.testing.v0_5_23.gpu_selftest import run_selftests, shard_group_on
-
-    torch.cuda.set_device(0)
-    return {"entries": run_selftests(shard_group_on(ctx, torch.device("cuda:0")))}
-
-
-def summarize_0_5_23_cuda(
-    per_rank: Optional[Sequence[dict]], rank_error: Optional[BaseException], kvcacheio: dict,
-    options: CheckOptions, wall_s: float,
-) -> tuple[bool, List[str]]:  # fmt: skip
-    """One PASS/FAIL line naming the first failing rank, format, top-k path and stage (or
-    the kvcacheio case), then the slowest rank's seconds per self-test."""
-    failures = []
-    if rank_error is not None:
-        failures.append(f"stage rank: {type(rank_error).__name__}: {str(rank_error).strip().splitlines()[-1]}")
-    for rank, report in enumerate(per_rank or ()):
-        for entry in report["entries"]:
-            test = entry["selftest"]
-            if not test["ok"]:
-                failures.append(
-                    f"rank {rank} {entry['format']} top-k {entry['topk']} self-test stage {test['stage']}: {test['error']}"
-                )
-    failures.extend(f"stage kvcacheio: {p}" for p in kvcacheio.get("problems", ()))
-    head = f"cp={options.cp_size} device={options.device} sglang=0.5.23"
-    if failures:
-        lines = [f"FAIL 0.5.23 on the GPU ({head}): {failures[0]} (+{len(failures) - 1} more)"]
-    else:
-        entries = per_rank[0]["entries"]
-        paths = sorted({e["topk"] for e in entries})
-        lines = [
-            f"PASS 0.5.23 sharded read path == replicated on the GPU ({head}, {len(FORMATS_0_5_23)} formats x "
-            f"{len(paths)} top-k paths x {options.cp_size} ranks; kvcacheio MLA transfers byte-exact, "
-            f"{len(kvcacheio['cases'])} cases)"
-        ]
-    if per_rank:
-        timings = []
-        for i, entry in enumerate(per_rank[0]["entries"]):
-            seconds = max(report["entries"][i]["selftest"].get("seconds", 0.0) for report in per_rank)
-            timings.append(f"{entry['format']} top-k {entry['topk']}: {seconds:.2f} s")
-        lines.append(f"self-test (slowest rank): {'; '.join(timings)}")
-    lines.append(f"total {wall_s:.1f} s")
-    return not failures, lines
-
-
-def main_0_5_23_cuda(options: CheckOptions, launch: Callable) -> int:
-    """Load the kernels, run the ranks, then the main-process kvcacheio check (it still runs
-    when a rank crashed: a device call is one shot)."""
-    import torch
-
-    from sglang_cp_hicache.testing.v0_5_23.gpu_selftest import kvcacheio_check
-
-    if not torch.cuda.is_available():
-        print("FAIL no CUDA device visible (use --cpu for the CPU checks)")
-        return 1
-    start = time.perf_counter()
-    load = load_kernels_0_5_23()
-    report = {"line": LINE_0_5_23, "load": load, "versions": versions(("sgl-flash-mla", "torchvision"))}
-    if not load["ok"]:
-        lines = [f"FAIL 0.5.23 on the GPU (device=cuda sglang=0.5.23): stage load: {load['error']}"]
-        print(lines[0])
-        write_json({"ok": False, "summary": lines, **report})
-        return 1
-    per_rank, rank_error = None, None
-    try:
-        per_rank = launch(options.cp_size, check_rank_0_5_23_cuda, asdict(options))
-    except Exception as exc:
-        rank_error = exc
-        print(str(exc), file=sys.stderr)
-    try:
-        kvcacheio = kvcacheio_check(torch.device("cuda:0"))
-    except Exception as exc:
-        kvcacheio = {"ok": False, "cases": [], "problems": [f"{type(exc).__name__}: {exc}"]}
-    ok, lines = summarize_0_5_23_cuda(per_rank, rank_error, kvcacheio, options, time.perf_counter() - start)
-    for line in lines:
-        print(line)
-    write_json({"ok": ok, "summary": lines, **report, "ranks": per_rank, "kvcacheio": kvcacheio})
-    return 0 if ok else 1
-
-
 def _importable(fn: Callable) -> Callable:
     """``run_ranks`` re-imports ``fn`` in each rank by module name and file; run as a script,
     this file is ``__main__`` there, so it is named :data:`_MODULE_NAME` instead."""
@@ -985,35 +1214,54 @@ def _importable(fn: Callable) -> Callable:
     return fn
 
 
+
+
 def main_0_5_23(argv: Sequence[str], launch: Optional[Callable] = None) -> int:
     """``launch(world, fn, options)`` runs ``fn`` on every rank (default: on CPU the CPU
-    runtime's gloo ranks, ``testing.dist.run_ranks``; on CUDA :func:`spawn_ranks`)."""
+    runtime's gloo ranks, ``testing.dist.run_ranks``; on CUDA :func:`spawn_ranks`). The
+    main-process checks still run when a rank crashed (a device call is one shot)."""
     options, dry_run = parse_args(argv)
     if dry_run:
         print(describe_0_5_23(options))
         return 0
+    import torch
+
+    report: dict = {"line": LINE_0_5_23}
     if options.device == "cuda":
-        return main_0_5_23_cuda(options, launch or spawn_ranks)
-    if launch is None:
+        if not torch.cuda.is_available():
+            print("FAIL no CUDA device visible (use --cpu for the CPU checks)")
+            return 1
+        load = load_kernels_0_5_23()
+        report.update(load=load, versions=versions(("sgl-flash-mla", "torchvision")))
+        if not load["ok"]:
+            lines = [f"FAIL 0.5.23 on the GPU (device=cuda sglang=0.5.23): stage load: {load['error']}"]
+            print(lines[0])
+            write_json({"ok": False, "summary": lines, **report})
+            return 1
+        launch = launch or spawn_ranks
+    else:
         from sglang_cp_hicache.testing import install
 
         install()  # the CPU runtime before SGLang loads, here and in every rank
-        from sglang_cp_hicache.testing.dist import run_ranks
+        report["versions"] = versions()
+        if launch is None:
+            from sglang_cp_hicache.testing.dist import run_ranks
 
-        def launch(world: int, fn: Callable, plain: dict) -> List[dict]:
-            return run_ranks(world, _importable(fn), plain, timeout_s=options.timeout_s)
+            def launch(world: int, fn: Callable, plain: dict) -> List[dict]:
+                return run_ranks(world, _importable(fn), plain, timeout_s=options.timeout_s)
 
     start = time.perf_counter()
+    per_rank, rank_error = None, None
     try:
         per_rank = launch(options.cp_size, check_rank_0_5_23, asdict(options))
-    except Exception as exc:  # a rank crashed: report it as the one result line
-        print(f"FAIL 0.5.23 stage rank: {type(exc).__name__}: {str(exc).strip().splitlines()[-1]}")
+    except Exception as exc:
+        rank_error = exc
         print(str(exc), file=sys.stderr)
-        return 1
-    ok, lines = summarize_0_5_23(per_rank, options, time.perf_counter() - start)
+    main = main_process_0_5_23(torch.device("cuda:0" if options.device == "cuda" else "cpu"))
+    ok, lines = summarize_0_5_23(per_rank, rank_error, main, options, time.perf_counter() - start)
     for line in lines:
         print(line)
-    write_json({"ok": ok, "line": LINE_0_5_23, "summary": lines, "versions": versions(), "ranks": per_rank})
+    write_json({"ok": ok, "summary": lines, **report, "ranks": per_rank, **main})
     return 0 if ok else 1
 
 

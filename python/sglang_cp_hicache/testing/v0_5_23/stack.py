@@ -30,6 +30,7 @@ and the root ``conftest.py`` do).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 from array import array
 from dataclasses import dataclass, field
@@ -81,6 +82,9 @@ class StackConfig:
     # The EAGLE MTP draft (one NextN layer, upstream's only sharded draft) packed in the
     # target's host slots; its device pool is RankStack.draft_kv_pool.
     mtp_draft: bool = False
+    # Where the device pools, allocator and req_to_token live: "cpu" (the CPU runtime) or
+    # "cuda" (the GPU check's round trip, scripts/gpu/device_check.py --sglang 0.5.23).
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.chunk_tokens % self.page_size:
@@ -203,7 +207,8 @@ class RankStack:
         prefix = torch.tensor([prefix_len], dtype=torch.int64)
         seq = torch.tensor([seq_len], dtype=torch.int64)
         last = prefix_locs[-1:].to(torch.int64) if prefix_len else torch.tensor([-1])
-        args = (prefix, prefix, seq, seq, last, seq_len - prefix_len)
+        device = self.config.device  # the allocator's kernel reads the device copies
+        args = (prefix.to(device), prefix, seq.to(device), seq, last.to(device), seq_len - prefix_len)
         if self.sharded:
             bases = [rotation_base]
             locs = self.allocator.alloc_extend(*args, rotation_bases=bases)
@@ -342,7 +347,7 @@ def _dsa_pool_kwargs(config: StackConfig, layer_num: Optional[int] = None) -> di
         dtype=config.dtype,
         qk_rope_head_dim=config.qk_rope_head_dim,
         layer_num=config.layer_num if layer_num is None else layer_num,
-        device="cpu",
+        device=config.device,
         index_head_dim=config.index_head_dim,
         enable_memory_saver=False,
         kv_cache_dim=config.kv_cache_dim,
@@ -384,7 +389,7 @@ def _req_to_token_pool(config: StackConfig) -> Any:
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
     return ReqToTokenPool(
-        size=config.max_num_reqs, max_context_len=config.context_len, device="cpu",
+        size=config.max_num_reqs, max_context_len=config.context_len, device=config.device,
         enable_memory_saver=False,
     )  # fmt: skip
 
@@ -400,6 +405,7 @@ def build_sharded_stack(ctx: RankContext, config: StackConfig = StackConfig()) -
     from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveDSATokenToKVPool
 
     shard_group = GlooShardGroup.from_rank_context(ctx)
+    shard_group = dataclasses.replace(shard_group, device=torch.device(config.device))
     if shard_group.world_size < 2:
         raise ValueError("build_sharded_stack needs a shard group of at least 2 ranks")
     server_args = publish_server_args(config, sharded=True)
@@ -430,7 +436,7 @@ def build_sharded_stack(ctx: RankContext, config: StackConfig = StackConfig()) -
         physical_page_size=config.page_size,
         shard_size=spec.shard_size,
         dtype=config.dtype,
-        device="cpu",
+        device=config.device,
         kvcache=kv_pool,
         need_sort=True,  # PD prefill workers sort (kv_cache_configurator need_sort)
         shard_spec=spec,
@@ -479,7 +485,7 @@ def build_unsharded_stack(tp_group: Any, config: StackConfig = StackConfig()) ->
         config.device_rows_per_rank,
         page_size=config.page_size,
         dtype=config.dtype,
-        device="cpu",
+        device=config.device,
         kvcache=kv_pool,
         need_sort=True,
     )

@@ -79,134 +79,231 @@ def test_an_unsupported_line_is_refused():
     assert out.returncode == 2 and "not a supported line" in out.stderr
 
 
-def _entry(fmt, *, selftest=None, twin=None):
+# ------------------------------------------------------------------ summaries (no ranks)
+def _twin(**overrides):
+    return dict({"identical": True, "table_translated": True, "pool_problems": [], "block_table_problems": [], "seconds": 0.2}, **overrides)
+
+
+def _trip(rank, world, **overrides):
+    """One rank's passing layer_first round trip (C on the last rank only)."""
+    return dict(
+        {
+            "layout": "layer_first", "owned_pages": {"A": 3, "C": int(rank == world - 1)},
+            "acks_before_last_layer": 0, "acks_after_forward": 1,
+            "pending_after_ack": {"A": False, "C": False}, "backed_up": {"A": True, "C": True},
+            "loaded": {"A": [], "C": []}, "free_counts": [[2048, 4096], [2048, 4096]], "overlap_ms": None,
+        },
+        **overrides,
+    )  # fmt: skip
+
+
+def _rank_report(driver, rank, world, device="cpu", **overrides):
+    paths = driver.TOPK_PATHS_0_5_23 if device == "cuda" else ("torch",)
+    selftest = {"ok": True, "stages": ["gather"], "backend": "b", "seconds": 0.5}
+    planted_selftest = {"ok": False, "stage": "translation", "error": "layer 0 differ"}
+    stale = _trip(rank, world, loaded={"A": ["layer 0 latent row 256"], "C": []})
+    report = {
+        "selftests": [{"format": f, "topk": p, "selftest": dict(selftest)} for f in driver.FORMATS_0_5_23 for p in paths],
+        "twins": [{"format": f, "target": _twin(), "draft": _twin(seconds=0.1)} for f in driver.FORMATS_0_5_23],
+        "round_trip": {"layer_first": _trip(rank, world), "page_first": {"refused": "no per-layer path"}},
+        "planted": {
+            "self-test": {"caught": True, "entries": [{"selftest": planted_selftest}]},
+            "twin": dict(_twin(identical=False), caught=True),
+            "twin-mtp": dict(_twin(identical=False), caught=True),
+            **{name: stale for name in driver.PLANTED_0_5_23[device] if name.startswith("round-trip/")},
+        },
+    }
+    report.update(overrides)
+    return report
+
+
+def _main(device="cpu", d2h_of_peak=0.9):
+    bw = {
+        "layer_shard_bytes": 21_000_000, "owned_pages": 256, "prefix_tokens": 131072, "cp": 8, "pinned": device == "cuda",
+        "d2h_gbps": 45.0, "h2d_gbps": 45.0, "peak_d2h_gbps": 50.0, "peak_h2d_gbps": 50.0, "d2h_exact": True,
+        "h2d_exact": True, "d2h_of_peak": d2h_of_peak, "h2d_of_peak": 0.9,
+    }  # fmt: skip
     return {
-        "format": fmt,
-        "selftest": selftest or {"ok": True, "stages": ["gather"], "backend": fmt, "seconds": 0.5},
-        "twin": twin
-        or {"identical": True, "table_translated": True, "pool_problems": [], "block_table_problems": [], "seconds": 0.2},
+        "kvcacheio": {"ok": True, "cases": ["a", "b"], "problems": []},
+        "bandwidth": bw,
+        "planted": {"kvcacheio": {"caught": True}, "bandwidth-sanity": {"caught": True}},
     }
 
 
-def _rank(driver, **overrides):
-    return {"formats": [overrides.get(f, _entry(f)) for f in driver.FORMATS_0_5_23]}
+def _summarize(driver, per_rank, main, device="cpu", rank_error=None):
+    return driver.summarize_0_5_23(per_rank, rank_error, main, driver.CheckOptions(device, len(per_rank or [0, 0]), 10.0), 1.0)
 
 
-def test_a_failure_is_one_fail_line_naming_rank_format_and_stage(driver):
-    options = driver.CheckOptions("cpu", 2, 10.0)
-    ok, lines = driver.summarize_0_5_23([_rank(driver), _rank(driver)], options, 1.0)
-    assert ok and lines[0].startswith("PASS 0.5.23") and "2 formats x (self-test + twin) x 2 ranks" in lines[0]
-    assert "flashmla_kv/fp8_e4m3: self-test 0.50 s, twin 0.20 s" in lines[1]
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_pass_line_counts_every_check_and_every_planted_fault_caught(driver, device):
+    ranks = [_rank_report(driver, r, 2, device) for r in range(2)]
+    ok, lines = _summarize(driver, ranks, _main(device), device)
+    assert ok, lines
+    paths = 2 if device == "cuda" else 1
+    planted = len(driver.PLANTED_0_5_23[device])
+    assert lines[0] == (
+        f"PASS 0.5.23 sharded KV == replicated (cp=2 device={device} sglang=0.5.23, 2 formats x 2 ranks: self-test x "
+        f"{paths} top-k paths, twins target + MTP draft; per-layer round trip ['layer_first'] (['page_first'] refused: "
+        f"no per-layer path yet); kvcacheio 2 cases byte-exact; {planted} planted faults caught)"
+    )
+    assert "flashmla_kv/fp8_e4m3 target 0.20 s, MTP draft 0.10 s" in lines[2]
+    assert "round trip page_first: refused (no per-layer path)" in lines
+    assert lines[-2] == "planted faults: " + ", ".join(f"{n} caught" for n in driver.PLANTED_0_5_23[device])
+    assert ("missing_wait" in lines[-2]) == (device == "cuda")
+
+
+def test_each_failure_is_the_one_fail_line_naming_rank_format_and_stage(driver):
     fp8 = "flashmla_kv/fp8_e4m3"
-    refused = _entry(fp8, selftest={"ok": False, "stage": "translation", "error": "x"})
-    ok, lines = driver.summarize_0_5_23([_rank(driver), _rank(driver, **{fp8: refused})], options, 1.0)
-    assert not ok and lines[0].startswith("FAIL 0.5.23")
-    assert f"rank 1 {fp8} self-test stage translation" in lines[0]
-    for twin, stage in (
-        ({"identical": False}, "twin stage read_path"),
-        ({"table_translated": False}, "twin stage translation"),
-        ({"pool_problems": ["layer 0: stray"]}, "twin stage pool: layer 0: stray"),
-        ({"block_table_problems": ["row 1: disagree"]}, "twin stage block_table: row 1: disagree"),
-    ):
-        bad = _entry(fp8)
-        bad["twin"] = dict(bad["twin"], **twin)
-        ok, lines = driver.summarize_0_5_23([_rank(driver, **{fp8: bad})], options, 1.0)
-        assert not ok and f"rank 0 {fp8} {stage}" in lines[0], lines
+
+    def first_line(mutate, main=None, device="cpu"):
+        ranks = [_rank_report(driver, r, 2, device) for r in range(2)]
+        mutate(ranks)
+        ok, lines = _summarize(driver, ranks, main or _main(device), device)
+        assert not ok and lines[0].startswith("FAIL 0.5.23"), lines
+        return lines[0]
+
+    def selftest_fails(ranks):
+        ranks[1]["selftests"][1]["selftest"] = {"ok": False, "stage": "indexer", "error": "top-k differ"}
+
+    assert f"rank 1 {fp8} top-k torch self-test stage indexer: top-k differ" in first_line(selftest_fails)
+
+    def draft_differs(ranks):
+        ranks[0]["twins"][1]["draft"] = _twin(identical=False)
+
+    assert f"rank 0 {fp8} twin-mtp stage read_path: sharded extend != replicated" in first_line(draft_differs)
+
+    def twin_raised(ranks):
+        ranks[0]["twins"][0]["target"] = {"error": "RuntimeError: flash_mla"}
+
+    assert "twin stage raised RuntimeError: flash_mla" in first_line(twin_raised)
+
+    def zero_owned_rank_silent(ranks):
+        ranks[0]["round_trip"]["layer_first"]["acks_after_forward"] = 0
+
+    assert "round trip layer_first: rank 0: 0 acks after the forward (one expected)" in first_line(zero_owned_rank_silent)
+
+    def stale_load(ranks):
+        ranks[1]["round_trip"]["layer_first"]["loaded"]["C"] = ["layer 2 latent row 64"]
+
+    assert "round trip layer_first: rank 1 C: load-back not byte-exact" in first_line(stale_load)
+
+    def plant_missed(ranks):
+        ranks[1]["planted"]["twin-mtp"]["caught"] = False
+
+    assert "planted fault twin-mtp not caught" in first_line(plant_missed)
+
+    def plant_crashed(ranks):  # a crash in the round trip is no catch
+        ranks[0]["planted"]["round-trip/layer_copy_dropped"] = {"error": "RuntimeError: boom"}
+
+    assert "planted fault round-trip/layer_copy_dropped not caught" in first_line(plant_crashed)
+    main = _main()
+    main["planted"]["kvcacheio"]["caught"] = False
+    assert "planted fault kvcacheio not caught" in first_line(lambda ranks: None, main)
+    main = _main()
+    main["kvcacheio"]["problems"] = ["latent_fp8/page_first layer 1: the per-layer load wrote rows it was not given"]
+    assert "stage kvcacheio: latent_fp8/page_first layer 1" in first_line(lambda ranks: None, main)
+
+
+def test_the_bandwidth_target_holds_on_the_gpu_and_is_only_reported_on_cpu(driver):
+    slow = _main("cuda", d2h_of_peak=0.5)
+    ok, lines = _summarize(driver, [_rank_report(driver, r, 2, "cuda") for r in range(2)], slow, "cuda")
+    assert not ok and "stage bandwidth: d2h 50% of pinned peak, below the 80% target" in lines[0]
+    ok, lines = _summarize(driver, [_rank_report(driver, r, 2) for r in range(2)], _main("cpu", d2h_of_peak=0.01))
+    assert ok and any("CPU: figures only" in line for line in lines)
+    assert driver.bandwidth_problems(dict(_main()["bandwidth"], h2d_exact=False), "cpu") == ["h2d bytes did not arrive"]
+    assert "more than a copy" in driver.bandwidth_problems(dict(_main()["bandwidth"], d2h_of_peak=2.0), "cuda")[0]
+
+
+def test_the_planted_bandwidth_and_kvcacheio_faults_are_caught_on_cpu(driver):
+    """The main-process plants run for real here (torch only): a half copy, a misplaced load."""
+    import torch
+
+    main = driver.main_process_0_5_23(torch.device("cpu"))
+    assert main["kvcacheio"]["problems"] == [] and len(main["kvcacheio"]["cases"]) == 6
+    assert main["bandwidth"]["d2h_exact"] and main["bandwidth"]["h2d_exact"]
+    assert main["planted"]["kvcacheio"]["caught"] and main["planted"]["bandwidth-sanity"]["caught"]
+
+
+def test_a_crashed_rank_is_a_fail_line_and_the_main_process_checks_still_report(driver):
+    ok, lines = _summarize(driver, None, _main(), rank_error=RuntimeError("rank 1 failed:\nTraceback\nAssertionError: scratch"))
+    assert not ok and lines[0].startswith("FAIL 0.5.23") and "stage rank: RuntimeError: AssertionError: scratch" in lines[0]
+    assert any(line.startswith("owned shard per layer") for line in lines)
 
 
 def test_main_prints_the_line_and_writes_the_report(driver, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("GPU_CHECK_JSON", str(tmp_path / "report.json"))
+    monkeypatch.setattr(driver, "main_process_0_5_23", lambda device: _main(device.type))
     calls = []
 
     def launch(world, fn, options):
         calls.append((world, fn.__name__, options))
-        return [_rank(driver) for _ in range(world)]
+        return [_rank_report(driver, r, world) for r in range(world)]
 
     assert driver.main_0_5_23(["--device", "cpu", "--cp", "3"], launch=launch) == 0
     assert calls == [(3, "check_rank_0_5_23", {"device": "cpu", "cp_size": 3, "timeout_s": 240.0})]
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("PASS 0.5.23 sharded read path == replicated (cp=3 device=cpu")
+    assert out[0].startswith("PASS 0.5.23 sharded KV == replicated (cp=3 device=cpu")
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["ok"] is True and report["line"] == "0.5.23" and len(report["ranks"]) == 3
+    assert set(report["planted"]) == {"kvcacheio", "bandwidth-sanity"} and "bandwidth" in report
 
     def crash(world, fn, options):
         raise RuntimeError("rank 1 failed:\nTraceback ...\nAssertionError: prefix scratch miss")
 
     assert driver.main_0_5_23(["--device", "cpu"], launch=crash) == 1
-    assert capsys.readouterr().out.startswith("FAIL 0.5.23 stage rank: RuntimeError: AssertionError: prefix")
+    assert "stage rank: RuntimeError: AssertionError: prefix" in capsys.readouterr().out.splitlines()[0]
 
 
 # ------------------------------------------------------------------------ CUDA mode
-def _cuda_entries(driver, failing=None):
-    """One rank's CUDA report: every format x top-k path passing but ``failing``
-    ((format, path) -> the self-test's failure entry)."""
-    entries = []
-    for fmt in driver.FORMATS_0_5_23:
-        for path in driver.TOPK_PATHS_0_5_23:
-            test = (failing or {}).get((fmt, path)) or {"ok": True, "stages": ["gather"], "backend": fmt, "seconds": 1.5}
-            entries.append({"format": fmt, "topk": path, "selftest": test})
-    return {"entries": entries}
-
-
 @pytest.fixture
 def cuda_host(driver, monkeypatch, tmp_path):
-    """The CUDA branch of main_0_5_23 with the device, the loader and kvcacheio faked."""
+    """The CUDA branch of main_0_5_23 with the device, the loader and the main-process
+    checks faked."""
     import torch
-
-    from sglang_cp_hicache.testing.v0_5_23 import gpu_selftest
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake H200")
     monkeypatch.setenv("GPU_CHECK_JSON", str(tmp_path / "report.json"))
-    state = {"load": {"ok": True, "modules": {}}, "kvcacheio": {"ok": True, "cases": ["a", "b"], "problems": []}}
+    state = {"load": {"ok": True, "modules": {}}, "main": _main("cuda")}
     monkeypatch.setattr(driver, "load_kernels_0_5_23", lambda: state["load"])
-    monkeypatch.setattr(gpu_selftest, "kvcacheio_check", lambda device: state["kvcacheio"])
+    monkeypatch.setattr(driver, "main_process_0_5_23", lambda device: state["main"])
     state["report"] = lambda: json.loads((tmp_path / "report.json").read_text())
     return state
 
 
-def test_cuda_pass_line_counts_formats_topk_paths_and_kvcacheio_cases(driver, cuda_host, capsys):
+def test_cuda_runs_the_same_ranks_and_reports_versions(driver, cuda_host, capsys):
     calls = []
 
     def launch(world, fn, options):
         calls.append((world, fn.__name__, options["device"]))
-        return [_cuda_entries(driver) for _ in range(world)]
+        return [_rank_report(driver, r, world, "cuda") for r in range(world)]
 
     assert driver.main_0_5_23(["--device", "cuda"], launch=launch) == 0
-    assert calls == [(2, "check_rank_0_5_23_cuda", "cuda")]
+    assert calls == [(2, "check_rank_0_5_23", "cuda")]
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == (
-        "PASS 0.5.23 sharded read path == replicated on the GPU (cp=2 device=cuda sglang=0.5.23, "
-        "2 formats x 2 top-k paths x 2 ranks; kvcacheio MLA transfers byte-exact, 2 cases)"
-    )
-    assert "flashmla_kv/fp8_e4m3 top-k sgl-kernel: 1.50 s" in out[1]
+    assert out[0].startswith("PASS 0.5.23 sharded KV == replicated (cp=2 device=cuda") and "7 planted faults caught" in out[0]
     report = cuda_host["report"]()
-    assert report["ok"] is True and report["line"] == "0.5.23" and len(report["ranks"]) == 2
-    assert "sgl-flash-mla" in report["versions"] and report["versions"]["gpu"] == "fake H200"
+    assert report["ok"] is True and "sgl-flash-mla" in report["versions"] and report["versions"]["gpu"] == "fake H200"
 
 
-def test_cuda_failures_name_rank_format_topk_path_stage_or_the_kvcacheio_case(driver, cuda_host, capsys):
-    fp8 = "flashmla_kv/fp8_e4m3"
-    bad = {(fp8, "sgl-kernel"): {"ok": False, "stage": "indexer", "error": "top-k differ"}}
-
-    def launch(world, fn, options):
-        return [_cuda_entries(driver), _cuda_entries(driver, bad)]
-
-    assert driver.main_0_5_23(["--device", "cuda"], launch=launch) == 1
-    line = capsys.readouterr().out.splitlines()[0]
-    assert line == f"FAIL 0.5.23 on the GPU (cp=2 device=cuda sglang=0.5.23): rank 1 {fp8} top-k sgl-kernel self-test stage indexer: top-k differ (+0 more)"
-    cuda_host["kvcacheio"] = {"ok": False, "cases": ["a"], "problems": ["latent_bf16/page_first layer 2: the per-layer load put other bytes on the device"]}
-    assert driver.main_0_5_23(["--device", "cuda"], launch=lambda w, fn, o: [_cuda_entries(driver)] * w) == 1
-    assert capsys.readouterr().out.startswith("FAIL 0.5.23 on the GPU (cp=2 device=cuda sglang=0.5.23): stage kvcacheio: latent_bf16/page_first layer 2")
-
-
-def test_a_crashed_rank_is_the_line_and_kvcacheio_still_runs(driver, cuda_host, capsys):
+def test_a_crashed_cuda_rank_still_reports_the_main_process_checks(driver, cuda_host, capsys):
     def crash(world, fn, options):
         raise RuntimeError("rank 0 failed:\nTraceback ...\nRuntimeError: Triton compile failed")
 
     assert driver.main_0_5_23(["--device", "cuda"], launch=crash) == 1
-    assert capsys.readouterr().out.startswith("FAIL 0.5.23 on the GPU (cp=2 device=cuda sglang=0.5.23): stage rank: RuntimeError: RuntimeError: Triton compile failed")
+    assert "stage rank: RuntimeError: RuntimeError: Triton compile failed" in capsys.readouterr().out.splitlines()[0]
     assert cuda_host["report"]()["kvcacheio"]["cases"] == ["a", "b"]
+
+
+def test_the_dry_runs_name_the_round_trip_the_twins_and_the_planted_faults():
+    for args, device in ((("--cpu",), "cpu"), ((), "cuda")):
+        out = _sh(*args, "--sglang", "0.5.23", "--dry-run")
+        assert out.returncode == 0, out.stderr
+        assert "target extend and MTP draft extend" in out.stdout
+        assert "['layer_first']; ['page_first'] refused until it has a per-layer path" in out.stdout
+        assert "a zero-owned one too" in out.stdout and "owned-shard D2H/H2D GB/s" in out.stdout
+        assert ("missing_wait" in out.stdout) == (device == "cuda")
+        assert (">= 80% of pinned peak" in out.stdout) == (device == "cuda")
 
 
 def test_a_kernel_that_does_not_load_stops_before_any_rank(driver, cuda_host, capsys):
@@ -243,3 +340,27 @@ def test_without_a_visible_gpu_the_cuda_mode_says_so(driver, monkeypatch, capsys
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert driver.main_0_5_23(["--device", "cuda"], launch=lambda *a: pytest.fail("no rank without a GPU")) == 1
     assert capsys.readouterr().out.startswith("FAIL no CUDA device visible")
+
+
+def test_on_cuda_the_round_trip_needs_layer_0_on_host_before_the_last_layers_stores(driver):
+    ranks = [_rank_report(driver, r, 2, "cuda") for r in range(2)]
+    for rank, overlap in enumerate((4.8, -0.2)):
+        ranks[rank]["round_trip"]["layer_first"]["overlap_ms"] = overlap
+    ok, lines = _summarize(driver, ranks, _main("cuda"), "cuda")
+    assert not ok and "round trip layer_first: rank 1: layer 0's copy ended 0.200 ms after the last layer's stores" in lines[0]
+    ranks[1]["round_trip"]["layer_first"]["overlap_ms"] = 4.6
+    ok, lines = _summarize(driver, ranks, _main("cuda"), "cuda")
+    assert ok and "round trip layer_first: ok, layer 0 on host 4.60-4.80 ms before the last layer's stores" in lines
+
+
+def test_the_driver_names_the_round_trip_layouts_and_plants_the_ranks_run(driver):
+    """The dry run and the verdict use the driver's names (no torch); the ranks run the
+    testing module's: they must agree, or a plant would read as not caught."""
+    from sglang_cp_hicache.testing.v0_5_23 import layer_round_trip
+
+    assert driver.ROUND_TRIP_LAYOUTS_0_5_23 == layer_round_trip.LAYOUTS
+    for device in ("cpu", "cuda"):
+        named = [n for n in driver.PLANTED_0_5_23[device] if n.startswith("round-trip/")]
+        assert named == [f"round-trip/{p}" for p in layer_round_trip.plants_for(device)]
+    with pytest.raises(layer_round_trip.PageFirstUnavailable, match="no per-layer D2H path"):
+        layer_round_trip.round_trip(None, "cpu", "page_first")

@@ -1,0 +1,353 @@
+"""One rank's per-layer HiCache backup round trip on SGLang 0.5.23's REAL sharded stack, on
+CPU or on the GPU check host (``scripts/gpu/device_check.py --sglang 0.5.23``).
+
+The scenario of ``multi_rank/v0_5_23/test_per_layer_backup_multi_rank.py`` with a device:
+the stack (``stack.build_sharded_stack``, the plugin's flag on, its hooks applied) holds
+host slots reserved before a forward for two requests, ``A`` (five pages, every rank owns
+some) and ``C`` (one page on the last rank: every other rank owns none and must still ack).
+The forward stores each layer through the sharded pool's own ``set_mla_kv_buffer`` (the
+store hook copies that layer's owned rows on the L2 engine's D2H stream, after an event
+on the forward's stream), after a stall on the forward's stream (``stall_cycles``, CUDA
+only) so a copy not ordered after the stores would read the bytes from before them. Then:
+one ack per forward, only after the last layer; the insert, the acks consumed by
+``writing_check`` on every rank; a device wipe; a load-back checked byte for byte per
+layer against the logical KV; the free counts back. On CUDA, events time the overlap:
+how long before the last layer's stores layer 0's copy was done.
+
+Planted faults (:data:`PLANTS`), each must break the contract: ``layer_copy_dropped``
+(layer 0's D2H skipped, its ack still sent) on every device; ``missing_wait`` (the D2H
+stream no longer waits for a layer's stores) on CUDA only: on CPU copies are synchronous
+and a missing wait races nothing.
+
+Host layouts: ``layer_first`` (the one with upstream one-layer D2H ops for the DSA
+indexer). ``page_first`` has no per-layer path yet (the plugin keeps upstream's
+all-layer backup there): :func:`page_first_round_trip` refuses with that reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import torch
+
+PAGE = 64
+LAYERS = 3
+SEED = 20261205
+#: Request -> (first token id, pages); rotation bases 0 and ``cp - 1``.
+REQUESTS = {"A": (1, 5), "C": (20_001, 1)}
+#: The per-layer backup's host layouts: only layer_first has a per-layer path today.
+LAYOUTS = ("layer_first",)
+PAGE_FIRST_REFUSAL = (
+    "page_first has no per-layer D2H path for the DSA indexer in 0.5.23 (the plugin keeps "
+    "upstream's all-layer backup there); its round trip runs once that path exists"
+)
+#: The planted faults per device (name -> context manager factory), see the module doc.
+PLANTS_CPU = ("layer_copy_dropped",)
+PLANTS_CUDA = ("layer_copy_dropped", "missing_wait")
+
+
+def plants_for(device: str) -> tuple:
+    return PLANTS_CUDA if device == "cuda" else PLANTS_CPU
+
+
+class PageFirstUnavailable(RuntimeError):
+    """The page_first round trip's slot: refused until its per-layer path exists."""
+
+
+def page_first_round_trip(*_: Any, **__: Any) -> Dict[str, Any]:
+    raise PageFirstUnavailable(PAGE_FIRST_REFUSAL)
+
+
+class _Timing:
+    """CUDA events around the forward (nothing on CPU, where copies are synchronous)."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device == "cuda"
+        self._layer0_copied: Optional[Any] = None
+        self._last_stored: Optional[Any] = None
+
+    def stall(self, cycles: int) -> None:
+        if self.cuda and cycles:
+            torch.cuda._sleep(cycles)
+
+    def layer0_copied(self, d2h_stream: Any) -> None:
+        if self.cuda:
+            self._layer0_copied = torch.cuda.Event(enable_timing=True)
+            self._layer0_copied.record(d2h_stream)
+
+    def last_layer_stored(self) -> None:
+        if self.cuda:
+            self._last_stored = torch.cuda.Event(enable_timing=True)
+            self._last_stored.record()
+
+    def overlap_ms(self) -> Optional[float]:
+        """Milliseconds from layer 0's copy done to the last layer's stores done (> 0: the
+        copy finished while the forward still ran)."""
+        if self._layer0_copied is None or self._last_stored is None:
+            return None
+        torch.cuda.synchronize()
+        return float(self._layer0_copied.elapsed_time(self._last_stored))
+
+
+#: The hook targets the round trip runs through; the others (scheduler, model runner,
+#: server entrypoints) import packages the GPU check's bundle does not carry (uvloop,
+#: uvicorn, fastapi, setproctitle), so they are verified only where already imported.
+ROUND_TRIP_TARGETS = "sglang.srt.mem_cache."
+
+
+def apply_check_hooks() -> None:
+    """The plugin's hooks applied in this process; those on :data:`ROUND_TRIP_TARGETS`
+    verified in place, importing their modules (``layer_backup_stack.apply_plugin_hooks``
+    imports every target, ``sglang.srt.entrypoints.engine`` among them): the GPU check's
+    own shim."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_cp_hicache.plugin import register
+    from sglang_cp_hicache.v0_5_23.hooks import HOOKS, RESOLUTION_STEPS, missing_hooks, missing_resolution_steps
+
+    register()
+    HookRegistry.apply_hooks()
+    ours = [spec for spec in HOOKS if spec.dotted_target.startswith(ROUND_TRIP_TARGETS)]
+    others = [spec for spec in HOOKS if not spec.dotted_target.startswith(ROUND_TRIP_TARGETS)]
+    missing = missing_hooks(ours) + missing_hooks(others, import_targets=False)
+    missing += missing_resolution_steps(RESOLUTION_STEPS, import_targets=False)
+    if not ours or missing:
+        raise RuntimeError(f"plugin hooks not in place: {missing or 'no mem_cache hook'}")
+
+
+class PreparedStores:
+    """One forward's stores over ``batch`` (``(logical locs, logical KV on the device)`` per
+    request), computed ahead so each layer's stores issue without a host sync: one locs
+    tensor for every layer (upstream caches the sharded pool's owner filter per batch, so
+    only layer 0's store computes it), owned index-K page rows and values gathered once.
+    Then a write stream that does not wait for a layer's stores reads the bytes from before
+    them while the forward's stream is stalled (layers after 0 at least)."""
+
+    def __init__(self, stack: Any, batch: List[tuple]) -> None:
+        from sglang.srt.layers.radix_attention import RadixAttention
+
+        from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import fresh_write_plan
+
+        page = stack.config.page_size
+        self._stack = stack
+        self.locs = torch.cat([locs for locs, _ in batch])
+        self.latent = torch.cat([latent for _, (latent, _) in batch], dim=1)  # [layer, token, 1, dim]
+        page_rows, page_values = [], []
+        for locs, (_, indexer) in batch:
+            first = locs[::page]
+            page_rows.append(stack.physical_rows(first) // page)
+            page_values.append(indexer[:, torch.nonzero(stack.owned_mask(first)).squeeze(1)])
+        self.page_rows = torch.cat(page_rows)
+        self.page_values = torch.cat(page_values, dim=1)
+        dim = self.latent.shape[-1]
+        self.layers = [
+            RadixAttention(num_heads=1, head_dim=dim, scaling=1.0, num_kv_heads=1, layer_id=layer)
+            for layer in range(self.latent.shape[0])
+        ]
+        fresh_write_plan(stack.kv_pool)  # a new batch for the pool's owner filter
+
+    def store(self, layer: int) -> None:
+        """Layer ``layer``'s stores: owned index-K pages, then the batch's latent in one
+        ``set_mla_kv_buffer`` (whose store hook backs the layer up)."""
+        from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+        pool, rank = self._stack.kv_pool, self._stack.config.kv_lora_rank
+        pool.index_k_with_scale_buffer[layer][self.page_rows] = self.page_values[layer]
+        rows = self.latent[layer]
+        pool.set_mla_kv_buffer(self.layers[layer], KVWriteLoc(self.locs), rows[..., :rank], rows[..., rank:])
+
+
+def _stack(ctx: Any, device: str, layout: str) -> Any:
+    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_sharded_stack
+
+    apply_check_hooks()
+    config = StackConfig(layer_num=LAYERS, cp_shared_kv=True, mem_layout=layout, device=device)
+    return build_sharded_stack(ctx, config)
+
+
+def _settle(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _on_device(kv: tuple, device: str) -> tuple:
+    return tuple(t.to(device) for t in kv)
+
+
+def round_trip(
+    ctx: Any, device: str = "cpu", layout: str = "layer_first", stall_cycles: int = 0,
+    keep_stacks: Optional[List[Any]] = None,
+) -> Dict[str, Any]:  # fmt: skip
+    """The scenario on this rank (every rank of ``ctx.cp_group`` together). Returns what
+    :func:`round_trip_problems` judges: per request its owned pages, the acks before the
+    last layer and after the forward, pending flags after ``writing_check``, load-back
+    mismatches, free counts, and ``overlap_ms`` (CUDA). ``keep_stacks`` receives the stack
+    (SGLang pins host pools and never unregisters them: a GPU process keeps them alive)."""
+    if layout != "layer_first":
+        return page_first_round_trip()
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import logical_kv
+    from sglang_cp_hicache.testing.v0_5_23.mtp_draft import device_layer_mismatches
+    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of, notify_forward_end
+
+    report: Dict[str, Any] = {"layout": layout}
+    timing = _Timing(device)
+    stack = _stack(ctx, device, layout)
+    try:
+        backup = layer_backup_of(stack.cache)
+        if backup is None:
+            raise RuntimeError(f"no per-layer backup attached ({layout})")
+        start = (stack.device_available(), stack.host_available())
+        empty = torch.empty((0,), dtype=torch.int64, device=device)
+        plan = []
+        for index, (rid, (first, pages)) in enumerate(REQUESTS.items()):
+            tokens = list(range(first, first + pages * PAGE))
+            base = 0 if index == 0 else ctx.world_size - 1
+            locs, base = stack.alloc_extend(empty, len(tokens), rotation_base=base)
+            backup.reserve(rid, locs, base)  # before the forward
+            kv = _on_device(logical_kv(stack, len(tokens), LAYERS, SEED + first), device)
+            plan.append((rid, tokens, locs, base, kv))
+        report["owned_pages"] = {rid: int(stack.owned_mask(locs[::PAGE]).sum()) for rid, _, locs, _, _ in plan}
+        queue = stack.controller.ack_write_queue
+        before = len(queue)
+        stores = PreparedStores(stack, [(locs, kv) for _, _, locs, _, kv in plan])
+        d2h = stack.controller.l2_transfer_engine.device_to_host_stream
+        for layer in range(LAYERS):
+            timing.stall(stall_cycles)  # the layer's compute, before its stores
+            if layer == LAYERS - 1:
+                report["acks_before_last_layer"] = len(queue) - before
+            stores.store(layer)  # the store hook copies it on the D2H stream
+            if layer == 0:
+                timing.layer0_copied(d2h)
+            if layer == LAYERS - 1:
+                timing.last_layer_stored()
+        notify_forward_end(stack.kv_pool)
+        report["acks_after_forward"] = len(queue) - before
+        for _, tokens, locs, base, _ in plan:
+            stack.insert(tokens, locs, base)
+        stack.cache.flush_pending_backups()
+        _settle(device)  # the scheduler polls until the copies end; the check waits once
+        stack.cache.writing_check()  # MIN all-reduce: every rank's ack, a zero-owned one too
+        nodes = {rid: stack.cache.tree_core.node_by_id(stack.match(tokens).last_device_node) for rid, tokens, *_ in plan}
+        report["pending_after_ack"] = {rid: n.write_through_pending_id is not None for rid, n in nodes.items()}
+        report["backed_up"] = {rid: bool(n.backuped) for rid, n in nodes.items()}
+        stack.cache.evict(EvictParams(num_tokens=stack.allocator.size))
+        for layer in range(LAYERS):  # the load-back must write every byte it is checked on
+            stack.kv_pool.kv_buffer[layer].zero_()
+            stack.kv_pool.index_k_with_scale_buffer[layer].zero_()
+        report["loaded"] = {}
+        for rid, tokens, _, _, kv in plan:
+            match = stack.match(tokens)
+            if not stack.cache.load_back(match.best_match_node):
+                report["loaded"][rid] = [f"load_back refused ({match.host_hit_length} host tokens)"]
+                continue
+            stack.cache.ready_to_load_host_cache()
+            _settle(device)
+            stack.cache.loading_check()
+            reloaded = stack.cache.path_device_indices(stack.match(tokens).last_device_node)
+            report["loaded"][rid] = device_layer_mismatches(stack, stack.kv_pool, reloaded, kv, range(LAYERS))
+        stack.cache.evict(EvictParams(num_tokens=stack.allocator.size))
+        stack.cache.evict_host(stack.kv_host_pool.logical_size)
+        report["free_counts"] = [list(start), [stack.device_available(), stack.host_available()]]
+        report["overlap_ms"] = timing.overlap_ms()
+    finally:
+        stack.close()
+        if keep_stacks is not None:
+            keep_stacks.append(stack)
+    return report
+
+
+def round_trip_problems(reports: List[Dict[str, Any]]) -> List[str]:
+    """What the ranks' reports break of the contract, one line each (none: it held): no
+    ack before the last layer and one after the forward on every rank, every request
+    published by the ack, load-backs byte-exact, free counts back, C owned by the last
+    rank only, and on CUDA layer 0's copy done before the last layer's stores."""
+    problems = []
+    for rank, r in enumerate(reports):
+        if r["acks_before_last_layer"] != 0:
+            problems.append(f"rank {rank}: {r['acks_before_last_layer']} acks before the last layer's stores")
+        if r["acks_after_forward"] != 1:
+            problems.append(f"rank {rank}: {r['acks_after_forward']} acks after the forward (one expected)")
+        for rid, pending in r["pending_after_ack"].items():
+            if pending or not r["backed_up"][rid]:
+                problems.append(f"rank {rank} {rid}: not published after the ack")
+        for rid, bad in r["loaded"].items():
+            if bad:
+                problems.append(f"rank {rank} {rid}: load-back not byte-exact ({len(bad)}: {bad[:3]})")
+        start, end = r["free_counts"]
+        if start != end:
+            problems.append(f"rank {rank}: free counts {start} -> {end}")
+        overlap = r.get("overlap_ms")  # CUDA only: layer 0 on host while the forward still ran
+        if overlap is not None and overlap <= 0:
+            problems.append(f"rank {rank}: layer 0's copy ended {-overlap:.3f} ms after the last layer's stores")
+    owners_of_c = [rank for rank, r in enumerate(reports) if r["owned_pages"]["C"]]
+    if owners_of_c != [len(reports) - 1]:
+        problems.append(f"C owned by ranks {owners_of_c}, expected [{len(reports) - 1}] (the others own none)")
+    if any(r["owned_pages"]["A"] == 0 for r in reports):
+        problems.append("A: a rank owns none of its pages")
+    return problems
+
+
+def stale_loads(reports: List[Dict[str, Any]]) -> int:
+    """Load-backs that did not come back byte-exact, over every rank."""
+    return sum(1 for r in reports for bad in r["loaded"].values() if bad)
+
+
+# ------------------------------------------------------------------ planted faults
+class _EventWithoutWait:
+    """A layer-stored event whose ``wait`` does nothing."""
+
+    def __init__(self, event: Any) -> None:
+        self._event = event
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._event, name)
+
+
+@contextlib.contextmanager
+def _patched(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
+    original = owner.__dict__[name]
+    setattr(owner, name, make(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def planted(name: str) -> Any:
+    """The planted fault ``name`` as a context manager (see the module doc)."""
+    from sglang_cp_hicache.v0_5_23.mem_cache.l2_transfer import DeviceBackupStreams, L2LayerTransfers
+
+    if name == "missing_wait":
+        return _patched(
+            DeviceBackupStreams, "new_event", lambda new_event: lambda self: _EventWithoutWait(new_event(self))
+        )
+    if name == "layer_copy_dropped":
+        def drop_layer0(copy_layer: Callable) -> Callable:
+            return lambda self, merged, layer_id: None if layer_id == 0 else copy_layer(self, merged, layer_id)
+
+        return _patched(L2LayerTransfers, "copy_layer", drop_layer0)
+    raise ValueError(f"unknown planted fault {name!r}")
+
+
+__all__ = [
+    "LAYERS",
+    "apply_check_hooks",
+    "LAYOUTS",
+    "PAGE_FIRST_REFUSAL",
+    "PLANTS_CPU",
+    "PLANTS_CUDA",
+    "PageFirstUnavailable",
+    "PreparedStores",
+    "page_first_round_trip",
+    "plants_for",
+    "planted",
+    "round_trip",
+    "round_trip_problems",
+    "stale_loads",
+]
