@@ -324,10 +324,18 @@ def hold_if_asked(channel: RoleChannel, scenario: Any) -> None:
         channel.wait(GO, timeout_s=_GO_WAIT_S)
 
 
+#: How long the bootstrap server may take, once every prefill rank reported
+#: :data:`REGISTERED`, to list the prefill as registered (each rank's PUT already returned).
+REGISTRATION_VISIBLE_S = 10.0
+
+
 def wait_registered(cluster: "PDCluster", names: List[str], timeout_s: float) -> None:
-    """Block until every named prefill role reported :data:`REGISTERED`."""
+    """Block until every named prefill role reported :data:`REGISTERED` and the cluster's
+    bootstrap server lists the prefill as registered; a prefill that reports but never
+    registered fails here, naming the bootstrap server, not as a decode's long wait."""
     for name in names:
         cluster.roles[name].wait_event(REGISTERED, timeout_s)
+    wait_prefill_registered(LOOPBACK, cluster.ports.bootstrap, REGISTRATION_VISIBLE_S)
 
 
 def _with_registration_wait(channel: RoleChannel, wait_s: float, role_ref: Tuple[str, str, str], *args: Any) -> Any:
@@ -419,6 +427,31 @@ def wait_until_serving(host: str, port: int, timeout_s: float) -> None:
             last = error
         time.sleep(0.05)
     raise BootstrapUnreachable(f"PD bootstrap server {url} did not answer within {timeout_s:.0f} s: {last}")
+
+
+def wait_prefill_registered(host: str, port: int, timeout_s: float) -> None:
+    """Poll the bootstrap server until it serves the prefill's parallel info (what a
+    decode asks first: ``GET /route`` with every rank -1 answers 200 only once every
+    prefill rank registered); raise :class:`RoleFailed` naming the address otherwise."""
+    url = f"http://{host}:{port}/route"
+    query = {"prefill_dp_rank": -1, "prefill_cp_rank": -1, "target_tp_rank": -1, "target_pp_rank": -1}
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while True:
+        try:
+            response = requests.get(url, params=query, timeout=1.0)
+            if response.status_code == 200:
+                return
+            last = f"HTTP {response.status_code}: {response.text}"
+        except requests.RequestException as error:
+            last = error
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    raise RoleFailed(
+        f"the prefill is not registered with bootstrap server {host}:{port} within "
+        f"{timeout_s:.0f} s of its ranks reporting {REGISTERED!r}: {last}"
+    )
 
 
 def serve_bootstrap(channel: RoleChannel, host: str, port: int, lifetime_s: float) -> None:
@@ -809,6 +842,7 @@ __all__ = [
     "role_env",
     "run_fault_cluster",
     "serve_bootstrap",
+    "wait_prefill_registered",
     "wait_registered",
     "wait_until_serving",
 ]
