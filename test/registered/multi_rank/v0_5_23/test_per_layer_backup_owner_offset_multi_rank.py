@@ -52,14 +52,13 @@ def _rank(ctx: RankContext) -> Dict[str, object]:
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
     from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import (
-        apply_plugin_hooks, extend_batch, forward, logical_kv,
+        extend_batch, forward, logical_kv,
     )  # fmt: skip
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
     from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import reserve_batch
 
-    apply_plugin_hooks()
     report: Dict[str, object] = {}
-    with build_sharded_stack(ctx, StackConfig(layer_num=LAYERS, cp_shared_kv=True)) as stack:
+    with sharded_stack(ctx, StackConfig(layer_num=LAYERS, cp_shared_kv=True)) as stack:
         locs, base = stack.alloc_extend(torch.empty((0,), dtype=torch.int64), len(PREFIX), 0)
         stack.insert(PREFIX, locs, base)
         stack.cache.flush_pending_backups()

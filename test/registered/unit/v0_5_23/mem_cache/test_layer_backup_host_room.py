@@ -58,13 +58,12 @@ def _fill_host(stack, chains: Sequence[Tuple[str, int, int]]) -> None:
 
 
 def _rank(ctx: RankContext) -> Dict[str, object]:
-    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import apply_plugin_hooks, extend_batch
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import extend_batch
+    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
     from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of, reserve_batch
 
-    apply_plugin_hooks()
     config = StackConfig(device_pages_per_rank=4, host_to_device_ratio=1.0, cp_shared_kv=True)
-    with build_sharded_stack(ctx, config) as stack:
+    with sharded_stack(ctx, config) as stack:
         slots = stack.kv_host_pool._slots
         _fill_host(stack, FILL)
         free_before = tuple(slots.class_free_page_counts())

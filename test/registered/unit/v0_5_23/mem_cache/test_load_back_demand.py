@@ -42,13 +42,11 @@ def _lane_counts(locs: torch.Tensor, lanes: int) -> List[int]:
 def _rank(ctx: RankContext) -> Dict[str, object]:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import apply_plugin_hooks
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
 
-    apply_plugin_hooks()
     lanes = ctx.world_size
     config = StackConfig(device_pages_per_rank=DEVICE_PAGES, host_to_device_ratio=2.0, cp_shared_kv=True)
-    with build_sharded_stack(ctx, config) as stack:
+    with sharded_stack(ctx, config) as stack:
         h = _insert(stack, 0, base=1, pages=lanes + 1)
         stack.cache.flush_pending_backups()
         stack.cache.writing_check()
