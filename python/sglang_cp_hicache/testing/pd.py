@@ -9,7 +9,9 @@ Line-agnostic pieces of the PD harness (each line's rank bodies live in
 * :func:`role_env` is what each process needs for SGLang's Mooncake backend on loopback TCP:
   the engine pinned to 127.0.0.1 and to TCP, the CP-ranks-transfer switch, PD timeouts;
 * :func:`serve_bootstrap` is the bootstrap server's role (upstream's
-  ``MooncakeKVBootstrapServer``, as the prefill server's main process runs it).
+  ``MooncakeKVBootstrapServer``, as the prefill server's main process runs it);
+* :func:`run_pd_cluster`, :func:`run_fault_cluster` and :func:`prefill_startup_failure`
+  run a line's roles, given as its :class:`PDLine` adapter (``<line>.pd_harness.LINE``).
 
 SGLang's PD threads (prefill bootstrap, decode, heartbeat) are non-daemon and block on ZMQ
 forever, so a role never returns through the interpreter's shutdown: its process reports
@@ -324,10 +326,61 @@ def hold_if_asked(channel: RoleChannel, scenario: Any) -> None:
         channel.wait(GO, timeout_s=_GO_WAIT_S)
 
 
+#: How long the bootstrap server may take, once every prefill rank reported
+#: :data:`REGISTERED`, to list the prefill as registered (each rank's PUT already returned).
+REGISTRATION_VISIBLE_S = 10.0
+
+
 def wait_registered(cluster: "PDCluster", names: List[str], timeout_s: float) -> None:
-    """Block until every named prefill role reported :data:`REGISTERED`."""
+    """Block until every named prefill role reported :data:`REGISTERED` and the cluster's
+    bootstrap server lists the prefill as registered; a prefill that reports but never
+    registered fails here, naming the bootstrap server, not as a decode's long wait."""
     for name in names:
         cluster.roles[name].wait_event(REGISTERED, timeout_s)
+    wait_prefill_registered(LOOPBACK, cluster.ports.bootstrap, REGISTRATION_VISIBLE_S)
+
+
+@dataclass(frozen=True)
+class PDLine:
+    """One SGLang line's PD roles, the adapter the line-agnostic cluster runners take:
+    ``prefill_role(channel, rank, scenario, ports)`` serves ``scenario`` as CP rank
+    ``rank`` (reporting :data:`REGISTERED` once its KV manager registered) and returns its
+    outcomes; ``decode_role(channel, scenario, ports, rids=None)`` serves the scenario's
+    requests (or only ``rids``) and returns its report. Both module-level (they run in
+    role processes)."""
+
+    prefill_role: Callable[..., Any]
+    decode_role: Callable[..., Any]
+
+
+def prefill_names(cp_size: int) -> List[str]:
+    """The prefill roles' names in a cluster of ``cp_size`` ranks."""
+    return [f"prefill{r}" for r in range(cp_size)]
+
+
+def run_pd_cluster(
+    line: PDLine,
+    scenario: Any,
+    timeout_s: float = 150.0,
+    prefill_env: PDEnv = PDEnv(),
+    decode_env: PDEnv = PDEnv(),
+) -> Dict[str, Any]:
+    """Run ``scenario`` on one cluster of ``line``'s roles (bootstrap, ``cp_size`` prefill
+    ranks, one decode), every process ended on return. Returns each role's result by name
+    (``prefill<r>``: the rank's outcomes; ``decode``: the decode's report), ``all_ended``
+    and ``wall_s``."""
+    start = time.monotonic()
+    names = prefill_names(scenario.cp_size)
+    with PDCluster() as cluster:
+        cluster.start_bootstrap()
+        for rank, name in enumerate(names):
+            cluster.start(name, line.prefill_role, rank, scenario, cluster.ports, env=prefill_env)
+        wait_registered(cluster, names, timeout_s)
+        cluster.start("decode", line.decode_role, scenario, cluster.ports, env=decode_env)
+        results = cluster.results(names + ["decode"], timeout_s)
+    results["all_ended"] = all(r.process.exitcode is not None for r in cluster.roles.values())
+    results["wall_s"] = time.monotonic() - start
+    return results
 
 
 def _with_registration_wait(channel: RoleChannel, wait_s: float, role_ref: Tuple[str, str, str], *args: Any) -> Any:
@@ -338,16 +391,14 @@ def _with_registration_wait(channel: RoleChannel, wait_s: float, role_ref: Tuple
     return _resolve_function(role_ref)(channel, *args)
 
 
-def prefill_startup_failure(
-    prefill_role: Callable[..., Any], scenario: Any, timeout_s: float, registration_wait_s: float
-) -> str:
-    """Start ``scenario.cp_size`` ranks of a line's ``prefill_role`` against a bootstrap
+def prefill_startup_failure(line: PDLine, scenario: Any, timeout_s: float, registration_wait_s: float) -> str:
+    """Start ``scenario.cp_size`` ranks of ``line``'s prefill role against a bootstrap
     address nobody serves (the cluster starts no bootstrap server), each rank waiting
     ``registration_wait_s`` for it (the plugin's bound, 10 s when served; a test needs no
     more than a few), and return the first rank's failure (its traceback); raise
     AssertionError if every rank started and served."""
-    names = [f"prefill{r}" for r in range(scenario.cp_size)]
-    role_ref = _function_ref(prefill_role)
+    names = prefill_names(scenario.cp_size)
+    role_ref = _function_ref(line.prefill_role)
     with PDCluster() as cluster:
         for rank, name in enumerate(names):
             cluster.start(
@@ -361,15 +412,14 @@ def prefill_startup_failure(
 
 
 def run_fault_cluster(
-    prefill_role: Callable[..., Any],
-    decode_role: Callable[..., Any],
+    line: PDLine,
     scenario: Any,
     rids: Tuple[str, str, str],
     prefill_env: PDEnv,
     no_env_decode: PDEnv,
     timeout_s: float,
 ) -> Dict[str, Any]:
-    """The fault cluster of either line, at ``scenario.cp_size``: ``rids`` = (killed,
+    """The fault cluster of ``line``'s roles, at ``scenario.cp_size``: ``rids`` = (killed,
     no-env, next). decode-a serves the killed request and dies once its first chunk went
     out (the prefill ranks wait at their ``chunk-sent`` checkpoint meanwhile); decode-b,
     started with ``no_env_decode``, serves no-env; decode-c serves next. The prefill ranks
@@ -377,15 +427,15 @@ def run_fault_cluster(
     bootstrap timeout bounds the metadata's way only, not a decode's start. Every role's
     result by name (not decode-a's), and ``all_ended``."""
     killed, no_env, following = rids
-    prefills = [f"prefill{r}" for r in range(scenario.cp_size)]
+    prefills = prefill_names(scenario.cp_size)
     scenario = dataclasses.replace(scenario, hold_after_registering=True)
     with PDCluster() as cluster:
         cluster.start_bootstrap()
         for rank, name in enumerate(prefills):
-            cluster.start(name, prefill_role, rank, scenario, cluster.ports, env=prefill_env)
+            cluster.start(name, line.prefill_role, rank, scenario, cluster.ports, env=prefill_env)
         wait_registered(cluster, prefills, timeout_s)
         for name, rid in (("decode-a", killed), ("decode-c", following)):
-            cluster.start(name, decode_role, scenario, cluster.ports, [rid])
+            cluster.start(name, line.decode_role, scenario, cluster.ports, [rid])
         for name in ("decode-a", "decode-c"):
             cluster.roles[name].wait_event("ready", timeout_s)
         for name in prefills:
@@ -393,7 +443,7 @@ def run_fault_cluster(
         for name in prefills:
             cluster.roles[name].wait_event("chunk-sent", timeout_s)
         cluster.kill("decode-a")
-        decode_b = cluster.start("decode-b", decode_role, scenario, cluster.ports, [no_env], env=no_env_decode)
+        decode_b = cluster.start("decode-b", line.decode_role, scenario, cluster.ports, [no_env], env=no_env_decode)
         decode_b.wait_event("ready", timeout_s)
         for name in prefills:
             cluster.roles[name].reply("chunk-sent")
@@ -419,6 +469,31 @@ def wait_until_serving(host: str, port: int, timeout_s: float) -> None:
             last = error
         time.sleep(0.05)
     raise BootstrapUnreachable(f"PD bootstrap server {url} did not answer within {timeout_s:.0f} s: {last}")
+
+
+def wait_prefill_registered(host: str, port: int, timeout_s: float) -> None:
+    """Poll the bootstrap server until it serves the prefill's parallel info (what a
+    decode asks first: ``GET /route`` with every rank -1 answers 200 only once every
+    prefill rank registered); raise :class:`RoleFailed` naming the address otherwise."""
+    url = f"http://{host}:{port}/route"
+    query = {"prefill_dp_rank": -1, "prefill_cp_rank": -1, "target_tp_rank": -1, "target_pp_rank": -1}
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while True:
+        try:
+            response = requests.get(url, params=query, timeout=1.0)
+            if response.status_code == 200:
+                return
+            last = f"HTTP {response.status_code}: {response.text}"
+        except requests.RequestException as error:
+            last = error
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    raise RoleFailed(
+        f"the prefill is not registered with bootstrap server {host}:{port} within "
+        f"{timeout_s:.0f} s of its ranks reporting {REGISTERED!r}: {last}"
+    )
 
 
 def serve_bootstrap(channel: RoleChannel, host: str, port: int, lifetime_s: float) -> None:
@@ -787,6 +862,7 @@ __all__ = [
     "LOOPBACK",
     "PDCluster",
     "PDEnv",
+    "PDLine",
     "PDPorts",
     "PLANTS",
     "PDRequest",
@@ -805,10 +881,13 @@ __all__ = [
     "hold_if_asked",
     "init_transfer_engine",
     "load_plugins",
+    "prefill_names",
     "prefill_startup_failure",
     "role_env",
     "run_fault_cluster",
+    "run_pd_cluster",
     "serve_bootstrap",
+    "wait_prefill_registered",
     "wait_registered",
     "wait_until_serving",
 ]

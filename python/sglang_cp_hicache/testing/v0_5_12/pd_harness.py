@@ -42,6 +42,7 @@ from sglang_cp_hicache.testing.pd import (
     DecodeReport,
     ErrorLog,
     EvictDevice,
+    PDLine,
     PDPorts,
     PLANTS,
     PDRequest,
@@ -717,7 +718,13 @@ def decode_role(channel: RoleChannel, scenario: PDScenario, ports: PDPorts, rids
         return server.report(outcomes)
 
 
+#: This line's roles for the line-agnostic cluster runners of ``testing.pd``
+#: (``run_pd_cluster``, ``run_fault_cluster``, ``prefill_startup_failure``).
+LINE = PDLine(prefill_role=prefill_rank_role, decode_role=decode_role)
+
+
 __all__ = [
+    "LINE",
     "DecodeOutcome",
     "DecodeReport",
     "EvictDevice",

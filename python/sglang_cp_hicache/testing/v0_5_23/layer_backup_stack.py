@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import torch
 
 from sglang_cp_hicache.testing.dist import RankContext
+from sglang_cp_hicache.testing.v0_5_23.stack import apply_plugin_hooks
 
 #: ``--max-prefill-tokens``' default: the input tokens one prefill batch may carry.
 MAX_PREFILL_TOKENS = 16384
@@ -28,20 +29,6 @@ MAX_PREFILL_TOKENS = 16384
 #: One request of a forward batch: its logical locs and its logical KV, (latent
 #: [layer, token, 1, dim], indexer [layer, page, bytes]) identical on every rank.
 BatchItem = Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
-
-
-def apply_plugin_hooks() -> None:
-    """The plugin's hooks applied in this process (every one of them in place)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    from sglang_cp_hicache.plugin import register
-    from sglang_cp_hicache.v0_5_23.hooks import missing_hooks
-
-    register()
-    HookRegistry.apply_hooks()
-    missing = missing_hooks()
-    if missing:
-        raise RuntimeError(f"plugin hooks not in place: {missing}")
 
 
 def logical_kv(stack: Any, num_tokens: int, layers: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -30,8 +30,9 @@ upstream's PD code reads of them), and the runtime context's parallel groups (gl
 
 Entry points (stable names):
 
-* :func:`run_pd_cluster` -- one scenario on a fresh cluster (bootstrap, ``cp_size`` prefill
-  rank processes, one decode), every process ended on return;
+* :data:`LINE` -- this line's roles for ``testing.pd``'s line-agnostic runners
+  (``run_pd_cluster(LINE, scenario)``: one scenario on a fresh cluster, bootstrap,
+  ``cp_size`` prefill rank processes, one decode, every process ended on return);
 * :func:`prefill_rank_role` / :func:`decode_role` -- the roles, for a
   :class:`~sglang_cp_hicache.testing.pd.PDCluster` a caller arranges itself (faults);
 * in-process, for another harness that already runs the prefill ranks (the simulator's
@@ -68,8 +69,7 @@ from sglang_cp_hicache.testing.pd import (
     DecodeReport,
     ErrorLog,
     EvictDevice,
-    PDCluster,
-    PDEnv,
+    PDLine,
     PDPorts,
     PLANTS,
     PDRequest,
@@ -83,7 +83,6 @@ from sglang_cp_hicache.testing.pd import (
     hold_if_asked,
     init_transfer_engine,
     load_plugins,
-    wait_registered,
 )
 
 PAGE_SIZE = 64  # DSA's indexer pages
@@ -907,33 +906,13 @@ def decode_role(
     return server.report(outcomes)
 
 
-# ------------------------------------------------------------------ one cluster
-def prefill_names(cp_size: int) -> List[str]:
-    return [f"prefill{r}" for r in range(cp_size)]
-
-
-def run_pd_cluster(
-    scenario: PDScenario, timeout_s: float = 150.0, prefill_env: PDEnv = PDEnv(), decode_env: PDEnv = PDEnv()
-) -> Dict[str, Any]:
-    """Run ``scenario`` on one cluster (bootstrap, ``cp_size`` prefill ranks, one decode),
-    every process ended on return. Returns each role's result by name (``prefill<r>``: a
-    list of :class:`PrefillOutcome`; ``decode``: a :class:`DecodeReport`), ``all_ended``
-    and ``wall_s``."""
-    start = time.monotonic()
-    names = prefill_names(scenario.cp_size)
-    with PDCluster() as cluster:
-        cluster.start_bootstrap()
-        for rank, name in enumerate(names):
-            cluster.start(name, prefill_rank_role, rank, scenario, cluster.ports, env=prefill_env)
-        wait_registered(cluster, names, timeout_s)
-        cluster.start("decode", decode_role, scenario, cluster.ports, env=decode_env)
-        results = cluster.results(names + ["decode"], timeout_s)
-    results["all_ended"] = all(r.process.exitcode is not None for r in cluster.roles.values())
-    results["wall_s"] = time.monotonic() - start
-    return results
+#: This line's roles for the line-agnostic cluster runners of ``testing.pd``
+#: (``run_pd_cluster``, ``run_fault_cluster``, ``prefill_startup_failure``).
+LINE = PDLine(prefill_role=prefill_rank_role, decode_role=decode_role)
 
 
 __all__ = [
+    "LINE",
     "PDScenario",
     "PLANTS",
     "planted_filter",
@@ -946,9 +925,7 @@ __all__ = [
     "PrefillRank",
     "count_kv_mismatches",
     "decode_role",
-    "prefill_names",
     "prefill_rank_role",
-    "run_pd_cluster",
     "store_tokens",
     "write_owned_kv",
 ]

@@ -30,11 +30,12 @@ and the root ``conftest.py`` do).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import logging
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -468,6 +469,47 @@ def build_sharded_stack(ctx: RankContext, config: StackConfig = StackConfig()) -
     )
 
 
+_hooks_applied: List[bool] = []  # once per process: a second apply would wrap the targets again
+
+
+def apply_plugin_hooks() -> None:
+    """Register the 0.5.23 line's hooks and apply them in this process (a rank), once;
+    raises naming any hook not in place."""
+    if _hooks_applied:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_cp_hicache.plugin import register
+    from sglang_cp_hicache.v0_5_23.hooks import missing_hooks
+
+    register()
+    HookRegistry.apply_hooks()
+    missing = missing_hooks()
+    if missing:
+        raise RuntimeError(f"plugin hooks not in place: {missing}")
+    _hooks_applied.append(True)
+
+
+@contextlib.contextmanager
+def sharded_stack(
+    ctx: RankContext, config: StackConfig = StackConfig(), *, plugin_hooks: bool = True
+) -> Iterator[RankStack]:
+    """A multi-rank test's stack: the plugin's hooks applied in this rank (unless
+    ``plugin_hooks`` is False: upstream alone), then :func:`build_sharded_stack`. On exit,
+    also on error, it closes what it opened: the stack (host pools, the cache's atexit
+    hook) and the runtime context it published (server args), restored as found."""
+    from sglang.srt.runtime_context import restore_context, snapshot_context
+
+    if plugin_hooks:
+        apply_plugin_hooks()
+    before = snapshot_context()
+    try:
+        with build_sharded_stack(ctx, config) as stack:
+            yield stack
+    finally:
+        restore_context(before)
+
+
 def build_unsharded_stack(tp_group: Any, config: StackConfig = StackConfig()) -> RankStack:
     """The replicated reference: one rank holding every page (``tp_group``: its cache's
     TP group, e.g. :func:`~sglang_cp_hicache.testing.dist.single_rank_world`)."""
@@ -514,6 +556,8 @@ __all__ = [
     "SCRATCH_PREFIX_CONTEXTS",
     "StackConfig",
     "TreeNodeView",
+    "apply_plugin_hooks",
     "build_sharded_stack",
     "build_unsharded_stack",
+    "sharded_stack",
 ]

@@ -18,30 +18,13 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
+from sglang_cp_hicache.testing.v0_5_23.stack import apply_plugin_hooks
+
 logger = logging.getLogger(__name__)
 
 #: Bounded waits: a hang fails the test instead of stalling CI.
 WAIT_STEPS = 400
 WAIT_STEP_S = 0.01
-
-
-_hooks_applied = []  # once per process: a second apply would wrap the targets again
-
-
-def apply_plugin_hooks() -> None:
-    """Register the 0.5.23 line's hooks and apply them in this process (a rank), once."""
-    if _hooks_applied:
-        return
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    from sglang_cp_hicache.plugin import register
-    from sglang_cp_hicache.v0_5_23.hooks import missing_hooks
-
-    register()
-    HookRegistry.apply_hooks()
-    missing = missing_hooks()
-    assert not missing, missing
-    _hooks_applied.append(True)
 
 
 def publish_prefill_cp_topology(stack: Any) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Tuple
 
 import pytest
 
@@ -23,17 +23,12 @@ from sglang_cp_hicache.testing.pd import (
     PDEnv,
     RoleFailed,
     free_port,
+    prefill_names,
     prefill_startup_failure,
     run_fault_cluster,
-    wait_registered,
+    run_pd_cluster,
 )
-from sglang_cp_hicache.testing.v0_5_12.pd_harness import (
-    EvictDevice,
-    PDRequest,
-    PDScenario,
-    decode_role,
-    prefill_rank_role,
-)
+from sglang_cp_hicache.testing.v0_5_12.pd_harness import LINE, EvictDevice, PDRequest, PDScenario
 
 PS = 64
 RUN_TIMEOUT_S = 150.0
@@ -71,32 +66,12 @@ def _serving_steps(unreachable_port: int = None, planted: bool = False) -> Tuple
     return tuple(steps) + (PLANTED if planted else ())
 
 
-def _prefill_names(cp: int) -> List[str]:
-    return [f"prefill{r}" for r in range(cp)]
-
-
-def _run(scenario: PDScenario) -> Dict[str, Any]:
-    """One cluster: bootstrap, cp prefill ranks, one decode; every role's result, and
-    whether every process had ended after the cluster closed."""
-    start = time.monotonic()
-    with PDCluster() as cluster:
-        cluster.start_bootstrap()
-        for rank, name in enumerate(_prefill_names(scenario.cp_size)):
-            cluster.start(name, prefill_rank_role, rank, scenario, cluster.ports)
-        wait_registered(cluster, _prefill_names(scenario.cp_size), RUN_TIMEOUT_S)
-        cluster.start("decode", decode_role, scenario, cluster.ports)
-        results = cluster.results(_prefill_names(scenario.cp_size) + ["decode"], RUN_TIMEOUT_S)
-    results["all_ended"] = all(r.process.exitcode is not None for r in cluster.roles.values())
-    results["wall_s"] = time.monotonic() - start
-    return results
-
-
 @functools.lru_cache(maxsize=None)
 def _served(cp: int, draft: bool) -> Dict[str, Any]:
     unreachable = free_port() if (cp, draft) == (2, False) else None
     plants = () if draft else tuple((spec.rid, PLANT_AT[cp]) for spec in PLANTED)
     steps = _serving_steps(unreachable, planted=bool(plants))
-    results = _run(PDScenario(cp_size=cp, steps=steps, draft=draft, plants=plants))
+    results = run_pd_cluster(LINE, PDScenario(cp_size=cp, steps=steps, draft=draft, plants=plants), RUN_TIMEOUT_S)
     results["unreachable_port"] = unreachable
     return results
 
@@ -130,7 +105,7 @@ def test_no_page_lands_outside_what_the_decode_granted(cp, draft):
 
 @pytest.mark.parametrize("cp,draft", GRID, ids=GRID_IDS)
 def test_prefixes_came_from_device_host_and_chunked_prefill(cp, draft):
-    for name in _prefill_names(cp):
+    for name in prefill_names(cp):
         outcomes = _by_rid(_served(cp, draft)[name])
         assert outcomes["fresh-chunked"].chunks == 3  # forwards end at 128 | 293 (mid-page) | 330
         assert outcomes["host-hit"].host_hit_tokens == 4 * PS  # loaded back, device wiped before
@@ -146,7 +121,7 @@ def test_each_rank_sends_exactly_the_pages_it_owns(cp, draft):
     page_bytes = layers * (KV_BYTES_PER_PAGE_LAYER + INDEX_BYTES_PER_PAGE_LAYER)
     run = _served(cp, draft)
     for rid, tokens in (("fresh-chunked", len(H)), ("fresh", len(D))):
-        per_rank = [_by_rid(run[name])[rid] for name in _prefill_names(cp)]
+        per_rank = [_by_rid(run[name])[rid] for name in prefill_names(cp)]
         assert [o.payload_bytes for o in per_rank] == [o.owned_pages * page_bytes for o in per_rank]
         assert sum(o.owned_pages for o in per_rank) == -(-tokens // PS)
 
@@ -155,7 +130,7 @@ def test_each_rank_sends_exactly_the_pages_it_owns(cp, draft):
 def test_prefill_pools_and_host_tier_unchanged_and_nothing_leaks(cp, draft):
     run = _served(cp, draft)
     planted = [] if draft else [spec.rid for spec in PLANTED]
-    for name in _prefill_names(cp):
+    for name in prefill_names(cp):
         assert [o.rid for o in run[name]] == list(SERVED) + planted
         for o in run[name]:
             assert o.success, f"{name} {o.rid}: {o.failure}"
@@ -185,7 +160,7 @@ def test_planted_filter_bug_fails_the_byte_check_not_the_status(cp):
     outcomes = [o for o in run["decode"].outcomes if o.rid in rids]
     assert [o.rid for o in outcomes] == rids
     assert all(o.success for o in outcomes)  # both sides report Success ...
-    assert all(_by_rid(run[name])[rid].success for name in _prefill_names(cp) for rid in rids)
+    assert all(_by_rid(run[name])[rid].success for name in prefill_names(cp) for rid in rids)
     assert all(o.kv_mismatches > 0 for o in outcomes)  # ... only the bytes are wrong
     assert run["decode"].final_planted_kv_mismatches > 0
     assert run["decode"].off_grant_pages_changed == 0  # wrong bytes, still in granted slots
@@ -208,14 +183,12 @@ def _faults() -> Dict[str, Any]:
     SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER; decode-c serves the next request."""
     scenario = PDScenario(cp_size=2, steps=(KILLED, NO_ENV, NEXT), pause_after_chunk="killed")
     rids = (KILLED.rid, NO_ENV.rid, NEXT.rid)
-    return run_fault_cluster(
-        prefill_rank_role, decode_role, scenario, rids, FAULT_PREFILL_ENV, NO_ENV_DECODE, RUN_TIMEOUT_S
-    )
+    return run_fault_cluster(LINE, scenario, rids, FAULT_PREFILL_ENV, NO_ENV_DECODE, RUN_TIMEOUT_S)
 
 
 def test_decode_killed_mid_transfer_fails_the_request_frees_it_and_serves_the_next():
     run = _faults()
-    for name in _prefill_names(2):
+    for name in prefill_names(2):
         outcomes = _by_rid(run[name])
         killed = outcomes["killed"]
         assert not killed.success
@@ -237,10 +210,10 @@ def test_decode_without_all_cp_ranks_transfer_fails_loudly_never_with_wrong_kv()
     assert "timed out" in received.failure or any("timed out" in m for m in received.errors_logged), received
     assert received.granted_pages > 0 and received.granted_pages_touched == 0
     assert run["decode-b"].off_grant_pages_changed == 0
-    for name in _prefill_names(2):
+    for name in prefill_names(2):
         sent = _by_rid(run[name])["no-env"]
         assert not sent.success and sent.leaked == []
-    assert any("timed out" in _by_rid(run[name])["no-env"].failure for name in _prefill_names(2))
+    assert any("timed out" in _by_rid(run[name])["no-env"].failure for name in prefill_names(2))
     assert run["all_ended"]
 
 
@@ -277,6 +250,6 @@ def test_prefill_with_its_bootstrap_unreachable_stops_at_startup_naming_it():
     host:port (upstream alone retries ~15 s, logs "Connection refused" without the address,
     then serves on unregistered, every request failing later by timeout)."""
     scenario = PDScenario(cp_size=2, steps=())
-    failure = prefill_startup_failure(prefill_rank_role, scenario, RUN_TIMEOUT_S, registration_wait_s=2)
+    failure = prefill_startup_failure(LINE, scenario, RUN_TIMEOUT_S, registration_wait_s=2)
     assert "PDBootstrapUnreachable: PD prefill: bootstrap server 127.0.0.1:" in failure, failure
     assert "did not accept a connection within 2 s" in failure, failure

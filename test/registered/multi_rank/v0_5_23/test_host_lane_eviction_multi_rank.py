@@ -27,17 +27,6 @@ STEPS = 30
 MAX_HOST_LOCKS = 6
 
 
-def _apply_plugin_hooks() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    from sglang_cp_hicache.plugin import register
-    from sglang_cp_hicache.v0_5_23.hooks import missing_hooks
-
-    register()
-    HookRegistry.apply_hooks()
-    assert not missing_hooks(), missing_hooks()
-
-
 def _digest(stack) -> str:
     return hashlib.sha256(repr(stack.tree_snapshot()).encode()).hexdigest()
 
@@ -56,15 +45,14 @@ def _host_node(stack, tokens: List[int]) -> Any:
 def _churn(ctx: RankContext) -> Tuple[List[Tuple[str, Tuple[int, ...], Tuple[int, ...]]], Any]:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
     from sglang_cp_hicache.v0_5_23.mem_cache.host_lane_eviction import STATS
 
-    _apply_plugin_hooks()
     config = StackConfig(device_pages_per_rank=6, host_to_device_ratio=1.0, cp_shared_kv=True)
     rng, trace = random.Random(20261202), []
     chains: List[Tuple[List[int], int]] = []  # (tokens, rotation base) of every insert
     locks: List[Tuple[Any, Any]] = []  # (host node, its lock's release params)
-    with build_sharded_stack(ctx, config) as stack:
+    with sharded_stack(ctx, config) as stack:
         slots = stack.kv_host_pool._slots
         host_start = slots.class_free_page_counts()
         for step in range(STEPS):

@@ -31,11 +31,9 @@ FAILURES = ("skips_layer0", "ends_after_layer0", "raises_after_layer0")
 
 
 def _stack(ctx: RankContext, cp_shared_kv: bool):
-    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import apply_plugin_hooks
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
 
-    apply_plugin_hooks()
-    return build_sharded_stack(ctx, StackConfig(layer_num=LAYERS, cp_shared_kv=cp_shared_kv))
+    return sharded_stack(ctx, StackConfig(layer_num=LAYERS, cp_shared_kv=cp_shared_kv))
 
 
 class FakeModel:

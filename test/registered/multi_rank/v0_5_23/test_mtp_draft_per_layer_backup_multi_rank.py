@@ -29,12 +29,9 @@ SKIPS = ("draft_forward_without_its_layer", "target_forward_before_the_draft")
 
 
 def _stack(ctx: RankContext, cp_shared_kv: bool):
-    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import apply_plugin_hooks
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
 
-    apply_plugin_hooks()
-    config = StackConfig(layer_num=LAYERS, cp_shared_kv=cp_shared_kv, mtp_draft=True)
-    return build_sharded_stack(ctx, config)
+    return sharded_stack(ctx, StackConfig(layer_num=LAYERS, cp_shared_kv=cp_shared_kv, mtp_draft=True))
 
 
 def _kv(stack, tokens):

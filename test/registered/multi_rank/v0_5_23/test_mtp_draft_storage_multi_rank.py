@@ -31,10 +31,9 @@ FAULT_PAGE = 2
 
 
 def _stack(ctx: RankContext, mtp_draft: bool):
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
 
-    config = StackConfig(layer_num=LAYERS, cp_shared_kv=True, mtp_draft=mtp_draft)
-    return build_sharded_stack(ctx, config)
+    return sharded_stack(ctx, StackConfig(layer_num=LAYERS, cp_shared_kv=True, mtp_draft=mtp_draft))
 
 
 def _kv(stack, tokens):
@@ -52,7 +51,6 @@ def write_run(ctx: RankContext, folders: Dict[str, str]) -> Dict[str, int]:
     ``folders["target_only"]``: the objects each wrote (every rank sees the same folder)."""
     from sglang_cp_hicache.testing.v0_5_23 import storage
 
-    storage.apply_plugin_hooks()
     for name, mtp_draft in (("draft", True), ("target_only", False)):
         with _stack(ctx, mtp_draft) as stack:
             storage.attach_storage(stack, "file", extra={"file_storage_path": folders[name]})
@@ -86,7 +84,6 @@ def read_run(ctx: RankContext, folder: str, fault: str) -> Dict[str, object]:
     from sglang_cp_hicache.testing.v0_5_23 import storage
     from sglang_cp_hicache.testing.v0_5_23.mtp_draft import device_layer_mismatches
 
-    storage.apply_plugin_hooks()
     report: Dict[str, object] = {}
     with _stack(ctx, mtp_draft=True) as stack:
         backend = storage.attach_storage(stack, "file", extra={"file_storage_path": folder})

@@ -1,6 +1,6 @@
 """SGLang 0.5.23's native sharded DSA HiCache stack, real on every rank of a gloo CP group.
 
-Each rank builds its own real stack (``testing.v0_5_23.stack.build_sharded_stack``) and runs
+Each rank builds its own real stack (``testing.v0_5_23.stack.sharded_stack``) and runs
 the same logical workload: three requests (one extends another's prefix, one is a single
 page), write-through backup, device eviction, host hits, load-back. Each rank writes the
 bytes of the full logical KV (MLA latent rows and DSA indexer pages, one seeded draw shared
@@ -132,10 +132,10 @@ def scenario(ctx: RankContext, mem_layout: str) -> Dict[str, object]:
     """One rank's share of the workload; returns what the main process compares."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
 
     report: Dict[str, object] = {}
-    with build_sharded_stack(ctx, StackConfig(mem_layout=mem_layout)) as stack:
+    with sharded_stack(ctx, StackConfig(mem_layout=mem_layout), plugin_hooks=False) as stack:
         start = (stack.device_available(), stack.host_available())
         kvs = _logical_kvs(stack)
         for (tokens, shared), kv in zip(REQUESTS, kvs):
@@ -205,10 +205,10 @@ def test_free_counts_return_after_everything_is_evicted(reports):
 
 def zero_owned_backup(ctx: RankContext) -> Dict[str, object]:
     from sglang_cp_hicache.testing.device import CPU_DEVICE_MODULE
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
 
     report: Dict[str, object] = {}
-    with build_sharded_stack(ctx, StackConfig()) as stack:
+    with sharded_stack(ctx, StackConfig(), plugin_hooks=False) as stack:
         kv = _logical_kv(stack, _C)
         locs, base = stack.alloc_extend(torch.empty((0,), dtype=torch.int64), PAGE)
         owner = int(stack.placement.owner_of(locs[:1]))

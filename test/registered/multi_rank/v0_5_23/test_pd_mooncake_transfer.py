@@ -21,16 +21,12 @@ from sglang_cp_hicache.testing.pd import (
     PDEnv,
     PDRequest,
     free_port,
+    prefill_names,
     prefill_startup_failure,
     run_fault_cluster,
-)
-from sglang_cp_hicache.testing.v0_5_23.pd_harness import (
-    PDScenario,
-    decode_role,
-    prefill_names,
-    prefill_rank_role,
     run_pd_cluster,
 )
+from sglang_cp_hicache.testing.v0_5_23.pd_harness import LINE, PDScenario
 
 PS = 64
 RUN_TIMEOUT_S = 150.0
@@ -70,7 +66,7 @@ def _serving_steps(unreachable_port: int = None) -> Tuple[Any, ...]:
 def _served(cp: int) -> Dict[str, Any]:
     unreachable = free_port() if cp == 2 else None
     scenario = PDScenario(cp_size=cp, steps=_serving_steps(unreachable), plants=((PLANTED_RID, PLANT_AT[cp]),))
-    results = run_pd_cluster(scenario, RUN_TIMEOUT_S)
+    results = run_pd_cluster(LINE, scenario, RUN_TIMEOUT_S)
     results["unreachable_port"] = unreachable
     return results
 
@@ -181,9 +177,7 @@ def _faults() -> Dict[str, Any]:
     hit on no-env's prefix)."""
     scenario = PDScenario(cp_size=2, steps=(KILLED, NO_ENV, NEXT), pause_after_chunk="killed", draft=True)
     rids = (KILLED.rid, NO_ENV.rid, NEXT.rid)
-    return run_fault_cluster(
-        prefill_rank_role, decode_role, scenario, rids, FAULT_PREFILL_ENV, NO_ENV_DECODE, RUN_TIMEOUT_S
-    )
+    return run_fault_cluster(LINE, scenario, rids, FAULT_PREFILL_ENV, NO_ENV_DECODE, RUN_TIMEOUT_S)
 
 
 def test_decode_killed_mid_transfer_fails_the_request_frees_it_and_serves_the_next():
@@ -242,6 +236,6 @@ def test_prefill_with_its_bootstrap_unreachable_stops_at_startup_naming_it():
     host:port (upstream alone retries ~15 s, then serves on unregistered, every request
     failing later by timeout)."""
     scenario = PDScenario(cp_size=2, steps=())
-    failure = prefill_startup_failure(prefill_rank_role, scenario, RUN_TIMEOUT_S, registration_wait_s=2)
+    failure = prefill_startup_failure(LINE, scenario, RUN_TIMEOUT_S, registration_wait_s=2)
     assert "PDBootstrapUnreachable: PD prefill: bootstrap server 127.0.0.1:" in failure, failure
     assert "did not accept a connection within 2 s" in failure, failure

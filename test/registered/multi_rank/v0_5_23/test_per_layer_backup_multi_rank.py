@@ -1,6 +1,6 @@
 """Per-layer D2H backup on SGLang 0.5.23's REAL sharded stack, on every rank of a gloo CP group.
 
-Each rank builds the real stack (``build_sharded_stack``, the plugin's flag on, the plugin's
+Each rank builds the real stack (``sharded_stack``, the plugin's flag on, the plugin's
 hooks applied) and runs the same logical workload: host slots reserved before a forward for
 each request's new pages, then a forward whose layers store their KV through the sharded
 pool's own ``set_mla_kv_buffer`` (the store hook reports each layer), then the insert and
@@ -28,11 +28,9 @@ SKIPS = ("layer1_first", "ends_after_layer0", "stored_in_parts")
 
 
 def _stack(ctx: RankContext, cp_shared_kv: bool, **config):
-    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import apply_plugin_hooks
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
 
-    apply_plugin_hooks()
-    return build_sharded_stack(ctx, StackConfig(layer_num=LAYERS, cp_shared_kv=cp_shared_kv, **config))
+    return sharded_stack(ctx, StackConfig(layer_num=LAYERS, cp_shared_kv=cp_shared_kv, **config))
 
 
 def _logical_kv(stack, token_ids: Sequence[int]):

@@ -89,12 +89,11 @@ def _evict_read(stack, tokens: List[int], rid: str) -> Dict[str, object]:
 
 def attach_run(ctx: RankContext, backend_name: str, extra: dict) -> Dict[str, object]:
     from sglang_cp_hicache.testing.v0_5_23 import storage
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
 
-    storage.apply_plugin_hooks()
     config = StackConfig(cp_shared_kv=True, mem_layout=LAYOUTS[backend_name])
     report: Dict[str, object] = {}
-    with build_sharded_stack(ctx, config) as stack:
+    with sharded_stack(ctx, config) as stack:
         cache, controller = stack.cache, stack.controller
         report["started_without_storage"] = (
             not cache.enable_storage and controller.storage_backend is None

@@ -34,10 +34,10 @@ OUTAGE_BOUND_S = 15.0
 
 
 def _stack(ctx: RankContext):
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
 
     # Mooncake's zero-copy path needs a page-first host layout.
-    return build_sharded_stack(ctx, StackConfig(cp_shared_kv=True, mem_layout="page_first"))
+    return sharded_stack(ctx, StackConfig(cp_shared_kv=True, mem_layout="page_first"))
 
 
 def _indexer_key(backend, page: int) -> str:
@@ -59,7 +59,6 @@ def mooncake_run(ctx: RankContext, config: dict, master_pid: int) -> Dict[str, o
     backend's test)."""
     from sglang_cp_hicache.testing.v0_5_23 import storage
 
-    storage.apply_plugin_hooks()
     report: Dict[str, object] = {}
     with _stack(ctx) as stack:
         backend = storage.attach_storage(stack, "mooncake", extra=config)

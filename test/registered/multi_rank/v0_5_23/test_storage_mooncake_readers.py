@@ -80,13 +80,12 @@ def write_and_hold(
     """cp 2 writer: each mode's stack stores TOKENS and stays attached; then the rank holds
     (clients and segments alive) until released. Per mode: namespace id and KV digest."""
     from sglang_cp_hicache.testing.v0_5_23 import storage
-    from sglang_cp_hicache.testing.v0_5_23.stack import build_sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
-    storage.apply_plugin_hooks()
     report: Dict[str, object] = {}
     with contextlib.ExitStack() as held:
         for mode, mtp_draft in MODES.items():
-            stack = held.enter_context(build_sharded_stack(ctx, _config(mtp_draft, sharded=True)))
+            stack = held.enter_context(sharded_stack(ctx, _config(mtp_draft, sharded=True)))
             backend = storage.attach_storage(stack, "mooncake", model_name=MODEL, extra=config)
             held.callback(storage.detach_storage, stack)
             target, draft = _kv(stack)
@@ -170,12 +169,11 @@ def read_at_cp1(ctx: RankContext, config: dict) -> Dict[str, Dict[str, object]]:
 
 def read_at_cp4(ctx: RankContext, config: dict) -> Dict[str, Dict[str, object]]:
     from sglang_cp_hicache.testing.v0_5_23 import storage
-    from sglang_cp_hicache.testing.v0_5_23.stack import build_sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
-    storage.apply_plugin_hooks()
     reports = {}
     for mode, mtp_draft in MODES.items():
-        with build_sharded_stack(ctx, _config(mtp_draft, sharded=True)) as stack:
+        with sharded_stack(ctx, _config(mtp_draft, sharded=True)) as stack:
             reports[mode] = _read(stack, config, MODEL)
     return reports
 

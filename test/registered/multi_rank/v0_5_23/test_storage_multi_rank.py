@@ -31,15 +31,14 @@ FAULT_PAGE = 2
 
 
 def _stack(ctx: RankContext, layout: str = "layer_first"):
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
 
-    return build_sharded_stack(ctx, StackConfig(cp_shared_kv=True, mem_layout=layout))
+    return sharded_stack(ctx, StackConfig(cp_shared_kv=True, mem_layout=layout))
 
 
 def write_run(ctx: RankContext, folder: str) -> Dict[str, object]:
     from sglang_cp_hicache.testing.v0_5_23 import storage
 
-    storage.apply_plugin_hooks()
     with _stack(ctx) as stack:
         backend = storage.attach_storage(stack, "file", extra={"file_storage_path": folder})
         for tokens in (TOKENS, OTHER):
@@ -108,7 +107,6 @@ def read_run(
 ) -> Dict[str, object]:  # fmt: skip
     from sglang_cp_hicache.testing.v0_5_23 import storage
 
-    storage.apply_plugin_hooks()
     report: Dict[str, object] = {}
     with _stack(ctx, layout) as stack:
         backend = storage.attach_storage(

@@ -47,12 +47,11 @@ def write_run(ctx: RankContext, folders: Dict[str, str]) -> Dict[str, object]:
     """cp 2 writer: target-only into ``folders["target"]``, with the draft into
     ``folders["draft"]``; each folder's namespace id and object count."""
     from sglang_cp_hicache.testing.v0_5_23 import storage
-    from sglang_cp_hicache.testing.v0_5_23.stack import build_sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
-    storage.apply_plugin_hooks()
     report: Dict[str, object] = {}
     for name, mtp_draft in (("target", False), ("draft", True)):
-        with build_sharded_stack(ctx, _config(mtp_draft, sharded=True)) as stack:
+        with sharded_stack(ctx, _config(mtp_draft, sharded=True)) as stack:
             backend = storage.attach_storage(stack, "file", extra={"file_storage_path": folders[name]})
             storage.store_request(stack, TOKENS, *_kv(stack))
             report[name] = backend.namespace.namespace_id

@@ -3,7 +3,9 @@ server, AROUND upstream's ``CommonKVManager._register_topology_row``.
 
 Flag off: upstream's method, called once with the same arguments, even for an address
 nobody serves. Flag on and the address unreachable: one error naming host:port, upstream's
-registration never tried. (The whole path, with the real KV manager in prefill rank
+registration never tried. Flag on and the address served: upstream's registration, called
+once with the same arguments (a prefill that skips it is never found by a decode, which
+only a long PD hang showed before). (The whole path, with the real KV manager in prefill rank
 processes: ``multi_rank/v0_5_23/test_pd_mooncake_transfer.py``.)
 """
 
@@ -56,6 +58,18 @@ def test_flag_off_is_upstreams_registration(publish) -> None:
     publish(False)
     original, manager, url, payload = MagicMock(return_value=None), MagicMock(), _unserved_url(), {"a": 1}
     assert register_topology_row_around(original, manager, url, payload) is None
+    original.assert_called_once_with(manager, url, payload)
+    assert manager.mock_calls == []
+
+
+def test_flag_on_a_reachable_bootstrap_gets_upstreams_registration(publish) -> None:
+    publish(True)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        url, payload = f"http://127.0.0.1:{server.getsockname()[1]}/route", {"attn_cp_rank": 1}
+        original, manager = MagicMock(return_value=None), MagicMock()
+        assert register_topology_row_around(original, manager, url, payload) is None
     original.assert_called_once_with(manager, url, payload)
     assert manager.mock_calls == []
 

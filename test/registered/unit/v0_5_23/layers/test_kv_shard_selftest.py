@@ -1,4 +1,5 @@
-"""The 0.5.23 startup self-test's hook, batch, kernel sets and scratch line, in one process.
+"""The 0.5.23 startup self-test's hook, batch, kernel sets, first-mismatch finder and scratch
+line, in one process.
 
 The comparison itself runs across gloo ranks in
 ``test/registered/multi_rank/v0_5_23/test_kv_shard_selftest_multi_rank.py``.
@@ -144,3 +145,38 @@ def test_the_startup_scratch_line_for_glm5_at_128k(caplog):
         assert figure == expected
     assert lines["bfloat16"].startswith("CP rank 5/8: KV-shard scratch: 2.53 GiB per rank (bfloat16")
     assert lines["fp8_e4m3"].startswith("CP rank 5/8: KV-shard scratch: 1.55 GiB per rank (fp8_e4m3")
+
+
+def _record(**changed):
+    """One layer's record of small distinct tensors; ``changed`` replaces fields."""
+    base = dict(
+        gather_kv=torch.arange(8, dtype=torch.uint8),
+        gather_index=torch.arange(8, 16, dtype=torch.uint8),
+        index_read=(torch.arange(16, 24, dtype=torch.uint8), torch.arange(24, 28, dtype=torch.uint8)),
+        topk=torch.tensor([[3, 1, -1]], dtype=torch.int32),
+        table_rows=torch.arange(28, 36, dtype=torch.uint8),
+        attention=torch.arange(36, 44, dtype=torch.uint8),
+    )
+    base.update(changed)
+    return kv_shard_selftest.LayerRecord(**base)
+
+
+@pytest.mark.parametrize(
+    "changed, what",
+    [
+        ({"index_read": (torch.arange(17, 25, dtype=torch.uint8), torch.arange(24, 28, dtype=torch.uint8))},
+         "index-K keys read"),
+        ({"index_read": (torch.arange(16, 24, dtype=torch.uint8), torch.tensor([24, 25, 26, 0], dtype=torch.uint8))},
+         "index-K scales read"),
+        ({"topk": torch.tensor([[1, 3, -1]], dtype=torch.int32)}, "top-k"),
+        ({"topk": torch.tensor([[3, 1]], dtype=torch.int32)}, "top-k"),  # a shape differs
+    ],
+)
+def test_the_first_mismatch_of_records_differing_only_in_the_indexer_is_the_indexer_stage(changed, what):
+    """Layer 0 equal, layer 1 differs only in what the indexer read or selected: the
+    finder names the indexer stage and the field, not a later stage or a pass."""
+    replicated = kv_shard_selftest.SideRun(records=[_record(), _record()])
+    sharded = kv_shard_selftest.SideRun(records=[_record(), _record(**changed)])
+    assert kv_shard_selftest._first_mismatch(replicated, replicated) is None
+    stage, detail = kv_shard_selftest._first_mismatch(sharded, replicated)
+    assert stage == "indexer" and detail.startswith(f"layer 1: {what} differ"), (stage, detail)

@@ -65,17 +65,6 @@ class Outcome:
     new_chain_bases: Optional[Tuple[int, ...]] = None  # the extends' bases (spread only)
 
 
-def _apply_plugin_hooks() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    from sglang_cp_hicache.plugin import register
-    from sglang_cp_hicache.v0_5_23.hooks import missing_hooks
-
-    register()
-    HookRegistry.apply_hooks()
-    assert not missing_hooks(), missing_hooks()
-
-
 def _tokens(index: int, pages: int) -> List[int]:
     return list(range(1000 * (index + 1), 1000 * (index + 1) + pages * PAGE))
 
@@ -167,12 +156,12 @@ def _extend(stack, pages: int, index: int = 99) -> Tuple[Tuple[int, ...], int]:
 def _run(ctx: RankContext, name: str, cp_shared_kv: bool) -> Outcome:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
     from sglang_cp_hicache.v0_5_23.mem_cache.lane_eviction import STATS
 
     chains = SCENARIOS[name]
     config = StackConfig(device_pages_per_rank=4, host_to_device_ratio=4.0, cp_shared_kv=cp_shared_kv)
-    with build_sharded_stack(ctx, config) as stack:
+    with sharded_stack(ctx, config) as stack:
         if name == "through_parent":
             _fill_branch(stack)
         if name == "load_exact":
@@ -209,7 +198,6 @@ def _run(ctx: RankContext, name: str, cp_shared_kv: bool) -> Outcome:
 
 
 def _rank(ctx: RankContext) -> Dict[Tuple[str, bool], Outcome]:
-    _apply_plugin_hooks()
     return {(name, flag): _run(ctx, name, flag) for name in SCENARIOS for flag in (True, False)}
 
 

@@ -49,17 +49,6 @@ class Outcome:
     free_pages_returned: bool  # after evicting everything, every lane's free pages are back
 
 
-def _apply_plugin_hooks() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    from sglang_cp_hicache.plugin import register
-    from sglang_cp_hicache.v0_5_23.hooks import missing_hooks
-
-    register()
-    HookRegistry.apply_hooks()
-    assert not missing_hooks(), missing_hooks()
-
-
 def _prompts(name: str) -> List[List[int]]:
     if name == "unrelated":
         return [list(range(first, first + pages * PAGE)) for first, pages in UNRELATED]
@@ -120,10 +109,10 @@ def _run(ctx: RankContext, name: str, cp_shared_kv: bool) -> Outcome:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     from sglang_cp_hicache.sim.v0_5_23.checks import verify_hit, write_prefill_kv
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
 
     config = StackConfig(device_pages_per_rank=8, host_to_device_ratio=4.0, cp_shared_kv=cp_shared_kv)
-    with build_sharded_stack(ctx, config) as stack:
+    with sharded_stack(ctx, config) as stack:
         free_start = tuple(stack.allocator.class_free_page_counts())
         prompts = _prompts(name)
         locs, bases = _alloc_batch(stack, prompts)
@@ -159,7 +148,6 @@ def _run(ctx: RankContext, name: str, cp_shared_kv: bool) -> Outcome:
 
 
 def _rank(ctx: RankContext) -> Dict[Tuple[str, bool], Outcome]:
-    _apply_plugin_hooks()
     names = [*BATCHES, "unrelated"]
     return {(name, flag): _run(ctx, name, flag) for name in names for flag in (True, False)}
 

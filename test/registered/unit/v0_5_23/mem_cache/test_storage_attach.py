@@ -33,11 +33,10 @@ def _storage_state(stack) -> Tuple[object, ...]:
 
 def verdicts(ctx: RankContext, flag: bool, backends: Tuple[str, ...]) -> Dict[str, object]:
     from sglang_cp_hicache.testing.v0_5_23 import storage
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
 
-    storage.apply_plugin_hooks()
     report: Dict[str, object] = {}
-    with build_sharded_stack(ctx, StackConfig(cp_shared_kv=flag)) as stack:
+    with sharded_stack(ctx, StackConfig(cp_shared_kv=flag)) as stack:
         before = _storage_state(stack)
         assert before[:3] == (False, None, None), before
         for backend in backends:
