@@ -47,7 +47,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Set, Tuple
 
-from sglang_cp_hicache.core.lane_eviction import cyclic_lane_counts, lane_deficit, plan_lane_victims
+from sglang_cp_hicache.core.lane_eviction import lane_deficit, plan_lane_victims
+from sglang_cp_hicache.core.rotation import lane_page_counts, run_lane_counts
 from sglang_cp_hicache.v0_5_23.mem_cache.lane_eviction import lane_aware
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class _BackupRoom:
 
     def demand(self, lanes: int) -> List[int]:
         """Host pages per owner lane: a cyclic run from ``start_owner``."""
-        return cyclic_lane_counts(self.start_owner, self.pages, lanes)
+        return run_lane_counts(self.start_owner, self.pages, lanes)
 
 
 _backup_room: contextvars.ContextVar[Optional[_BackupRoom]] = contextvars.ContextVar(
@@ -140,11 +141,8 @@ class HostLaneEvictor:
         """``node``'s host pages per owner lane, read off its logical host slots (CPU
         indices: no device sync)."""
         host_value = node.component_data[_full_type()].host_value
-        owners = (host_value[:: self.page_size] // self.page_size % self.lanes).tolist()
-        counts = [0] * self.lanes
-        for owner in owners:
-            counts[owner] += 1
-        return counts
+        logical_pages = (host_value[:: self.page_size] // self.page_size).tolist()
+        return lane_page_counts(logical_pages, self.lanes)
 
     def _component(self) -> Any:
         component = self.cache.tree_core.components_by_type[_full_type()]

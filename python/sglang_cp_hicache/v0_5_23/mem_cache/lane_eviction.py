@@ -67,12 +67,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from sglang_cp_hicache.core.lane_eviction import (
-    cyclic_lane_counts,
     extend_lane_demand,
     first_page_leaders,
     lane_deficit,
     plan_lane_victims,
 )
+from sglang_cp_hicache.core.rotation import lane_of, run_lane_counts
 from sglang_cp_hicache.v0_5_23.server_args import cp_shared_kv_enabled
 
 logger = logging.getLogger(__name__)
@@ -246,7 +246,7 @@ class DeviceLaneEvictor:
                 "KV sharding; its pages' owner lanes are unknown"
             )
         pages = len(node.component_data[_full_type()].value) // self.allocator.page_size
-        return cyclic_lane_counts(phase, pages, self.allocator.shard_size)
+        return run_lane_counts(phase, pages, self.allocator.shard_size)
 
     @property
     def priority(self) -> Callable[[Any], Any]:
@@ -488,7 +488,7 @@ def build_load_back_spec_around(original: Callable, tree_core: Any, *args: Any, 
         page_size, lanes = room.allocator.page_size, room.allocator.shard_size
         if len(host):
             first_page, pages = int(host[0]) // page_size, len(host) // page_size
-            room.demand = cyclic_lane_counts(first_page, pages, lanes)
+            room.demand = run_lane_counts(lane_of(first_page, lanes), pages, lanes)
     return spec
 
 

@@ -38,6 +38,7 @@ import torch
 
 from sglang_cp_hicache.core.forward_reservations import ForwardReservations, Next
 from sglang_cp_hicache.core.per_layer_backup import PerLayerBackup, PerLayerBackupIncomplete
+from sglang_cp_hicache.core.rotation import owner_of
 from sglang_cp_hicache.v0_5_23.mem_cache.l2_transfer import (
     DeviceBackupStreams,
     L2LayerTransfers,
@@ -68,6 +69,7 @@ class CacheLayerBackup:
         controller = cache.cache_controller
         self.cache = cache
         self.page_size = cache.page_size
+        self.lanes = cache.token_to_kv_pool_allocator.shard_size  # owner lanes of the rotation
         self.reservations: ForwardReservations[ReservedWrite, int] = ForwardReservations()
         self.pipeline: PerLayerBackup[ReservedWrite, MergedTransfer] = PerLayerBackup(
             L2LayerTransfers(controller),
@@ -272,7 +274,7 @@ def reserve_batch(cache: Any, reqs: List[Any]) -> Dict[str, int]:
             continue
         locs = row_of[req.kv.req_pool_idx, start:end].to(torch.int64)
         base = req.kv_rotation_base
-        owner = None if base is None else base + start // page
+        owner = None if base is None else owner_of(base, start // page, backup.lanes)
         ticket = backup.reserve(req.rid, locs, owner)
         if ticket is not None:
             tickets[req.rid] = ticket

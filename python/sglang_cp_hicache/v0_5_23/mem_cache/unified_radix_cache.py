@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from sglang_cp_hicache.core.rotation import OwnerLane, base_for, owner_of
 from sglang_cp_hicache.v0_5_23.mem_cache.hybrid_cache.hybrid_cache_controller import (
     START_OWNER_ATTR,
 )
@@ -59,14 +60,14 @@ def anchor_depth_tokens(cache: Any, node_id: Any) -> int:
     return depth
 
 
-def next_page_owner(cache: Any, node_id: Any, depth_tokens: int) -> Optional[int]:
+def next_page_owner(cache: Any, node_id: Any, depth_tokens: int) -> Optional[OwnerLane]:
     """The owner class of the page after ``node_id`` on its rotation chain, or None when
     the node starts no chain (the root)."""
     base = cache.tree_core.rotation_base_of(node_id)
     if base is None:
         return None
     shard_size = cache.cache_controller.mem_pool_host.anchor_entry.host_pool.shard_size
-    return (base + depth_tokens // cache.page_size) % shard_size
+    return owner_of(base, depth_tokens // cache.page_size, shard_size)
 
 
 def prefetch_from_storage_around(
@@ -122,7 +123,7 @@ def _set_fetched_rotation_bases(cache: Any, anchor_id: Any, fetched_key: Any) ->
         host_value = node.component_data[ComponentType.FULL].host_value
         if node.rotation_base is None and host_value is not None and len(host_value):
             owner = int(host_pool.placement.owner_of(host_value[:1].to(torch.int64))[0])
-            node.rotation_base = (owner - depth // page) % host_pool.shard_size
+            node.rotation_base = base_for(owner, depth // page, host_pool.shard_size)
         depth += len(node.key)
         key = key[len(node.key) :]
 

@@ -114,13 +114,13 @@ def _fill_host(stack, chains: Sequence[Chain]) -> None:
 
 def _lane_pages_match_slots(stack) -> bool:
     """The evictor's lane pages equal the owners the rotation phase gives each host node."""
-    from sglang_cp_hicache.core.lane_eviction import cyclic_lane_counts
+    from sglang_cp_hicache.core.rotation import run_lane_counts
     from sglang_cp_hicache.v0_5_23.mem_cache.host_lane_eviction import HostLaneEvictor
 
     evictor, core = HostLaneEvictor(stack.cache), stack.cache.tree_core
     for node in core.evictable_host_leaves:
         phase, pages = core.rotation_phase_of(node.id), len(node.key) // PAGE
-        if evictor.lane_pages(node) != cyclic_lane_counts(phase, pages, LANES):
+        if evictor.lane_pages(node) != run_lane_counts(phase, pages, LANES):
             return False
     return True
 
