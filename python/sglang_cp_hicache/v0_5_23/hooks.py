@@ -41,6 +41,7 @@ _OURS_ARGS = "sglang_cp_hicache.v0_5_23.server_args"
 _LANE_EVICTION = "sglang_cp_hicache.v0_5_23.mem_cache.lane_eviction"
 _URC = "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"
 _LAYER_BACKUP = "sglang_cp_hicache.v0_5_23.mem_cache.layer_backup"
+_EXTENSION = "sglang_cp_hicache.v0_5_23.mem_cache.cache_extension"
 
 HOOKS: Tuple[HookSpec, ...] = (
     # The flag on the command line. from_cli_args copies only record fields, so the parsed
@@ -62,6 +63,11 @@ HOOKS: Tuple[HookSpec, ...] = (
         "sglang_cp_hicache.v0_5_23.arg_groups.kv_shard_hook:validate_dsa_backend_around",
         "AROUND",
     ),
+    # One extension per sharded cache (v0_5_23/mem_cache/cache_extension.py): the mode
+    # decided once when the cache is built, its host side when HiCache is; every hook
+    # below finds it, or calls upstream's function unchanged.
+    HookSpec(f"{_URC}.__init__", f"{_EXTENSION}:cache_init_after", "AFTER"),
+    HookSpec(f"{_URC}.init_hicache", f"{_EXTENSION}:init_hicache_after", "AFTER"),
     # Lane-aware device eviction (v0_5_23/mem_cache/lane_eviction.py): under the flag and
     # the sharded allocator, room is made only from victims on a short owner lane. The
     # extend's exact draws first, then the load-back's (and any caller's) evict_for_alloc,

@@ -39,6 +39,7 @@ import torch
 from sglang_cp_hicache.core.forward_reservations import ForwardReservations, Next
 from sglang_cp_hicache.core.per_layer_backup import PerLayerBackup, PerLayerBackupIncomplete
 from sglang_cp_hicache.core.rotation import owner_of
+from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import extension_of
 from sglang_cp_hicache.v0_5_23.mem_cache.l2_transfer import (
     DeviceBackupStreams,
     L2LayerTransfers,
@@ -48,9 +49,6 @@ from sglang_cp_hicache.v0_5_23.mem_cache.l2_transfer import (
 )
 
 logger = logging.getLogger(__name__)
-
-_CACHE_ATTR = "_cp_hicache_layer_backup"
-_LISTENER_ATTR = "_cp_hicache_layer_listener"
 
 
 class PerLayerBackupUnavailable(RuntimeError):
@@ -200,27 +198,24 @@ def _ongoing(ticket: int) -> Any:
     return _OngoingWriteThrough(ticket, None, [])
 
 
-# ------------------------------------------------------------------------------ registry
+# ---------------------------------------------------------------- the cache's extension
 def layer_backup_of(cache: Any) -> Optional[CacheLayerBackup]:
     """The cache's per-layer backup, None when not attached (flag off, unsharded)."""
-    try:
-        return vars(cache).get(_CACHE_ATTR)
-    except TypeError:
-        return None
+    extension = extension_of(cache)
+    return None if extension is None else extension.layer_backup
 
 
 def _listener_of(device_pool: Any) -> Any:
-    try:
-        return vars(device_pool).get(_LISTENER_ATTR)
-    except TypeError:
-        return None
+    """The backup stage ``device_pool``'s KV stores feed (its cache's extension's)."""
+    extension = extension_of(device_pool)
+    return None if extension is None else extension.listener_of(device_pool)
 
 
 def attach(cache: Any, draft_layer_num: Optional[int] = None) -> CacheLayerBackup:
     """Give ``cache`` (HiCache initialised, sharded) per-layer backups; fail fast naming
     what this stack lacks."""
-    cc = cache.cache_controller
-    if cc is None or not getattr(cc, "is_kv_sharded", False):
+    cc, extension = cache.cache_controller, extension_of(cache)
+    if cc is None or not getattr(cc, "is_kv_sharded", False) or extension is None:
         raise PerLayerBackupUnavailable("per-layer backup needs HiCache over upstream's KV sharding")
     problem = per_layer_problem(cc)
     if problem is not None:
@@ -232,11 +227,12 @@ def attach(cache: Any, draft_layer_num: Optional[int] = None) -> CacheLayerBacku
         draft_layer_num = getattr(native_host, "_draft_layer_num", 0)
     shard_rank = getattr(anchor.host_pool, "shard_rank", 0)
     backup = CacheLayerBackup(cache, device_pool.layer_num, draft_layer_num, f"CP rank {shard_rank}")
-    setattr(cache, _CACHE_ATTR, backup)
-    setattr(device_pool, _LISTENER_ATTR, backup)
-    for entry in cc.mem_pool_host.entry_map.values():
-        for draft_pool in entry.packed_draft_device_pools:
-            setattr(draft_pool, _LISTENER_ATTR, backup.pipeline.draft_stage)
+    listeners = [(device_pool, backup)] + [
+        (draft_pool, backup.pipeline.draft_stage)
+        for entry in cc.mem_pool_host.entry_map.values()
+        for draft_pool in entry.packed_draft_device_pools
+    ]
+    extension.attach_layer_backup(backup, listeners)
     return backup
 
 

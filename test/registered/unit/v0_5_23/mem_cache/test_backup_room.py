@@ -21,15 +21,16 @@ class _TreeCore:
 
 def _spec_in_scope(tree_core: _TreeCore, pages: int):
     """Run ``build_backup_spec_around`` inside a backup scope; return the scope's room."""
+    from types import SimpleNamespace
+
+    from sglang_cp_hicache.v0_5_23.mem_cache import cache_extension
     from sglang_cp_hicache.v0_5_23.mem_cache import host_lane_eviction as hle
 
-    token = hle._backup_room.set(hle._BackupRoom())
-    try:
-        spec = hle.build_backup_spec_around(lambda core, node_id: ([0] * pages * 64, {}), tree_core, 7)
-        assert len(spec[0]) == pages * 64
-        return hle._backup_room.get()
-    finally:
-        hle._backup_room.reset(token)
+    extension = SimpleNamespace(backup_room=hle._BackupRoom())  # the scope, opened
+    cache_extension._register(tree_core, extension)
+    spec = hle.build_backup_spec_around(lambda core, node_id: ([0] * pages * 64, {}), tree_core, 7)
+    assert len(spec[0]) == pages * 64
+    return extension.backup_room
 
 
 def test_the_spec_records_the_node_without_reading_its_phase() -> None:
