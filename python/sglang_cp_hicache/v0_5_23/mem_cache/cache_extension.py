@@ -20,10 +20,11 @@ weak (it dies with the cache), written only here.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Generic, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,25 @@ class ChainStarts:
             self.per_base[base] += 1
 
 
+Value = TypeVar("Value")
+
+
+class CallScope(Generic[Value]):
+    """What one scheduler-thread call has open (None outside it): set for a block and
+    restored after it, so a call nested in another finds the outer value again."""
+
+    def __init__(self) -> None:
+        self.value: Optional[Value] = None
+
+    @contextlib.contextmanager
+    def opened(self, value: Value) -> Iterator[Value]:
+        outer, self.value = self.value, value
+        try:
+            yield value
+        finally:
+            self.value = outer
+
+
 class CpCacheExtension:
     """The plugin's state for one sharded ``UnifiedRadixCache`` (one per scheduler rank).
 
@@ -97,10 +117,10 @@ class CpCacheExtension:
         )
         self.anchor_skips = 0
         # The call running on the scheduler thread: the extend's resolved rotation bases,
-        # the load-back's room, the backup's room (None outside such a call).
-        self.extend_room: Optional[List[int]] = None
-        self.load_room: Optional[Any] = None  # lane_eviction._LoadRoom
-        self.backup_room: Optional[Any] = None  # host_lane_eviction._BackupRoom
+        # the load-back's room, the backup's room.
+        self.extend_room: CallScope[List[int]] = CallScope()
+        self.load_room: CallScope[Any] = CallScope()  # lane_eviction._LoadRoom
+        self.backup_room: CallScope[Any] = CallScope()  # host_lane_eviction._BackupRoom
 
     # ---------------------------------------------------------------- the layer backup
     def attach_layer_backup(self, backup: Any, listeners: Sequence[Tuple[Any, Any]]) -> None:
@@ -134,6 +154,13 @@ def extension_of(obj: Any) -> Optional[CpCacheExtension]:
         return _EXTENSIONS.get(obj)
     except TypeError:
         return None
+
+
+def host_extension_of(cache: Any) -> Optional[CpCacheExtension]:
+    """``cache``'s extension when its KV host pool is the sharded one (decided once, at
+    ``init_hicache``): the backups' host room and the L3 owner storage apply."""
+    extension = extension_of(cache)
+    return extension if extension is not None and extension.host_lanes else None
 
 
 def _is_sharded_allocator(allocator: Any) -> bool:
@@ -171,6 +198,7 @@ def init_hicache_after(result: Any, cache: Any, *args: Any, **kwargs: Any) -> No
 
 
 __all__ = [
+    "CallScope",
     "ChainStarts",
     "CpCacheExtension",
     "LaneEvictionStats",
@@ -178,5 +206,6 @@ __all__ = [
     "RoomStats",
     "cache_init_after",
     "extension_of",
+    "host_extension_of",
     "init_hicache_after",
 ]

@@ -49,7 +49,11 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Set, Tuple
 
 from sglang_cp_hicache.core.lane_eviction import lane_deficit, plan_lane_victims
 from sglang_cp_hicache.core.rotation import lane_page_counts, run_lane_counts
-from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import CpCacheExtension, extension_of
+from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import (
+    CpCacheExtension,
+    extension_of,
+    host_extension_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -201,40 +205,26 @@ class HostLaneEvictor:
         stats.evicted_tokens += evicted
 
 
-def _host_lane_extension(cache: Any) -> Optional[CpCacheExtension]:
-    """``cache``'s extension when its KV host pool is the sharded one (decided once, at
-    ``init_hicache``)."""
-    extension = extension_of(cache)
-    return extension if extension is not None and extension.host_lanes else None
-
-
 @contextlib.contextmanager
 def backup_room(cache: Any, start_owner: Optional[int], num_tokens: int) -> Iterator[None]:
     """Within, ``cache.evict_host`` makes lane-aware room for a backup of ``num_tokens``
     (page-aligned) logical tokens whose host slots start on owner lane ``start_owner``."""
-    extension = _host_lane_extension(cache)
+    extension = host_extension_of(cache)
     if start_owner is None or not num_tokens or extension is None:
         yield
         return
-    outer = extension.backup_room
-    extension.backup_room = _BackupRoom(start_owner, num_tokens // cache.page_size)
-    try:
+    with extension.backup_room.opened(_BackupRoom(start_owner, num_tokens // cache.page_size)):
         yield
-    finally:
-        extension.backup_room = outer
 
 
 # ------------------------------------------------------------------------- the hooks
 def execute_and_commit_kv_backup_around(original: Callable, cache: Any, *args: Any, **kwargs: Any):
     """``UnifiedRadixCache._execute_and_commit_kv_backup``: the backup scope."""
-    extension = _host_lane_extension(cache)
+    extension = host_extension_of(cache)
     if extension is None:
         return original(cache, *args, **kwargs)
-    outer, extension.backup_room = extension.backup_room, _BackupRoom()
-    try:
+    with extension.backup_room.opened(_BackupRoom()):
         return original(cache, *args, **kwargs)
-    finally:
-        extension.backup_room = outer
 
 
 def build_backup_spec_around(original: Callable, tree_core: Any, node_id: Any, *args: Any, **kwargs: Any):
@@ -242,7 +232,7 @@ def build_backup_spec_around(original: Callable, tree_core: Any, node_id: Any, *
     host draws per lane (its rotation phase is the ``start_owner`` of its host slots)."""
     spec = original(tree_core, node_id, *args, **kwargs)
     extension = extension_of(tree_core)
-    room = None if extension is None else extension.backup_room
+    room = None if extension is None else extension.backup_room.value
     if room is not None:
         room.start_owner, room.node = None, (tree_core, node_id)
         room.pages = len(spec[0]) // tree_core.page_size
@@ -254,7 +244,7 @@ def evict_host_around(original: Callable, cache: Any, num_tokens: int, *args: An
     per-lane room: ``num_tokens`` when the lanes hold it (made or already there), 0 when
     they cannot be made to (nothing evicted). Anywhere else: upstream's walk."""
     extension = extension_of(cache)
-    room = None if extension is None else extension.backup_room
+    room = None if extension is None else extension.backup_room.value
     component_type = args[0] if args else kwargs.get("component_type", _full_type())
     if (
         room is None

@@ -310,11 +310,8 @@ def alloc_paged_token_slots_extend_around(
     evictor = DeviceLaneEvictor(extension)
     leaders = first_page_leaders([_first_page_key(req, evictor.page_size) for req in batch.reqs])
     resolved = evictor.make_extend_room(bases, prefix, [int(n) for n in seq_lens_cpu], leaders)
-    outer, extension.extend_room = extension.extend_room, resolved
-    try:
+    with extension.extend_room.opened(resolved):
         out = call()
-    finally:
-        extension.extend_room = outer
     # Upstream raised if the batch drew nothing: count the chains it started.
     started = zip(resolved, bases, leaders)
     extension.chain_starts.add(
@@ -338,9 +335,9 @@ def kv_shard_rotation_bases_around(original: Callable, *args: Any, **kwargs: Any
     """``allocation._kv_shard_rotation_bases``: inside a lane-aware extend, the bases its
     room was made for (a new list: the allocator resolves its entries in place)."""
     extension = extension_of(kwargs.get("tree_cache"))
-    if extension is None or extension.extend_room is None:
+    if extension is None or extension.extend_room.value is None:
         return original(*args, **kwargs)
-    return list(extension.extend_room)
+    return list(extension.extend_room.value)
 
 
 def evict_for_alloc_around(
@@ -353,7 +350,7 @@ def evict_for_alloc_around(
     """``UnifiedRadixCache.evict_for_alloc``: lane-aware room for a load-back's exact draws
     or for upstream's target."""
     extension = extension_of(cache)
-    if extension is not None and extension.extend_room is not None:
+    if extension is not None and extension.extend_room.value is not None:
         from sglang.srt.mem_cache.base_prefix_cache import EvictResult
 
         return EvictResult()  # the extend's exact room is already made
@@ -365,7 +362,7 @@ def evict_for_alloc_around(
     ):
         return original(cache, params, allocation_reclaim_satisfied=allocation_reclaim_satisfied)
     evictor = DeviceLaneEvictor(extension)
-    room = extension.load_room
+    room = extension.load_room.value
     if room is not None and room.demand is not None:
         return evictor.make_room(room.demand, "load_back")
     target = evictor.allocator.available_size() + params.num_tokens
@@ -378,11 +375,8 @@ def load_back_transfers_around(original: Callable, cache: Any, **kwargs: Any):
     extension = extension_of(cache)
     if extension is None:
         return original(cache, **kwargs)
-    outer, extension.load_room = extension.load_room, _LoadRoom(extension.allocator)
-    try:
+    with extension.load_room.opened(_LoadRoom(extension.allocator)):
         return original(cache, **kwargs)
-    finally:
-        extension.load_room = outer
 
 
 def build_load_back_spec_around(original: Callable, tree_core: Any, *args: Any, **kwargs: Any):
@@ -392,7 +386,7 @@ def build_load_back_spec_around(original: Callable, tree_core: Any, *args: Any, 
     the draws exactly (a cyclic run: the tree core loads one chain's consecutive pages)."""
     spec = original(tree_core, *args, **kwargs)
     extension = extension_of(tree_core)
-    room = None if extension is None else extension.load_room
+    room = None if extension is None else extension.load_room.value
     if room is not None:
         host = spec[0].host_indices
         page_size, lanes = room.allocator.page_size, room.allocator.shard_size
@@ -409,7 +403,7 @@ def component_available_size_around(original: Callable, cache: Any, component_ty
     lane short of what the load needs when it is not. Anywhere else: upstream's answer."""
     available = original(cache, component_type)
     extension = extension_of(cache)
-    room = None if extension is None else extension.load_room
+    room = None if extension is None else extension.load_room.value
     if room is None or room.demand is None:
         return available
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType

@@ -29,15 +29,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from sglang_cp_hicache.core.rotation import OwnerLane, base_for, owner_of
-from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import CpCacheExtension, extension_of
+from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import host_extension_of
 
 logger = logging.getLogger(__name__)
-
-
-def _storage_extension(cache: Any) -> Optional[CpCacheExtension]:
-    """``cache``'s extension when its KV host pool is the sharded one (owner storage)."""
-    extension = extension_of(cache)
-    return extension if extension is not None and extension.host_lanes else None
 
 
 def anchor_depth_tokens(cache: Any, node_id: Any) -> int:
@@ -63,7 +57,7 @@ def next_page_owner(cache: Any, node_id: Any, depth_tokens: int) -> Optional[Own
 def prefetch_from_storage_around(
     original: Callable, cache: Any, request: Any, last_host_node_id: Any, *args, **kwargs
 ) -> Optional[bool]:
-    extension = _storage_extension(cache)
+    extension = host_extension_of(cache)
     if extension is None:
         return original(cache, request, last_host_node_id, *args, **kwargs)
     matched = kwargs.get("matched_prefix_tokens")
@@ -93,7 +87,7 @@ def handle_prefetch_result_around(original: Callable, cache: Any, operation: Any
     _kv_shard_rotation_bases`` asserts). Each new node on the fetched path gets the base of
     the chain its host slots were drawn on: owner of its first host page minus its
     position-page (the load-back keeps host owners; replicated state, every rank alike)."""
-    extension = _storage_extension(cache)
+    extension = host_extension_of(cache)
     if extension is None:
         return original(cache, operation)
     info = cache.ongoing_prefetch.get(operation.handle)

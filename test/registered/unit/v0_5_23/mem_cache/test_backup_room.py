@@ -26,11 +26,12 @@ def _spec_in_scope(tree_core: _TreeCore, pages: int):
     from sglang_cp_hicache.v0_5_23.mem_cache import cache_extension
     from sglang_cp_hicache.v0_5_23.mem_cache import host_lane_eviction as hle
 
-    extension = SimpleNamespace(backup_room=hle._BackupRoom())  # the scope, opened
+    extension = SimpleNamespace(backup_room=cache_extension.CallScope())
     cache_extension._register(tree_core, extension)
-    spec = hle.build_backup_spec_around(lambda core, node_id: ([0] * pages * 64, {}), tree_core, 7)
+    with extension.backup_room.opened(hle._BackupRoom()) as room:
+        spec = hle.build_backup_spec_around(lambda core, node_id: ([0] * pages * 64, {}), tree_core, 7)
     assert len(spec[0]) == pages * 64
-    return extension.backup_room
+    return room
 
 
 def test_the_spec_records_the_node_without_reading_its_phase() -> None:
