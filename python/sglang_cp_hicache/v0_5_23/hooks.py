@@ -64,10 +64,14 @@ HOOKS: Tuple[HookSpec, ...] = (
         "AROUND",
     ),
     # One extension per sharded cache (v0_5_23/mem_cache/cache_extension.py): the mode
-    # decided once when the cache is built, its host side when HiCache is; every hook
-    # below finds it, or calls upstream's function unchanged.
+    # decided once when the cache is built, its host side and per-layer backup when HiCache
+    # is; every hook below finds it, or calls upstream's function unchanged.
     HookSpec(f"{_URC}.__init__", f"{_EXTENSION}:cache_init_after", "AFTER"),
-    HookSpec(f"{_URC}.init_hicache", f"{_EXTENSION}:init_hicache_after", "AFTER"),
+    HookSpec(
+        f"{_URC}.init_hicache",
+        "sglang_cp_hicache.v0_5_23.mem_cache.hicache_init:init_hicache_after",
+        "AFTER",
+    ),
     # Lane-aware device eviction (v0_5_23/mem_cache/lane_eviction.py): under the flag and
     # the sharded allocator, room is made only from victims on a short owner lane. The
     # extend's exact draws first, then the load-back's (and any caller's) evict_for_alloc,
@@ -188,9 +192,9 @@ HOOKS: Tuple[HookSpec, ...] = (
         "sglang_cp_hicache.v0_5_23.mem_cache.unified_cache.storage_attachment:attach_around",
         "AROUND",
     ),
-    # Per-layer D2H backup under the flag (mem_cache/layer_backup.py): attach after HiCache
-    # is built; the insert takes the reserved host slots; the ticket's ack finishes the node.
-    HookSpec(f"{_URC}.init_hicache", f"{_LAYER_BACKUP}:init_hicache_after", "AFTER"),
+    # Per-layer D2H backup under the flag (mem_cache/layer_backup.py): attached after HiCache
+    # is built (the init_hicache hook, above); the insert takes the reserved host
+    # slots; the ticket's ack finishes the node.
     HookSpec(f"{_URC}._execute_kv_backup", f"{_LAYER_BACKUP}:execute_kv_backup_around", "AROUND"),
     HookSpec(
         f"{_URC}._track_write_through_node", f"{_LAYER_BACKUP}:track_write_through_node_after", "AFTER"

@@ -185,16 +185,15 @@ def cache_init_after(result: Any, cache: Any, *args: Any, **kwargs: Any) -> None
         _register(obj, extension)
 
 
-def init_hicache_after(result: Any, cache: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER ``UnifiedRadixCache.init_hicache``: the host side, decided once (the KV host
-    pool is upstream's sharded one)."""
-    extension = extension_of(cache)
-    if extension is None or cache.cache_controller is None:
-        return
+def decide_host_side(cache: Any) -> None:
+    """Once ``init_hicache`` built the controller: whether the KV host pool is upstream's
+    sharded one (the backups' host room and the L3 owner storage apply)."""
     from sglang.srt.mem_cache.pool_host.page_interleave import PageInterleaveHostPool
 
-    host_pool = cache.cache_controller.mem_pool_host.anchor_entry.host_pool
-    extension.host_lanes = isinstance(host_pool, PageInterleaveHostPool)
+    extension = extension_of(cache)
+    if extension is not None and cache.cache_controller is not None:
+        host_pool = cache.cache_controller.mem_pool_host.anchor_entry.host_pool
+        extension.host_lanes = isinstance(host_pool, PageInterleaveHostPool)
 
 
 __all__ = [
@@ -206,6 +205,6 @@ __all__ = [
     "RoomStats",
     "cache_init_after",
     "extension_of",
+    "decide_host_side",
     "host_extension_of",
-    "init_hicache_after",
 ]

@@ -41,18 +41,22 @@ collective. The counts and the backup scope are the cache's extension's.
 from __future__ import annotations
 
 import contextlib
-import functools
-import heapq
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Set, Tuple
 
-from sglang_cp_hicache.core.lane_eviction import lane_deficit, plan_lane_victims
+from sglang_cp_hicache.core.lane_eviction import lane_deficit
 from sglang_cp_hicache.core.rotation import lane_page_counts, run_lane_counts
 from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import (
     CpCacheExtension,
     extension_of,
     host_extension_of,
+)
+from sglang_cp_hicache.v0_5_23.mem_cache.lane_tier import (
+    Priority,
+    full_type,
+    in_eviction_order,
+    plan_tier_victims,
 )
 
 logger = logging.getLogger(__name__)
@@ -82,15 +86,6 @@ class _BackupRoom:
     def demand(self, lanes: int) -> List[int]:
         """Host pages per owner lane: a cyclic run from ``start_owner``."""
         return run_lane_counts(self.start_owner, self.pages, lanes)
-
-
-@functools.lru_cache(maxsize=None)
-def _full_type() -> Any:
-    """``ComponentType.FULL``, imported on the first call only: ``evict_host_around``
-    reads it on every host eviction, the planner per node."""
-    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
-
-    return ComponentType.FULL
 
 
 @dataclass
@@ -125,21 +120,18 @@ class HostLaneEvictor:
     def lane_pages(self, node: Any) -> List[int]:
         """``node``'s host pages per owner lane, read off its logical host slots (CPU
         indices: no device sync)."""
-        host_value = node.component_data[_full_type()].host_value
+        host_value = node.component_data[full_type()].host_value
         logical_pages = (host_value[:: self.page_size] // self.page_size).tolist()
         return lane_page_counts(logical_pages, self.lanes)
 
     def _component(self) -> Any:
-        component = self.cache.tree_core.components_by_type[_full_type()]
+        component = self.cache.tree_core.components_by_type[full_type()]
         component._ensure_eviction_strategy()
         return component
 
-    def candidates(self, priority: Callable[[Any], Any]) -> Iterator[Any]:
+    def candidates(self, priority: Priority) -> Iterator[Any]:
         """The evictable host leaves in (priority, node id) order."""
-        heap = [(priority(n), n.id, n) for n in self.cache.tree_core.evictable_host_leaves]
-        heapq.heapify(heap)
-        while heap:
-            yield heapq.heappop(heap)[2]
+        return in_eviction_order(self.cache.tree_core.evictable_host_leaves, priority)
 
     def freed_parent(self, node: Any, planned: Set[Any]) -> Optional[Any]:
         """``node``'s parent if evicting the planned set makes it a host leaf (upstream's
@@ -166,10 +158,7 @@ class HostLaneEvictor:
             stats.fit += 1
             return True
         priority = self._component().session_ref_eviction_strategy
-        victims = plan_lane_victims(
-            self.candidates(priority), deficit, self.lane_pages, self.freed_parent, priority,
-            parent_of=lambda node: node.parent,
-        )  # fmt: skip
+        victims = plan_tier_victims(self, deficit, priority)
         if victims is None:
             stats.refusals += 1
             logger.debug(
@@ -197,7 +186,7 @@ class HostLaneEvictor:
                 node, result.tracker, result.device_frees, result.host_frees,
                 cache_actions=result.cache_actions,
             )  # fmt: skip
-        evicted = result.tracker.get(_full_type(), 0)
+        evicted = result.tracker.get(full_type(), 0)
         self.cache._apply_eviction_result(result)
         stats = self.extension.host_stats
         stats.plans += 1
@@ -245,12 +234,12 @@ def evict_host_around(original: Callable, cache: Any, num_tokens: int, *args: An
     they cannot be made to (nothing evicted). Anywhere else: upstream's walk."""
     extension = extension_of(cache)
     room = None if extension is None else extension.backup_room.value
-    component_type = args[0] if args else kwargs.get("component_type", _full_type())
+    component_type = args[0] if args else kwargs.get("component_type", full_type())
     if (
         room is None
         or not room.pages
         or room.resolve_owner() is None
-        or component_type != _full_type()
+        or component_type != full_type()
         or cache.host_memory_mode == "buffer_only"
     ):
         return original(cache, num_tokens, *args, **kwargs)

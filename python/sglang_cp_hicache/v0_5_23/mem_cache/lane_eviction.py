@@ -58,8 +58,6 @@ counts, the chains started and the running call's room are the cache's extension
 
 from __future__ import annotations
 
-import functools
-import heapq
 import logging
 import time
 from dataclasses import dataclass
@@ -69,7 +67,12 @@ from sglang_cp_hicache.core.lane_eviction import (
     extend_lane_demand,
     first_page_leaders,
     lane_deficit,
-    plan_lane_victims,
+)
+from sglang_cp_hicache.v0_5_23.mem_cache.lane_tier import (
+    Priority,
+    full_type,
+    in_eviction_order,
+    plan_tier_victims,
 )
 from sglang_cp_hicache.core.rotation import lane_of, run_lane_counts
 from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import CpCacheExtension, extension_of
@@ -92,19 +95,6 @@ class _LoadRoom:
     def fits(self) -> bool:
         free = self.allocator.class_free_page_counts()
         return all(need <= have for need, have in zip(self.demand, free))
-
-
-@functools.lru_cache(maxsize=None)
-def _full_type() -> Any:
-    """``ComponentType.FULL``, imported on the first call only (the planner reads it per
-    node)."""
-    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
-
-    return ComponentType.FULL
-
-
-def _parent_of(node: Any) -> Any:
-    return node.parent
 
 
 @dataclass
@@ -151,11 +141,11 @@ class DeviceLaneEvictor:
                 f"cp_hicache lane eviction: device node {node.id} has no rotation base under "
                 "KV sharding; its pages' owner lanes are unknown"
             )
-        pages = len(node.component_data[_full_type()].value) // self.allocator.page_size
+        pages = len(node.component_data[full_type()].value) // self.allocator.page_size
         return run_lane_counts(phase, pages, self.allocator.shard_size)
 
     @property
-    def priority(self) -> Callable[[Any], Any]:
+    def priority(self) -> Priority:
         """The tree's eviction key of a node (the strategy's bound ``get_priority``)."""
         return self.cache.tree_core.eviction_strategy.get_priority
 
@@ -168,19 +158,15 @@ class DeviceLaneEvictor:
         for cd in parent.component_data:
             if cd.lock_ref > 0:
                 return None
-        full = _full_type()
+        full = full_type()
         for child in parent.children.values():
             if child.component_data[full].value is not None and child not in planned:
                 return None
         return parent
 
-    def candidates(self) -> Iterator[Any]:
+    def candidates(self, priority: Priority) -> Iterator[Any]:
         """The evictable device leaves in (priority, node id) order."""
-        priority = self.priority
-        heap = [(priority(n), n.id, n) for n in self.cache.tree_core.evictable_device_leaves]
-        heapq.heapify(heap)
-        while heap:
-            yield heapq.heappop(heap)[2]
+        return in_eviction_order(self.cache.tree_core.evictable_device_leaves, priority)
 
     # ------------------------------------------------------------------- making room
     def plan(self, demand: Sequence[int]) -> Optional[List[Any]]:
@@ -188,10 +174,7 @@ class DeviceLaneEvictor:
         deficit = lane_deficit(demand, self.free_pages())
         if max(deficit) <= 0:
             return []
-        return plan_lane_victims(
-            self.candidates(), deficit, self.lane_pages, self.freed_parent, self.priority,
-            parent_of=_parent_of,
-        )  # fmt: skip
+        return plan_tier_victims(self, deficit, self.priority)
 
     def make_room(self, demand: Sequence[int], path: str) -> Any:
         """Evict a plan for ``demand`` (pages per lane); an uncoverable one evicts nothing

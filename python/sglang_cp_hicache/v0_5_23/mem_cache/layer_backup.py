@@ -278,10 +278,11 @@ def reserve_batch(cache: Any, reqs: List[Any]) -> Dict[str, int]:
 
 
 # --------------------------------------------------------------------------------- hooks
-def init_hicache_after(result: Any, cache: Any, server_args: Any, params: Any) -> None:
-    """Under the flag: per-layer backups. Two-batch overlap (a layer stored in two parts)
-    is refused; a host layout without upstream one-layer D2H ops keeps upstream's
-    all-layer path, said once here."""
+def set_up(cache: Any, server_args: Any) -> None:
+    """Once HiCache is initialised (``hicache_init.init_hicache_after``), under the
+    flag: per-layer backups. Two-batch overlap (a layer stored in two parts) is refused; a
+    host layout without upstream one-layer D2H ops keeps upstream's all-layer path, said
+    once here."""
     from sglang_cp_hicache.v0_5_23.server_args import cp_shared_kv_enabled
 
     if not cp_shared_kv_enabled(server_args) or cache.cache_controller is None:
