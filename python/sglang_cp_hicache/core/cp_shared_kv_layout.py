@@ -28,6 +28,8 @@ from typing import Optional, Sequence, TypeVar, Union
 import numpy as np
 import torch
 
+from sglang_cp_hicache.core.rotation import lane_of
+
 IndexArray = TypeVar("IndexArray", torch.Tensor, np.ndarray)
 AnyIndexArray = Union[torch.Tensor, np.ndarray]
 
@@ -104,7 +106,7 @@ class CpSharedKVLayout:
     # ----------------------------------------------------------------- ownership
     def owner_for_logical_pages(self, logical_pages: IndexArray) -> IndexArray:
         """CP rank that stores each logical page."""
-        return logical_pages % self.cp_size
+        return lane_of(logical_pages, self.cp_size)
 
     def owner_for_logical_locs(self, logical_locs: IndexArray) -> IndexArray:
         """CP rank that stores each logical token loc."""

@@ -23,6 +23,8 @@ from typing import (
     TypeVar,
 )  # fmt: skip
 
+from sglang_cp_hicache.core.rotation import owner_of, run_lane_counts
+
 
 class TreeNodeLike(Protocol):
     """What the planner reads of a node itself: a replicated, unique id."""
@@ -38,14 +40,6 @@ LanePages = Callable[[Any], Sequence[int]]
 FreedParent = Callable[[Any, Set[Any]], Optional[Any]]
 # A node's eviction key without the id tie-break (the strategy's priority).
 Priority = Callable[[Any], Any]
-
-
-def cyclic_lane_counts(start_lane: int, pages: int, lanes: int) -> List[int]:
-    """Pages per lane of a run of ``pages`` consecutive position-pages whose first page
-    is on ``start_lane`` (owner of position-page ``P`` = ``(start_lane + P) % lanes``)."""
-    full, rest = divmod(pages, lanes)
-    start = start_lane % lanes
-    return [full + (1 if (lane - start) % lanes < rest else 0) for lane in range(lanes)]
 
 
 def lane_deficit(demand: Sequence[int], free: Sequence[int]) -> List[int]:
@@ -84,9 +78,9 @@ def base_overlaps(chain_starts: Sequence[int], lanes: int) -> List[int]:
     for base, count in enumerate(chain_starts):
         if count:
             for k in range(lanes):
-                load[(base + k) % lanes] += count * (lanes - 1 - k)
+                load[owner_of(base, k, lanes)] += count * (lanes - 1 - k)
     return [
-        sum(load[(lane + k) % lanes] * (lanes - 1 - k) for k in range(lanes))
+        sum(load[owner_of(lane, k, lanes)] * (lanes - 1 - k) for k in range(lanes))
         for lane in range(lanes)
     ]
 
@@ -112,7 +106,7 @@ def new_chain_base(
     fitting = [
         lane
         for lane in range(lanes)
-        if not any(lane_deficit(cyclic_lane_counts(lane + first_page, pages, lanes), free))
+        if not any(lane_deficit(run_lane_counts(owner_of(lane, first_page, lanes), pages, lanes), free))
     ]
     if not fitting:
         return base
@@ -166,7 +160,7 @@ def extend_lane_demand(
             )  # fmt: skip
             if starts is not None:
                 starts[base] += 1
-        counts = cyclic_lane_counts(base + first_page, new_pages, lanes)
+        counts = run_lane_counts(owner_of(base, first_page, lanes), new_pages, lanes)
         for lane in range(lanes):
             left[lane] -= counts[lane]
             demand[lane] += counts[lane]
@@ -245,7 +239,6 @@ __all__ = [
     "LanePages",
     "Priority",
     "TreeNodeLike",
-    "cyclic_lane_counts",
     "extend_lane_demand",
     "first_page_leaders",
     "lane_deficit",

@@ -41,6 +41,7 @@ _OURS_ARGS = "sglang_cp_hicache.v0_5_23.server_args"
 _LANE_EVICTION = "sglang_cp_hicache.v0_5_23.mem_cache.lane_eviction"
 _URC = "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"
 _LAYER_BACKUP = "sglang_cp_hicache.v0_5_23.mem_cache.layer_backup"
+_EXTENSION = "sglang_cp_hicache.v0_5_23.mem_cache.cache_extension"
 
 HOOKS: Tuple[HookSpec, ...] = (
     # The flag on the command line. from_cli_args copies only record fields, so the parsed
@@ -61,6 +62,15 @@ HOOKS: Tuple[HookSpec, ...] = (
         "sglang.srt.arg_groups.kv_shard_hook:validate_kv_shard_attention_backend",
         "sglang_cp_hicache.v0_5_23.arg_groups.kv_shard_hook:validate_dsa_backend_around",
         "AROUND",
+    ),
+    # One extension per sharded cache (v0_5_23/mem_cache/cache_extension.py): the mode
+    # decided once when the cache is built, its host side and per-layer backup when HiCache
+    # is; every hook below finds it, or calls upstream's function unchanged.
+    HookSpec(f"{_URC}.__init__", f"{_EXTENSION}:cache_init_after", "AFTER"),
+    HookSpec(
+        f"{_URC}.init_hicache",
+        "sglang_cp_hicache.v0_5_23.mem_cache.hicache_init:init_hicache_after",
+        "AFTER",
     ),
     # Lane-aware device eviction (v0_5_23/mem_cache/lane_eviction.py): under the flag and
     # the sharded allocator, room is made only from victims on a short owner lane. The
@@ -182,9 +192,9 @@ HOOKS: Tuple[HookSpec, ...] = (
         "sglang_cp_hicache.v0_5_23.mem_cache.unified_cache.storage_attachment:attach_around",
         "AROUND",
     ),
-    # Per-layer D2H backup under the flag (mem_cache/layer_backup.py): attach after HiCache
-    # is built; the insert takes the reserved host slots; the ticket's ack finishes the node.
-    HookSpec(f"{_URC}.init_hicache", f"{_LAYER_BACKUP}:init_hicache_after", "AFTER"),
+    # Per-layer D2H backup under the flag (mem_cache/layer_backup.py): attached after HiCache
+    # is built (the init_hicache hook, above); the insert takes the reserved host
+    # slots; the ticket's ack finishes the node.
     HookSpec(f"{_URC}._execute_kv_backup", f"{_LAYER_BACKUP}:execute_kv_backup_around", "AROUND"),
     HookSpec(
         f"{_URC}._track_write_through_node", f"{_LAYER_BACKUP}:track_write_through_node_after", "AFTER"

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch.distributed
 
+from sglang_cp_hicache.core.rotation import lane_of
 from sglang_cp_hicache.sim import pd as sim_pd
 from sglang_cp_hicache.sim.config import SimConfig
 from sglang_cp_hicache.sim.pd import PrefillLink, attach
@@ -32,8 +33,8 @@ def open_link(channel: Any, ctx: Any, cfg: SimConfig, ports: Any, stack: Any) ->
         server = pd_harness.PrefillRank(ctx, scenario, ports, stack=stack)
     torch.distributed.barrier(group=ctx.cp_group)
 
-    def owned(page_locs: torch.Tensor) -> torch.Tensor:  # CP shared KV: lane = logical page % cp
-        return (page_locs.to(torch.int64) // cfg.page_size) % cfg.cp_size == ctx.rank
+    def owned(page_locs: torch.Tensor) -> torch.Tensor:
+        return lane_of(page_locs.to(torch.int64) // cfg.page_size, cfg.cp_size) == ctx.rank
 
     return PrefillLink(channel, ctx.rank, server, cfg.page_size, owned)
 

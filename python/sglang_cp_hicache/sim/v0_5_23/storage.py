@@ -117,11 +117,13 @@ def open_storage(cfg: SimConfig) -> Iterator[Optional[StorageRun]]:
         yield StorageRun("mooncake", mooncake=configs)
 
 
-def _anchor_skips() -> int:
-    """The plugin's count of prefetches not issued under a pending backup (this process)."""
-    from sglang_cp_hicache.v0_5_23.mem_cache.unified_radix_cache import PENDING_ANCHOR_SKIPS
+def _anchor_skips(cache: Any) -> int:
+    """The plugin's count of ``cache``'s prefetches not issued under a pending backup (0
+    for a cache without the plugin's extension)."""
+    from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import extension_of
 
-    return PENDING_ANCHOR_SKIPS["skipped"]
+    extension = extension_of(cache)
+    return 0 if extension is None else extension.anchor_skips
 
 
 def _page_hash_of(object_name: str) -> str:
@@ -168,7 +170,7 @@ class StorageTier:
         self._spans: Dict[str, tuple] = {}  # rid -> (tokens, start) popped at admission
         self.prefetches_issued = 0
         self.requeries = 0  # prefetches re-issued after a prefix lost in the queue
-        self._anchor_skips_at_start = _anchor_skips()
+        self._anchor_skips_at_start = _anchor_skips(self.cache)
         self._meter_page_functions(wrong_reads)
 
     # --------------------------------------------------------------- meters
@@ -216,7 +218,7 @@ class StorageTier:
             rejected_reads=int(getattr(self.backend, "rejected_reads", 0) or 0),
             prefetches_issued=self.prefetches_issued,
             requeries=self.requeries,
-            anchor_skips=_anchor_skips() - self._anchor_skips_at_start,
+            anchor_skips=_anchor_skips(self.cache) - self._anchor_skips_at_start,
         )
 
     # ------------------------------------------------------ scheduler calls

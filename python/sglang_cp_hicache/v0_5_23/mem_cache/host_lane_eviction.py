@@ -16,8 +16,9 @@ its leaves in the LRU walk's own turn), stopping once every short lane is covere
 backup the free lanes hold evicts nothing; an uncoverable deficit evicts nothing and is a
 counted refusal, and the backup is skipped as upstream skips it.
 
-Three hooks (``v0_5_23.hooks``), each upstream's function unchanged when the flag is off,
-the allocator is not the sharded one, or no backup is being made room for:
+Three hooks (``v0_5_23.hooks``), each upstream's function unchanged for a cache without a
+``CpCacheExtension`` over a sharded host pool (flag off, not the sharded allocator:
+``cache_extension.py``), or when no backup is being made room for:
 
 * ``UnifiedRadixCache._execute_and_commit_kv_backup`` (AROUND): opens the backup scope
   (every backup runs through it: insert write-through, write-back demotes);
@@ -34,30 +35,38 @@ the allocator is not the sharded one, or no backup is being made room for:
 Every decision reads replicated state only (the logical tree, node ids, rotation phases,
 the logical host slot allocator's per-lane free counts, identical on every rank since
 every rank makes the same allocations and frees): every rank evicts the same nodes, no
-collective.
+collective. The counts and the backup scope are the cache's extension's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import functools
-import heapq
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Set, Tuple
 
-from sglang_cp_hicache.core.lane_eviction import cyclic_lane_counts, lane_deficit, plan_lane_victims
-from sglang_cp_hicache.v0_5_23.mem_cache.lane_eviction import lane_aware
+from sglang_cp_hicache.core.lane_eviction import lane_deficit
+from sglang_cp_hicache.core.rotation import lane_page_counts, run_lane_counts
+from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import (
+    CpCacheExtension,
+    extension_of,
+    host_extension_of,
+)
+from sglang_cp_hicache.v0_5_23.mem_cache.lane_tier import (
+    Priority,
+    full_type,
+    in_eviction_order,
+    plan_tier_victims,
+)
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class _BackupRoom:
-    """The backup being made room for on this thread: the owner lane of its first host
-    page and its pages, once known (None before its spec is built, or for a node with
-    nothing to copy)."""
+    """The backup being made room for on the scheduler thread: the owner lane of its
+    first host page and its pages, once known (None before its spec is built, or for a
+    node with nothing to copy)."""
 
     start_owner: Optional[int] = None
     pages: int = 0
@@ -76,48 +85,20 @@ class _BackupRoom:
 
     def demand(self, lanes: int) -> List[int]:
         """Host pages per owner lane: a cyclic run from ``start_owner``."""
-        return cyclic_lane_counts(self.start_owner, self.pages, lanes)
-
-
-_backup_room: contextvars.ContextVar[Optional[_BackupRoom]] = contextvars.ContextVar(
-    "cp_hicache_backup_room", default=None
-)
-
-
-@dataclass
-class HostLaneStats:
-    """This process's lane-aware host eviction, in replicated counts (equal on every rank):
-    backups whose host floor was short (upstream would have evicted), of those the ones the
-    free lanes already held (nothing evicted), plans carried out, refusals (an uncoverable
-    deficit: nothing evicted, the backup skipped), victims and host tokens evicted."""
-
-    short: int = 0
-    fit: int = 0
-    plans: int = 0
-    refusals: int = 0
-    victims: int = 0
-    evicted_tokens: int = 0
-
-
-STATS = HostLaneStats()
-
-
-@functools.lru_cache(maxsize=None)
-def _full_type() -> Any:
-    """``ComponentType.FULL``, imported on the first call only: ``evict_host_around``
-    reads it on every host eviction, the planner per node."""
-    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
-
-    return ComponentType.FULL
+        return run_lane_counts(self.start_owner, self.pages, lanes)
 
 
 @dataclass
 class HostLaneEvictor:
     """Makes per-lane host room on one ``UnifiedRadixCache`` (Python tree core) whose KV
     anchor host pool is a ``PageInterleaveHostPool``. Demands and free counts are pages per
-    owner lane of the logical host slot space (lane = logical host page % N)."""
+    owner lane of the logical host slot space (lane = logical host page % N). Its counts
+    are its cache's extension's."""
 
-    cache: Any  # UnifiedRadixCache
+    extension: CpCacheExtension
+
+    def __post_init__(self) -> None:
+        self.cache = self.extension.cache  # UnifiedRadixCache
 
     @property
     def host_pool(self) -> Any:  # PageInterleaveHostPool
@@ -139,24 +120,18 @@ class HostLaneEvictor:
     def lane_pages(self, node: Any) -> List[int]:
         """``node``'s host pages per owner lane, read off its logical host slots (CPU
         indices: no device sync)."""
-        host_value = node.component_data[_full_type()].host_value
-        owners = (host_value[:: self.page_size] // self.page_size % self.lanes).tolist()
-        counts = [0] * self.lanes
-        for owner in owners:
-            counts[owner] += 1
-        return counts
+        host_value = node.component_data[full_type()].host_value
+        logical_pages = (host_value[:: self.page_size] // self.page_size).tolist()
+        return lane_page_counts(logical_pages, self.lanes)
 
     def _component(self) -> Any:
-        component = self.cache.tree_core.components_by_type[_full_type()]
+        component = self.cache.tree_core.components_by_type[full_type()]
         component._ensure_eviction_strategy()
         return component
 
-    def candidates(self, priority: Callable[[Any], Any]) -> Iterator[Any]:
+    def candidates(self, priority: Priority) -> Iterator[Any]:
         """The evictable host leaves in (priority, node id) order."""
-        heap = [(priority(n), n.id, n) for n in self.cache.tree_core.evictable_host_leaves]
-        heapq.heapify(heap)
-        while heap:
-            yield heapq.heappop(heap)[2]
+        return in_eviction_order(self.cache.tree_core.evictable_host_leaves, priority)
 
     def freed_parent(self, node: Any, planned: Set[Any]) -> Optional[Any]:
         """``node``'s parent if evicting the planned set makes it a host leaf (upstream's
@@ -176,19 +151,16 @@ class HostLaneEvictor:
     def make_room(self, demand: Sequence[int]) -> bool:
         """Evict a plan covering ``demand`` (pages per lane) on every short lane; False
         (nothing evicted, a counted refusal) when the short lanes cannot be covered."""
-        free = self.free_pages()
-        STATS.short += 1
+        free, stats = self.free_pages(), self.extension.host_stats
+        stats.short += 1
         deficit = lane_deficit(demand, free)
         if max(deficit) <= 0:
-            STATS.fit += 1
+            stats.fit += 1
             return True
         priority = self._component().session_ref_eviction_strategy
-        victims = plan_lane_victims(
-            self.candidates(priority), deficit, self.lane_pages, self.freed_parent, priority,
-            parent_of=lambda node: node.parent,
-        )  # fmt: skip
+        victims = plan_tier_victims(self, deficit, priority)
         if victims is None:
-            STATS.refusals += 1
+            stats.refusals += 1
             logger.debug(
                 "cp_hicache backup: host lanes %s cannot cover %s from evictable host "
                 "leaves; evicting nothing", free, list(demand),
@@ -214,61 +186,42 @@ class HostLaneEvictor:
                 node, result.tracker, result.device_frees, result.host_frees,
                 cache_actions=result.cache_actions,
             )  # fmt: skip
-        evicted = result.tracker.get(_full_type(), 0)
+        evicted = result.tracker.get(full_type(), 0)
         self.cache._apply_eviction_result(result)
-        STATS.plans += 1
-        STATS.victims += len(victims)
-        STATS.evicted_tokens += evicted
-
-
-def _host_lane_aware(cache: Any) -> bool:
-    """Lane-aware device eviction applies and the KV anchor host pool is the sharded one."""
-    if not lane_aware(cache) or cache.cache_controller is None:
-        return False
-    host_pool = cache.cache_controller.mem_pool_host.anchor_entry.host_pool
-    return isinstance(host_pool, _sharded_host_pool_class())
-
-
-@functools.lru_cache(maxsize=None)
-def _sharded_host_pool_class() -> type:
-    """Imported on the first call only: an import statement costs microseconds, and
-    :func:`_host_lane_aware` runs on every insert's backup."""
-    from sglang.srt.mem_cache.pool_host.page_interleave import PageInterleaveHostPool
-
-    return PageInterleaveHostPool
+        stats = self.extension.host_stats
+        stats.plans += 1
+        stats.victims += len(victims)
+        stats.evicted_tokens += evicted
 
 
 @contextlib.contextmanager
 def backup_room(cache: Any, start_owner: Optional[int], num_tokens: int) -> Iterator[None]:
     """Within, ``cache.evict_host`` makes lane-aware room for a backup of ``num_tokens``
     (page-aligned) logical tokens whose host slots start on owner lane ``start_owner``."""
-    if start_owner is None or not num_tokens or not _host_lane_aware(cache):
+    extension = host_extension_of(cache)
+    if start_owner is None or not num_tokens or extension is None:
         yield
         return
-    token = _backup_room.set(_BackupRoom(start_owner, num_tokens // cache.page_size))
-    try:
+    with extension.backup_room.opened(_BackupRoom(start_owner, num_tokens // cache.page_size)):
         yield
-    finally:
-        _backup_room.reset(token)
 
 
 # ------------------------------------------------------------------------- the hooks
 def execute_and_commit_kv_backup_around(original: Callable, cache: Any, *args: Any, **kwargs: Any):
     """``UnifiedRadixCache._execute_and_commit_kv_backup``: the backup scope."""
-    if not _host_lane_aware(cache):
+    extension = host_extension_of(cache)
+    if extension is None:
         return original(cache, *args, **kwargs)
-    token = _backup_room.set(_BackupRoom())
-    try:
+    with extension.backup_room.opened(_BackupRoom()):
         return original(cache, *args, **kwargs)
-    finally:
-        _backup_room.reset(token)
 
 
 def build_backup_spec_around(original: Callable, tree_core: Any, node_id: Any, *args: Any, **kwargs: Any):
     """``UnifiedTreeCore.build_backup_spec``: inside the backup scope, record the node's
     host draws per lane (its rotation phase is the ``start_owner`` of its host slots)."""
     spec = original(tree_core, node_id, *args, **kwargs)
-    room = _backup_room.get()
+    extension = extension_of(tree_core)
+    room = None if extension is None else extension.backup_room.value
     if room is not None:
         room.start_owner, room.node = None, (tree_core, node_id)
         room.pages = len(spec[0]) // tree_core.page_size
@@ -279,24 +232,23 @@ def evict_host_around(original: Callable, cache: Any, num_tokens: int, *args: An
     """``UnifiedRadixCache.evict_host``: inside a backup, for FULL KV, the backup's exact
     per-lane room: ``num_tokens`` when the lanes hold it (made or already there), 0 when
     they cannot be made to (nothing evicted). Anywhere else: upstream's walk."""
-    room = _backup_room.get()
-    component_type = args[0] if args else kwargs.get("component_type", _full_type())
+    extension = extension_of(cache)
+    room = None if extension is None else extension.backup_room.value
+    component_type = args[0] if args else kwargs.get("component_type", full_type())
     if (
         room is None
         or not room.pages
         or room.resolve_owner() is None
-        or component_type != _full_type()
+        or component_type != full_type()
         or cache.host_memory_mode == "buffer_only"
     ):
         return original(cache, num_tokens, *args, **kwargs)
-    evictor = HostLaneEvictor(cache)
+    evictor = HostLaneEvictor(extension)
     return num_tokens if evictor.make_room(room.demand(evictor.lanes)) else 0
 
 
 __all__ = [
     "HostLaneEvictor",
-    "HostLaneStats",
-    "STATS",
     "backup_room",
     "build_backup_spec_around",
     "evict_host_around",

@@ -14,8 +14,8 @@ leaves alone would keep a dead chain's old ancestors and evict a younger leaf on
 lane instead, which in the simulator cost more device hits (hence more evictions) than
 upstream's lane-blind flushes saved.
 
-Seven hooks (``v0_5_23.hooks``), each upstream's function unchanged when the flag is off or
-the allocator is not the sharded one:
+Seven hooks (``v0_5_23.hooks``), each upstream's function unchanged for a cache without a
+``CpCacheExtension`` (flag off, or not the sharded allocator: ``cache_extension.py``):
 
 * ``allocation:alloc_paged_token_slots_extend`` (AROUND) with
   ``allocation:_kv_shard_rotation_bases`` (AROUND): the extend's exact per-lane draws (the
@@ -52,42 +52,37 @@ the allocator is not the sharded one:
   ``evict_for_alloc`` for the same floor, so its extra plain-LRU passes are skipped.
 
 Every decision reads replicated state only (the logical tree, node ids, rotation phases,
-the mirrored lane free counts): every rank evicts the same nodes, no collective.
+the mirrored lane free counts): every rank evicts the same nodes, no collective. The
+counts, the chains started and the running call's room are the cache's extension's.
 """
 
 from __future__ import annotations
 
-import contextvars
-import functools
-import heapq
 import logging
 import time
-import weakref
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Set
 
 from sglang_cp_hicache.core.lane_eviction import (
-    cyclic_lane_counts,
     extend_lane_demand,
     first_page_leaders,
     lane_deficit,
-    plan_lane_victims,
 )
-from sglang_cp_hicache.v0_5_23.server_args import cp_shared_kv_enabled
+from sglang_cp_hicache.v0_5_23.mem_cache.lane_tier import (
+    Priority,
+    full_type,
+    in_eviction_order,
+    plan_tier_victims,
+)
+from sglang_cp_hicache.core.rotation import lane_of, run_lane_counts
+from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import CpCacheExtension, extension_of
 
 logger = logging.getLogger(__name__)
-
-# Set while upstream's extend allocation runs after the plugin made its exact room: the
-# rotation bases that room was made for. The conservative eviction inside it must not
-# evict again, and the allocator must draw at those bases.
-_extend_room: contextvars.ContextVar[Optional[List[int]]] = contextvars.ContextVar(
-    "cp_hicache_extend_room", default=None
-)
 
 
 @dataclass
 class _LoadRoom:
-    """The load-back running on this thread: the pages it draws per owner lane, known once
+    """The load-back running on the scheduler thread: the pages it draws per owner lane, known once
     upstream's tree core has built its KV transfer (None before, or for an empty one)."""
 
     allocator: Any  # PageInterleavePoolAllocator
@@ -102,109 +97,6 @@ class _LoadRoom:
         return all(need <= have for need, have in zip(self.demand, free))
 
 
-_load_room: contextvars.ContextVar[Optional[_LoadRoom]] = contextvars.ContextVar(
-    "cp_hicache_load_room", default=None
-)
-
-#: Where a device eviction was asked for: an extend's exact draws, a load-back's exact
-#: draws, or any other caller's min-class floor.
-PATHS = ("extend", "load_back", "floor")
-
-
-@dataclass
-class PathStats:
-    """One path's lane-aware device eviction, in replicated counts (equal on every rank):
-    calls that found a lane short, plans carried out, refusals (an uncoverable deficit:
-    nothing evicted), victims and tokens evicted by plans."""
-
-    short: int = 0
-    plans: int = 0
-    refusals: int = 0
-    victims: int = 0
-    evicted_tokens: int = 0
-
-
-@dataclass
-class LaneEvictionStats:
-    """This process's lane-aware device eviction, per path (:data:`PATHS`)."""
-
-    paths: Dict[str, PathStats] = field(default_factory=lambda: {p: PathStats() for p in PATHS})
-
-    def total(self, name: str) -> int:
-        return sum(getattr(stats, name) for stats in self.paths.values())
-
-
-STATS = LaneEvictionStats()
-
-
-@dataclass
-class ChainStarts:
-    """New chains started per rotation base on one sharded allocator since it was built
-    (the lane-aware extends', and root-anchored L3 reads' whose host slots were held):
-    replicated (every rank runs the same extends and reads), read to spread the next new
-    chain's base (``core.lane_eviction.base_overlaps``)."""
-
-    per_base: List[int]
-
-    def add(self, bases: Sequence[int]) -> None:
-        for base in bases:
-            self.per_base[base] += 1
-
-
-_CHAIN_STARTS: "weakref.WeakKeyDictionary[Any, ChainStarts]" = weakref.WeakKeyDictionary()
-
-
-def chain_starts(allocator: Any) -> ChainStarts:
-    """``allocator``'s :class:`ChainStarts` (none started at first use)."""
-    starts = _CHAIN_STARTS.get(allocator)
-    if starts is None:
-        starts = _CHAIN_STARTS[allocator] = ChainStarts([0] * allocator.shard_size)
-    return starts
-
-
-@functools.lru_cache(maxsize=None)
-def _upstream() -> Tuple[Any, Any, Callable[[], Any]]:
-    """``(UnifiedRadixCache, PageInterleavePoolAllocator, get_server_args)``, imported on
-    the first call only: an import statement costs microseconds, and :func:`lane_aware`
-    runs on every insert's backup and every allocation's eviction."""
-    from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
-    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-    from sglang.srt.runtime_context import get_server_args
-
-    return UnifiedRadixCache, PageInterleavePoolAllocator, get_server_args
-
-
-@functools.lru_cache(maxsize=None)
-def _full_type() -> Any:
-    """``ComponentType.FULL``, imported on the first call only (the planner reads it per
-    node)."""
-    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
-
-    return ComponentType.FULL
-
-
-def _flag_on() -> bool:
-    return cp_shared_kv_enabled(_upstream()[2]())
-
-
-def _is_sharded(allocator: Any) -> bool:
-    return isinstance(allocator, _upstream()[1]) and allocator.shard_size > 1
-
-
-def lane_aware(tree_cache: Any) -> bool:
-    """Whether ``tree_cache``'s device eviction is the plugin's: the flag is on and the
-    cache is a ``UnifiedRadixCache`` over upstream's sharded allocator."""
-    return (
-        isinstance(tree_cache, _upstream()[0])
-        and _is_sharded(tree_cache.token_to_kv_pool_allocator)
-        and _flag_on()
-    )
-
-
-def _parent_of(node: Any) -> Any:
-    return node.parent
-
-
 @dataclass
 class DeviceLaneEvictor:
     """Makes per-lane device room on one ``UnifiedRadixCache`` (Python tree core) over a
@@ -213,10 +105,14 @@ class DeviceLaneEvictor:
     A node's pages per lane come from its rotation phase (host metadata upstream keeps for
     the same reason: reading the device locs would sync the stream); its FULL value is
     page-aligned and its owners one cyclic run (upstream refuses inserts that join runs).
+    Its counts and the chains it starts are its cache's extension's.
     """
 
-    cache: Any  # UnifiedRadixCache
-    allocator: Any  # PageInterleavePoolAllocator
+    extension: CpCacheExtension
+
+    def __post_init__(self) -> None:
+        self.cache = self.extension.cache  # UnifiedRadixCache
+        self.allocator = self.extension.allocator  # PageInterleavePoolAllocator
 
     @property
     def lanes(self) -> int:
@@ -245,11 +141,11 @@ class DeviceLaneEvictor:
                 f"cp_hicache lane eviction: device node {node.id} has no rotation base under "
                 "KV sharding; its pages' owner lanes are unknown"
             )
-        pages = len(node.component_data[_full_type()].value) // self.allocator.page_size
-        return cyclic_lane_counts(phase, pages, self.allocator.shard_size)
+        pages = len(node.component_data[full_type()].value) // self.allocator.page_size
+        return run_lane_counts(phase, pages, self.allocator.shard_size)
 
     @property
-    def priority(self) -> Callable[[Any], Any]:
+    def priority(self) -> Priority:
         """The tree's eviction key of a node (the strategy's bound ``get_priority``)."""
         return self.cache.tree_core.eviction_strategy.get_priority
 
@@ -262,19 +158,15 @@ class DeviceLaneEvictor:
         for cd in parent.component_data:
             if cd.lock_ref > 0:
                 return None
-        full = _full_type()
+        full = full_type()
         for child in parent.children.values():
             if child.component_data[full].value is not None and child not in planned:
                 return None
         return parent
 
-    def candidates(self) -> Iterator[Any]:
+    def candidates(self, priority: Priority) -> Iterator[Any]:
         """The evictable device leaves in (priority, node id) order."""
-        priority = self.priority
-        heap = [(priority(n), n.id, n) for n in self.cache.tree_core.evictable_device_leaves]
-        heapq.heapify(heap)
-        while heap:
-            yield heapq.heappop(heap)[2]
+        return in_eviction_order(self.cache.tree_core.evictable_device_leaves, priority)
 
     # ------------------------------------------------------------------- making room
     def plan(self, demand: Sequence[int]) -> Optional[List[Any]]:
@@ -282,10 +174,7 @@ class DeviceLaneEvictor:
         deficit = lane_deficit(demand, self.free_pages())
         if max(deficit) <= 0:
             return []
-        return plan_lane_victims(
-            self.candidates(), deficit, self.lane_pages, self.freed_parent, self.priority,
-            parent_of=_parent_of,
-        )  # fmt: skip
+        return plan_tier_victims(self, deficit, self.priority)
 
     def make_room(self, demand: Sequence[int], path: str) -> Any:
         """Evict a plan for ``demand`` (pages per lane); an uncoverable one evicts nothing
@@ -309,7 +198,7 @@ class DeviceLaneEvictor:
         their ``leaders``' bases: :func:`extend_lane_demand`). Evicting changes the free
         lanes a new chain is placed by, so the draws are re-simulated after each plan;
         every round evicts at least one node, so this ends."""
-        started = chain_starts(self.allocator).per_base
+        started = self.extension.chain_starts.per_base
         while True:
             demand, resolved = extend_lane_demand(
                 self.free_pages(), bases, prefix_lens, seq_lens, self.lanes, self.page_size,
@@ -326,7 +215,7 @@ class DeviceLaneEvictor:
         free = self.free_pages()
         if max(lane_deficit(demand, free)) <= 0:
             return []
-        stats = STATS.paths[path]
+        stats = self.extension.device_stats.paths[path]
         stats.short += 1
         victims = self.plan(demand)
         if victims is None:
@@ -366,7 +255,7 @@ class DeviceLaneEvictor:
             cache.writing_check(write_back=True)
         evicted = tracker[ComponentType.FULL]
         cache.update_eviction_metrics(evicted, start)
-        stats = STATS.paths[path]
+        stats = self.extension.device_stats.paths[path]
         stats.plans += 1
         stats.victims += len(victims)
         stats.evicted_tokens += evicted
@@ -391,7 +280,8 @@ def alloc_paged_token_slots_extend_around(
         tree_cache, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
         extend_num_tokens, req_pool_indices=req_pool_indices, batch=batch,
     )  # fmt: skip
-    if batch is None or not lane_aware(tree_cache):
+    extension = extension_of(tree_cache)
+    if batch is None or extension is None:
         return call()
     from sglang.srt.mem_cache import allocation
 
@@ -400,17 +290,14 @@ def alloc_paged_token_slots_extend_around(
     bases = allocation._kv_shard_rotation_bases(
         tree_cache=tree_cache, batch=batch, prefix_lens_cpu=prefix_lens_cpu
     )
-    evictor = DeviceLaneEvictor(tree_cache, tree_cache.token_to_kv_pool_allocator)
+    evictor = DeviceLaneEvictor(extension)
     leaders = first_page_leaders([_first_page_key(req, evictor.page_size) for req in batch.reqs])
     resolved = evictor.make_extend_room(bases, prefix, [int(n) for n in seq_lens_cpu], leaders)
-    token = _extend_room.set(resolved)
-    try:
+    with extension.extend_room.opened(resolved):
         out = call()
-    finally:
-        _extend_room.reset(token)
     # Upstream raised if the batch drew nothing: count the chains it started.
     started = zip(resolved, bases, leaders)
-    chain_starts(evictor.allocator).add(
+    extension.chain_starts.add(
         [base for base, given, leader in started if given is None and leader is None]
     )
     return out
@@ -430,10 +317,10 @@ def _first_page_key(req: Any, page_size: int) -> Optional[tuple]:
 def kv_shard_rotation_bases_around(original: Callable, *args: Any, **kwargs: Any) -> list:
     """``allocation._kv_shard_rotation_bases``: inside a lane-aware extend, the bases its
     room was made for (a new list: the allocator resolves its entries in place)."""
-    resolved = _extend_room.get()
-    if resolved is None:
+    extension = extension_of(kwargs.get("tree_cache"))
+    if extension is None or extension.extend_room.value is None:
         return original(*args, **kwargs)
-    return list(resolved)
+    return list(extension.extend_room.value)
 
 
 def evict_for_alloc_around(
@@ -445,19 +332,20 @@ def evict_for_alloc_around(
 ):
     """``UnifiedRadixCache.evict_for_alloc``: lane-aware room for a load-back's exact draws
     or for upstream's target."""
-    if _extend_room.get() is not None and lane_aware(cache):
+    extension = extension_of(cache)
+    if extension is not None and extension.extend_room.value is not None:
         from sglang.srt.mem_cache.base_prefix_cache import EvictResult
 
         return EvictResult()  # the extend's exact room is already made
     if (
-        not lane_aware(cache)
+        extension is None
         or allocation_reclaim_satisfied is not None
         or params.swa_num_tokens
         or params.mamba_num
     ):
         return original(cache, params, allocation_reclaim_satisfied=allocation_reclaim_satisfied)
-    evictor = DeviceLaneEvictor(cache, cache.token_to_kv_pool_allocator)
-    room = _load_room.get()
+    evictor = DeviceLaneEvictor(extension)
+    room = extension.load_room.value
     if room is not None and room.demand is not None:
         return evictor.make_room(room.demand, "load_back")
     target = evictor.allocator.available_size() + params.num_tokens
@@ -467,13 +355,11 @@ def evict_for_alloc_around(
 def load_back_transfers_around(original: Callable, cache: Any, **kwargs: Any):
     """``UnifiedRadixCache._load_back_transfers``: the load-back's room and gate are its
     exact per-lane draws (set by :func:`build_load_back_spec_around`)."""
-    if not lane_aware(cache):
+    extension = extension_of(cache)
+    if extension is None:
         return original(cache, **kwargs)
-    token = _load_room.set(_LoadRoom(cache.token_to_kv_pool_allocator))
-    try:
+    with extension.load_room.opened(_LoadRoom(extension.allocator)):
         return original(cache, **kwargs)
-    finally:
-        _load_room.reset(token)
 
 
 def build_load_back_spec_around(original: Callable, tree_core: Any, *args: Any, **kwargs: Any):
@@ -482,13 +368,14 @@ def build_load_back_spec_around(original: Callable, tree_core: Any, *args: Any, 
     allocates ``alloc_cyclic`` from its first host page's owner, so the host indices give
     the draws exactly (a cyclic run: the tree core loads one chain's consecutive pages)."""
     spec = original(tree_core, *args, **kwargs)
-    room = _load_room.get()
+    extension = extension_of(tree_core)
+    room = None if extension is None else extension.load_room.value
     if room is not None:
         host = spec[0].host_indices
         page_size, lanes = room.allocator.page_size, room.allocator.shard_size
         if len(host):
             first_page, pages = int(host[0]) // page_size, len(host) // page_size
-            room.demand = cyclic_lane_counts(first_page, pages, lanes)
+            room.demand = run_lane_counts(lane_of(first_page, lanes), pages, lanes)
     return spec
 
 
@@ -498,7 +385,8 @@ def component_available_size_around(original: Callable, cache: Any, component_ty
     every lane holds its pages), not the min-class floor, which can be up to one page per
     lane short of what the load needs when it is not. Anywhere else: upstream's answer."""
     available = original(cache, component_type)
-    room = _load_room.get()
+    extension = extension_of(cache)
+    room = None if extension is None else extension.load_room.value
     if room is None or room.demand is None:
         return available
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
@@ -513,7 +401,7 @@ def evict_until_allocatable_around(
 ):
     """``common._evict_until_allocatable``: skipped under lane-aware eviction, whose
     ``evict_for_alloc`` (called just before, for the same floor) made the room or refused."""
-    if lane_aware(tree_cache):
+    if extension_of(tree_cache) is not None:
         from sglang.srt.mem_cache.base_prefix_cache import EvictResult
 
         return EvictResult()
@@ -522,11 +410,6 @@ def evict_until_allocatable_around(
 
 __all__ = [
     "DeviceLaneEvictor",
-    "ChainStarts",
-    "LaneEvictionStats",
-    "PATHS",
-    "PathStats",
-    "STATS",
     "alloc_paged_token_slots_extend_around",
     "build_load_back_spec_around",
     "component_available_size_around",
@@ -534,6 +417,4 @@ __all__ = [
     "kv_shard_rotation_bases_around",
     "load_back_transfers_around",
     "evict_until_allocatable_around",
-    "chain_starts",
-    "lane_aware",
 ]

@@ -38,6 +38,8 @@ import torch
 
 from sglang_cp_hicache.core.forward_reservations import ForwardReservations, Next
 from sglang_cp_hicache.core.per_layer_backup import PerLayerBackup, PerLayerBackupIncomplete
+from sglang_cp_hicache.core.rotation import owner_of
+from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import extension_of
 from sglang_cp_hicache.v0_5_23.mem_cache.l2_transfer import (
     DeviceBackupStreams,
     L2LayerTransfers,
@@ -47,9 +49,6 @@ from sglang_cp_hicache.v0_5_23.mem_cache.l2_transfer import (
 )
 
 logger = logging.getLogger(__name__)
-
-_CACHE_ATTR = "_cp_hicache_layer_backup"
-_LISTENER_ATTR = "_cp_hicache_layer_listener"
 
 
 class PerLayerBackupUnavailable(RuntimeError):
@@ -68,6 +67,7 @@ class CacheLayerBackup:
         controller = cache.cache_controller
         self.cache = cache
         self.page_size = cache.page_size
+        self.lanes = cache.token_to_kv_pool_allocator.shard_size  # owner lanes of the rotation
         self.reservations: ForwardReservations[ReservedWrite, int] = ForwardReservations()
         self.pipeline: PerLayerBackup[ReservedWrite, MergedTransfer] = PerLayerBackup(
             L2LayerTransfers(controller),
@@ -198,27 +198,24 @@ def _ongoing(ticket: int) -> Any:
     return _OngoingWriteThrough(ticket, None, [])
 
 
-# ------------------------------------------------------------------------------ registry
+# ---------------------------------------------------------------- the cache's extension
 def layer_backup_of(cache: Any) -> Optional[CacheLayerBackup]:
     """The cache's per-layer backup, None when not attached (flag off, unsharded)."""
-    try:
-        return vars(cache).get(_CACHE_ATTR)
-    except TypeError:
-        return None
+    extension = extension_of(cache)
+    return None if extension is None else extension.layer_backup
 
 
 def _listener_of(device_pool: Any) -> Any:
-    try:
-        return vars(device_pool).get(_LISTENER_ATTR)
-    except TypeError:
-        return None
+    """The backup stage ``device_pool``'s KV stores feed (its cache's extension's)."""
+    extension = extension_of(device_pool)
+    return None if extension is None else extension.listener_of(device_pool)
 
 
 def attach(cache: Any, draft_layer_num: Optional[int] = None) -> CacheLayerBackup:
     """Give ``cache`` (HiCache initialised, sharded) per-layer backups; fail fast naming
     what this stack lacks."""
-    cc = cache.cache_controller
-    if cc is None or not getattr(cc, "is_kv_sharded", False):
+    cc, extension = cache.cache_controller, extension_of(cache)
+    if cc is None or not getattr(cc, "is_kv_sharded", False) or extension is None:
         raise PerLayerBackupUnavailable("per-layer backup needs HiCache over upstream's KV sharding")
     problem = per_layer_problem(cc)
     if problem is not None:
@@ -230,11 +227,12 @@ def attach(cache: Any, draft_layer_num: Optional[int] = None) -> CacheLayerBacku
         draft_layer_num = getattr(native_host, "_draft_layer_num", 0)
     shard_rank = getattr(anchor.host_pool, "shard_rank", 0)
     backup = CacheLayerBackup(cache, device_pool.layer_num, draft_layer_num, f"CP rank {shard_rank}")
-    setattr(cache, _CACHE_ATTR, backup)
-    setattr(device_pool, _LISTENER_ATTR, backup)
-    for entry in cc.mem_pool_host.entry_map.values():
-        for draft_pool in entry.packed_draft_device_pools:
-            setattr(draft_pool, _LISTENER_ATTR, backup.pipeline.draft_stage)
+    listeners = [(device_pool, backup)] + [
+        (draft_pool, backup.pipeline.draft_stage)
+        for entry in cc.mem_pool_host.entry_map.values()
+        for draft_pool in entry.packed_draft_device_pools
+    ]
+    extension.attach_layer_backup(backup, listeners)
     return backup
 
 
@@ -272,7 +270,7 @@ def reserve_batch(cache: Any, reqs: List[Any]) -> Dict[str, int]:
             continue
         locs = row_of[req.kv.req_pool_idx, start:end].to(torch.int64)
         base = req.kv_rotation_base
-        owner = None if base is None else base + start // page
+        owner = None if base is None else owner_of(base, start // page, backup.lanes)
         ticket = backup.reserve(req.rid, locs, owner)
         if ticket is not None:
             tickets[req.rid] = ticket
@@ -280,10 +278,11 @@ def reserve_batch(cache: Any, reqs: List[Any]) -> Dict[str, int]:
 
 
 # --------------------------------------------------------------------------------- hooks
-def init_hicache_after(result: Any, cache: Any, server_args: Any, params: Any) -> None:
-    """Under the flag: per-layer backups. Two-batch overlap (a layer stored in two parts)
-    is refused; a host layout without upstream one-layer D2H ops keeps upstream's
-    all-layer path, said once here."""
+def set_up(cache: Any, server_args: Any) -> None:
+    """Once HiCache is initialised (``hicache_init.init_hicache_after``), under the
+    flag: per-layer backups. Two-batch overlap (a layer stored in two parts) is refused; a
+    host layout without upstream one-layer D2H ops keeps upstream's all-layer path, said
+    once here."""
     from sglang_cp_hicache.v0_5_23.server_args import cp_shared_kv_enabled
 
     if not cp_shared_kv_enabled(server_args) or cache.cache_controller is None:

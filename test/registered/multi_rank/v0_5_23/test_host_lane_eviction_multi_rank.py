@@ -46,7 +46,7 @@ def _churn(ctx: RankContext) -> Tuple[List[Tuple[str, Tuple[int, ...], Tuple[int
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
-    from sglang_cp_hicache.v0_5_23.mem_cache.host_lane_eviction import STATS
+    from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import extension_of
 
     config = StackConfig(device_pages_per_rank=6, host_to_device_ratio=1.0, cp_shared_kv=True)
     rng, trace = random.Random(20261202), []
@@ -77,7 +77,8 @@ def _churn(ctx: RankContext) -> Tuple[List[Tuple[str, Tuple[int, ...], Tuple[int
             stack.cache.flush_pending_backups()
             stack.cache.writing_check()
             chains.append((tokens, base))
-            stats = (STATS.short, STATS.fit, STATS.plans, STATS.refusals, STATS.victims, STATS.evicted_tokens)
+            host = extension_of(stack.cache).host_stats
+            stats = (host.short, host.fit, host.plans, host.refusals, host.victims, host.evicted_tokens)
             trace.append((_digest(stack), tuple(slots.class_free_page_counts()), stats))
         for lock in locks:
             stack.cache.dec_host_lock_ref(*lock)

@@ -62,8 +62,8 @@ def _start_owner_rule(stack) -> Dict[str, object]:
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import PrefetchOperation
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
+    from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import extension_of
     from sglang_cp_hicache.v0_5_23.mem_cache.hybrid_cache.hybrid_cache_controller import (
-        START_OWNER_ATTR,
         PrefetchStartOwnerMissing,
     )
 
@@ -77,7 +77,7 @@ def _start_owner_rule(stack) -> Dict[str, object]:
         unrecorded = str(exc)
     owners = {}
     for recorded in (None, 0, 1):
-        setattr(operation, START_OWNER_ATTR, recorded)
+        extension_of(stack.cache).start_owners[operation] = recorded
         slots = controller.alloc_prefetch_host_buffers(operation, size)
         owners[recorded] = [int(h) % stack.shard_size for h in slots[::PAGE] // PAGE]
         controller.mem_pool_host.free(slots)

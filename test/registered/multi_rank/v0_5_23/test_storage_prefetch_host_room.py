@@ -61,16 +61,15 @@ def storage_hit(controller, cache, request: str, tokens: List[int], start_owner:
     from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import PrefetchOperation
 
-    from sglang_cp_hicache.v0_5_23.mem_cache.hybrid_cache.hybrid_cache_controller import (
-        START_OWNER_ATTR,
-    )
+    from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import extension_of
 
+    start_owners = extension_of(cache).start_owners
     operation = PrefetchOperation(CacheRequestHandle(request, 0), array("q", tokens), None)
-    setattr(operation, START_OWNER_ATTR, start_owner)
+    start_owners[operation] = start_owner
     slots, alloc_len = controller.allocate_storage_hit(
         operation, len(tokens), allow_partial=True, min_tokens=PAGE, evict_host=cache.evict_host
     )
-    return slots, alloc_len, getattr(operation, START_OWNER_ATTR)
+    return slots, alloc_len, start_owners[operation]
 
 
 def slot_lanes(stack, slots: Optional[torch.Tensor]) -> Optional[List[int]]:
@@ -81,6 +80,7 @@ def room_run(ctx: RankContext, folder: str) -> Dict[str, object]:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     from sglang_cp_hicache.testing.v0_5_23 import storage
+    from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import extension_of
     from sglang_cp_hicache.v0_5_23.mem_cache.host_lane_eviction import HostLaneEvictor
 
     with file_storage_stack(ctx, folder) as stack:
@@ -88,7 +88,7 @@ def room_run(ctx: RankContext, folder: str) -> Dict[str, object]:
         for tokens in (OLDER, NEWER):  # one host page each; OLDER is the LRU leaf
             storage.store_request(stack, tokens, storage.logical_kv(stack, tokens, SEED))
         cache.evict(EvictParams(num_tokens=stack.allocator.size))  # host-only leaves
-        evictor = HostLaneEvictor(cache)
+        evictor = HostLaneEvictor(extension_of(cache))
         priority = evictor._component().session_ref_eviction_strategy
         leaves = list(evictor.candidates(priority))
         lanes = [evictor.lane_pages(node).index(1) for node in leaves]
@@ -110,11 +110,11 @@ def room_run(ctx: RankContext, folder: str) -> Dict[str, object]:
 
 
 def root_read_run(ctx: RankContext, folder: str) -> Dict[str, object]:
-    from sglang_cp_hicache.v0_5_23.mem_cache.lane_eviction import chain_starts
+    from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import extension_of
 
     with file_storage_stack(ctx, folder) as stack:
         cache, controller = stack.cache, stack.controller
-        started = chain_starts(controller.mem_pool_device_allocator)
+        started = extension_of(controller.mem_pool_device_allocator).chain_starts
         started.add([0])  # an extend started one chain on lane 0
         host_slots = controller.mem_pool_host.anchor_entry.host_pool._slots
         report: Dict[str, object] = {

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from sglang_cp_hicache.core.lane_eviction import (
     base_overlaps,
-    cyclic_lane_counts,
     extend_lane_demand,
     first_page_leaders,
     new_chain_base,
 )
+from sglang_cp_hicache.core.rotation import run_lane_counts
 
 PAGE = 64
 
@@ -92,7 +92,7 @@ def test_a_lane_the_draws_do_not_fit_is_never_taken_for_spread() -> None:
     demand, (base,) = extend_lane_demand(
         free, [None], [0], [3 * PAGE], 4, PAGE, fit_first=True, chain_starts=starts
     )
-    assert base == 2 and demand == cyclic_lane_counts(2, 3, 4)
+    assert base == 2 and demand == run_lane_counts(2, 3, 4)
     assert all(need <= have for need, have in zip(demand, free))
     # When no lane fits, the chain goes where upstream puts it (the freest, lowest).
     _, (base,) = extend_lane_demand(

@@ -21,15 +21,11 @@ from sglang_cp_hicache.core.bootstrap_probe import bootstrap_address, wait_until
 from sglang_cp_hicache.v0_5_23.server_args import cp_shared_kv_enabled
 
 
-def _flag_on() -> bool:
-    from sglang.srt.runtime_context import get_server_args
-
-    return cp_shared_kv_enabled(get_server_args())
-
-
 def register_topology_row_around(
     original: Callable, manager: Any, url: str, payload: Dict, *args: Any, **kwargs: Any
 ) -> None:
-    if _flag_on():
+    from sglang.srt.runtime_context import get_server_args
+
+    if cp_shared_kv_enabled(get_server_args()):  # startup: once per registration
         wait_until_reachable(*bootstrap_address(url), timeout_s=bootstrap_probe.REGISTRATION_WAIT_S)
     return original(manager, url, payload, *args, **kwargs)

@@ -16,6 +16,8 @@ from typing import Any, List, Tuple
 
 import torch
 
+from sglang_cp_hicache.core.rotation import lane_of, owner_of
+
 FP8_MAX = 448.0  # float8_e4m3fn
 INDEX_SCALE_BLOCK = 128  # one fp32 scale per 128 index-K values (DSATokenToKVPool)
 
@@ -99,10 +101,10 @@ def build_selftest_batch(spec: SelfTestBatchSpec, cp_size: int, page_size: int) 
     rows: List[List[int]] = []
     for i, need in enumerate(pages_needed):
         shared = rows[0][: spec.shared_prefix_pages] if i == 1 else []
-        base = shared[0] % cp_size if shared else int(torch.randint(cp_size, (1,), generator=gen))
+        base = lane_of(shared[0], cp_size) if shared else int(torch.randint(cp_size, (1,), generator=gen))
         pages = list(shared)
         for k in range(len(shared), need):
-            owner = (base + k) % cp_size
+            owner = owner_of(base, k, cp_size)
             pages.append(free_local[owner].pop() * cp_size + owner)
         rows.append(pages)
     width = max(seq_lens) + ps

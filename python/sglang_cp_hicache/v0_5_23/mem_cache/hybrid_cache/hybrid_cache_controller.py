@@ -43,17 +43,16 @@ import torch
 
 from sglang_cp_hicache.core.lane_eviction import new_chain_base
 from sglang_cp_hicache.core.storage_keys import logical_pages_completed
+from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import CpCacheExtension, extension_of
 from sglang_cp_hicache.v0_5_23.mem_cache.host_lane_eviction import backup_room
-from sglang_cp_hicache.v0_5_23.mem_cache.lane_eviction import chain_starts
-from sglang_cp_hicache.v0_5_23.mem_cache.storage.backend_factory import owner_storage_enabled
 
 logger = logging.getLogger(__name__)
 
-#: Set on every PrefetchOperation by the cache (scheduler thread, in
-#: ``prefetch_from_storage_around``) right after upstream queues it, before its host slots
-#: are allocated (on a later scheduler poll, once the hit query is acked): the owner class
-#: of its first page, or None for a root anchor ("least-full at allocation").
-START_OWNER_ATTR = "_cp_shared_kv_start_owner"
+# A prefetch's start owner (the extension's ``start_owners``) is recorded by the cache
+# (scheduler thread, in ``prefetch_from_storage_around``) right after upstream queues it,
+# before its host slots are allocated (on a later scheduler poll, once the hit query is
+# acked): the owner class of its first page, or None for a root anchor ("least-full at
+# allocation").
 _UNRECORDED = object()
 
 
@@ -106,8 +105,12 @@ def _anchor_pool(controller: Any) -> Any:
     return controller.mem_pool_host.anchor_entry.host_pool
 
 
-def _applies(controller: Any) -> bool:
-    return controller.is_kv_sharded and owner_storage_enabled(_anchor_pool(controller))
+def _extension(controller: Any) -> Optional[CpCacheExtension]:
+    """The extension of the cache whose sharded KV host pool ``controller`` moves (found
+    through the device allocator, which the controller holds from its first line)."""
+    if not controller.is_kv_sharded:
+        return None
+    return extension_of(controller.mem_pool_device_allocator)
 
 
 # ------------------------------------------------------------------ the writer rule
@@ -116,7 +119,7 @@ def generate_storage_config_around(original: Callable, controller: Any, *args, *
     ``HiCacheStorageConfig.is_storage_writer``) is applied within the attention-TP group,
     so each CP coordinate has exactly one writer."""
     config = original(controller, *args, **kwargs)
-    if not _applies(controller):
+    if _extension(controller) is None:
         return config
     from sglang.srt.runtime_context import get_parallel
 
@@ -130,7 +133,7 @@ def generate_storage_config_around(original: Callable, controller: Any, *args, *
 def page_backup_around(original: Callable, controller: Any, operation: Any) -> None:
     """Write this rank's owned pages of ``operation``; its ``completed_tokens`` becomes the
     logical prefix this rank's writes cover (the whole run when it owns nothing)."""
-    if not _applies(controller):
+    if _extension(controller) is None:
         return original(controller, operation)
     page_size = controller.page_size
     run = owned_run(
@@ -166,7 +169,7 @@ def page_transfer_kv_batch_around(
     """Read this rank's owned pages of one batch (KV and KV-derived sidecars); return the
     batch's logical pages done: the index of the first owned page that did not read back
     whole, or the whole batch (a rank owning none of it does no I/O)."""
-    if not _applies(controller):
+    if _extension(controller) is None:
         return original(
             controller, operation, batch_hashes, batch_host_indices, extra_info,
             kv_derived_transfers,
@@ -188,9 +191,10 @@ def alloc_prefetch_host_buffers_around(
 ) -> Optional[torch.Tensor]:
     """Sharded host slots for a storage hit, cyclic from the operation's start owner
     (upstream's sharded host pool refuses an allocation without one)."""
-    if not _applies(controller):
+    extension = _extension(controller)
+    if extension is None:
         return original(controller, operation, need_size)
-    start_owner = getattr(operation, START_OWNER_ATTR, _UNRECORDED)
+    start_owner = extension.start_owners.get(operation, _UNRECORDED)
     if start_owner is _UNRECORDED:
         pool = _anchor_pool(controller)
         raise PrefetchStartOwnerMissing(
@@ -200,11 +204,11 @@ def alloc_prefetch_host_buffers_around(
             "issues); refusing to place its host slots"
         )
     if start_owner is None:
-        start_owner = root_chain_start(controller, need_size)
+        start_owner = root_chain_start(controller, extension, need_size)
     return controller.mem_pool_host.alloc(need_size, start_owner=int(start_owner))
 
 
-def root_chain_start(controller: Any, need_tokens: int) -> int:
+def root_chain_start(controller: Any, extension: CpCacheExtension, need_tokens: int) -> int:
     """The start owner of a read anchored at the root, which starts a new chain: the rule
     a new extend chain follows (``core.lane_eviction.new_chain_base``: among the lanes
     whose host slots can hold the read's cyclic draws, the one spread furthest from the
@@ -213,7 +217,7 @@ def root_chain_start(controller: Any, need_tokens: int) -> int:
     chain counts are identical on every rank."""
     slots = _anchor_pool(controller)._slots
     pages = -(-int(need_tokens) // controller.page_size)
-    started = chain_starts(controller.mem_pool_device_allocator).per_base
+    started = extension.chain_starts.per_base
     return new_chain_base(
         slots.class_free_page_counts(), pages, slots.shard_size, chain_starts=started
     )
@@ -244,15 +248,16 @@ def allocate_storage_hit_around(
     allocation, so the room and the slots use the same lanes, and counted as a started
     chain once its slots are held (the next new chain spreads from it). Replicated state
     only."""
-    if not _applies(controller):
+    extension = _extension(controller)
+    if extension is None:
         return original(controller, operation, hit_tokens, evict_host=evict_host, **kwargs)
-    start_owner = getattr(operation, START_OWNER_ATTR, _UNRECORDED)
+    start_owner = extension.start_owners.get(operation, _UNRECORDED)
     if start_owner is _UNRECORDED:  # alloc_prefetch_host_buffers_around raises for it
         return original(controller, operation, hit_tokens, evict_host=evict_host, **kwargs)
     root_anchor = start_owner is None
     if root_anchor:
-        start_owner = root_chain_start(controller, hit_tokens)
-        setattr(operation, START_OWNER_ATTR, start_owner)
+        start_owner = root_chain_start(controller, extension, hit_tokens)
+        extension.start_owners[operation] = start_owner
     cache = _bound_cache(evict_host)
     if cache is None:
         raise RuntimeError(
@@ -266,14 +271,13 @@ def allocate_storage_hit_around(
 
     slots, alloc_len = original(controller, operation, hit_tokens, evict_host=lane_room, **kwargs)
     if root_anchor and slots is not None:
-        chain_starts(controller.mem_pool_device_allocator).add([int(start_owner)])
+        extension.chain_starts.add([int(start_owner)])
     return slots, alloc_len
 
 
 __all__ = [
     "OwnedRun",
     "PrefetchStartOwnerMissing",
-    "START_OWNER_ATTR",
     "alloc_prefetch_host_buffers_around",
     "allocate_storage_hit_around",
     "generate_storage_config_around",

@@ -9,7 +9,7 @@ reading a sharded fleet's pages), ``file`` becomes
 (owner-free namespaced keys); any other backend is refused with one message. Flag off:
 upstream's factory, unchanged (the builtin registry is never rewritten, so other processes
 and flag-off servers see upstream's classes). The owner write / read rules apply only to a
-sharded pool (:func:`owner_storage_enabled`).
+sharded pool (a cache with a ``CpCacheExtension``, ``cache_extension.py``).
 """
 
 from __future__ import annotations
@@ -17,11 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Tuple
 
-from sglang_cp_hicache.v0_5_23.server_args import (
-    CLI_FLAG,
-    cp_shared_kv_enabled,
-    owner_free_storage_enabled,
-)
+from sglang_cp_hicache.v0_5_23.server_args import CLI_FLAG, owner_free_storage_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -31,22 +27,6 @@ OWNER_FREE_BACKENDS: Tuple[str, ...] = ("file", "mooncake")
 
 class UnsupportedShardedStorageError(ValueError):
     """An L3 backend the plugin has not proven under CP shared KV."""
-
-
-def is_kv_sharded_host_pool(host_pool: Any) -> bool:
-    from sglang.srt.mem_cache.pool_host.page_interleave import PageInterleaveHostPool
-
-    return isinstance(host_pool, PageInterleaveHostPool)
-
-
-def owner_storage_enabled(host_pool: Any) -> bool:
-    """Whether the plugin's owner-write / owner-read storage applies to ``host_pool``'s
-    process: a sharded KV host pool and the plugin's flag on the published record."""
-    if not is_kv_sharded_host_pool(host_pool):
-        return False
-    from sglang.srt.runtime_context import get_server_args
-
-    return cp_shared_kv_enabled(get_server_args())
 
 
 def owner_free_keys_enabled() -> bool:
@@ -108,8 +88,6 @@ __all__ = [
     "OWNER_FREE_BACKENDS",
     "UnsupportedShardedStorageError",
     "create_backend_around",
-    "is_kv_sharded_host_pool",
     "owner_free_keys_enabled",
-    "owner_storage_enabled",
     "refuse_unless_owner_free",
 ]

@@ -21,15 +21,17 @@ class _TreeCore:
 
 def _spec_in_scope(tree_core: _TreeCore, pages: int):
     """Run ``build_backup_spec_around`` inside a backup scope; return the scope's room."""
+    from types import SimpleNamespace
+
+    from sglang_cp_hicache.v0_5_23.mem_cache import cache_extension
     from sglang_cp_hicache.v0_5_23.mem_cache import host_lane_eviction as hle
 
-    token = hle._backup_room.set(hle._BackupRoom())
-    try:
+    extension = SimpleNamespace(backup_room=cache_extension.CallScope())
+    cache_extension._register(tree_core, extension)
+    with extension.backup_room.opened(hle._BackupRoom()) as room:
         spec = hle.build_backup_spec_around(lambda core, node_id: ([0] * pages * 64, {}), tree_core, 7)
-        assert len(spec[0]) == pages * 64
-        return hle._backup_room.get()
-    finally:
-        hle._backup_room.reset(token)
+    assert len(spec[0]) == pages * 64
+    return room
 
 
 def test_the_spec_records_the_node_without_reading_its_phase() -> None:

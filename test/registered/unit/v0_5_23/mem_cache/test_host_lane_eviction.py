@@ -103,27 +103,31 @@ def _fill_host(stack, chains: Sequence[Chain]) -> None:
 
 def _lane_pages_match_slots(stack) -> bool:
     """The evictor's lane pages equal the owners the rotation phase gives each host node."""
-    from sglang_cp_hicache.core.lane_eviction import cyclic_lane_counts
+    from sglang_cp_hicache.core.rotation import run_lane_counts
+    from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import CpCacheExtension, extension_of
     from sglang_cp_hicache.v0_5_23.mem_cache.host_lane_eviction import HostLaneEvictor
 
-    evictor, core = HostLaneEvictor(stack.cache), stack.cache.tree_core
+    extension = extension_of(stack.cache) or CpCacheExtension(stack.cache, stack.allocator)
+    evictor, core = HostLaneEvictor(extension), stack.cache.tree_core
     for node in core.evictable_host_leaves:
         phase, pages = core.rotation_phase_of(node.id), len(node.key) // PAGE
-        if evictor.lane_pages(node) != cyclic_lane_counts(phase, pages, LANES):
+        if evictor.lane_pages(node) != run_lane_counts(phase, pages, LANES):
             return False
     return True
 
 
 def _run(ctx: RankContext, name: str, cp_shared_kv: bool) -> Outcome:
     from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
-    from sglang_cp_hicache.v0_5_23.mem_cache.host_lane_eviction import STATS
+    from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import RoomStats, extension_of
 
     chains, (base, pages) = SCENARIOS[name]
     config = StackConfig(device_pages_per_rank=4, host_to_device_ratio=1.0, cp_shared_kv=cp_shared_kv)
     with sharded_stack(ctx, config) as stack:
         slots = stack.kv_host_pool._slots
         _fill_host(stack, chains)
-        before = (STATS.short, STATS.fit, STATS.refusals)
+        extension = extension_of(stack.cache)
+        stats = RoomStats() if extension is None else extension.host_stats  # flag off: none
+        before = (stats.short, stats.fit, stats.refusals)
         host_free_before = tuple(slots.class_free_page_counts())
         lane_pages_ok = _lane_pages_match_slots(stack)
         _insert(stack, len(chains), base, pages)
@@ -134,9 +138,9 @@ def _run(ctx: RankContext, name: str, cp_shared_kv: bool) -> Outcome:
             host_free_after=tuple(slots.class_free_page_counts()),
             evicted=tuple(c[0] for i, c in enumerate(chains) if _root_child(stack, i) is None),
             backed_up=node.backuped,
-            short=STATS.short - before[0],
-            fit=STATS.fit - before[1],
-            refusals=STATS.refusals - before[2],
+            short=stats.short - before[0],
+            fit=stats.fit - before[1],
+            refusals=stats.refusals - before[2],
             lane_pages_match_slots=lane_pages_ok,
         )
 

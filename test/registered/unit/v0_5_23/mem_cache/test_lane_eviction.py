@@ -104,9 +104,10 @@ def _lane_pages_match_locs(stack) -> bool:
     """The evictor's phase-derived lane pages equal the owners of every node's locs."""
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
+    from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import extension_of
     from sglang_cp_hicache.v0_5_23.mem_cache.lane_eviction import DeviceLaneEvictor
 
-    evictor = DeviceLaneEvictor(stack.cache, stack.allocator)
+    evictor = DeviceLaneEvictor(extension_of(stack.cache))
     nodes = list(stack.cache.tree_core.root_node.children.values())
     while nodes:
         node = nodes.pop()
@@ -157,7 +158,7 @@ def _run(ctx: RankContext, name: str, cp_shared_kv: bool) -> Outcome:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
-    from sglang_cp_hicache.v0_5_23.mem_cache.lane_eviction import STATS
+    from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import LaneEvictionStats, extension_of
 
     chains = SCENARIOS[name]
     config = StackConfig(device_pages_per_rank=4, host_to_device_ratio=4.0, cp_shared_kv=cp_shared_kv)
@@ -172,7 +173,9 @@ def _run(ctx: RankContext, name: str, cp_shared_kv: bool) -> Outcome:
             _fill(stack, chains)
         free_before = tuple(stack.allocator.class_free_page_counts())
         lane_pages_ok = _lane_pages_match_locs(stack) if cp_shared_kv else True
-        refusals, extend_lanes, loaded, bases = STATS.total("refusals"), None, None, None
+        extension = extension_of(stack.cache)
+        stats = LaneEvictionStats() if extension is None else extension.device_stats  # flag off: none
+        refusals, extend_lanes, loaded, bases = stats.total("refusals"), None, None, None
         if name == "extend_fits":
             extend_lanes, _ = _extend(stack, pages=3)
         elif name == "spread":
@@ -189,7 +192,7 @@ def _run(ctx: RankContext, name: str, cp_shared_kv: bool) -> Outcome:
             free_before=free_before,
             free_after=tuple(stack.allocator.class_free_page_counts()),
             evicted=tuple(evicted),
-            refusals=STATS.total("refusals") - refusals,
+            refusals=stats.total("refusals") - refusals,
             extend_lanes=extend_lanes,
             lane_pages_match_locs=lane_pages_ok,
             loaded=loaded,
