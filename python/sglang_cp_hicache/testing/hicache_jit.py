@@ -9,10 +9,12 @@ register kernel). The CPU runtime binds, in that module, ``_jit_hicache_module``
 ``use_hicache_tma_kernel`` to a :func:`tma_selector`, which answers as an sm_90 part (H100,
 H200: the project's GPU checks) with enough shared memory for the TMA ring would.
 
-One entry point is stood in, ``launch_one_mla``: one layer, one ``element_size``-byte row per
-index pair, ``dst_row(indices_dst[i]) = src_row(indices_src[i])``. A row of a ``[-1, D]``
-cache is addressed as the C++ does, ``data_ptr + index * stride(0) * element_size``; any
-other entry point raises ``NotImplementedError`` naming itself.
+Two entry points are stood in. ``launch_one_mla``: one layer, one ``element_size``-byte row
+per index pair, ``dst_row(indices_dst[i]) = src_row(indices_src[i])``; a row of a ``[-1, D]``
+cache is addressed as the C++ does, ``data_ptr + index * stride(0) * element_size``.
+``launch_all_mla``: the same for every layer ``l`` of two uint64 pointer tables, a row at
+``table[l] + index * stride_bytes`` (the host pools' all-layer backup once ``can_use_jit``
+holds). Any other entry point raises ``NotImplementedError`` naming itself.
 
 Exactly as strict as the C++ (``kvcacheio/hicache.cuh`` ``HiCacheKernel::run_one_mla``,
 ``kvcacheio/hicache_tma.cuh`` ``HiCacheTmaKernel::run_one_impl`` and ``launch``); a call the
@@ -30,6 +32,9 @@ real module would refuse, or run into a fault or a silent misread, raises here
   a multiple of 128 bytes; ``pick_group_bytes``); every row address a multiple of its vector
   package (``4 * unroll`` bytes, "misaligned address" otherwise); **not empty** (a grid of 0
   blocks: "invalid configuration argument").
+* ``launch_all_mla`` (both kernels): the pointer tables 1-D uint64 of one length on the
+  kernel's device; the indices as above. A table holds raw addresses: rows are not
+  bounds-checked against a tensor (the kernel cannot either), only against negative indices.
 * TMA kernel: ``row_bytes`` a positive multiple of 16 and at most one 32 KiB stage; both row
   strides multiples of 16 bytes; base addresses 16-byte aligned (bulk copies; a strided
   source also gets a tensor map, whose base must be 16-byte aligned and whose row count must
@@ -42,6 +47,7 @@ kernel launch, unlike ``cudaMemcpyBatchAsync``, accepts any stream). The GPU che
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -134,6 +140,13 @@ def _check_operands(
         raise ValueError(f"{what}: row dims differ: src {cache_src.shape[1]}, dst {cache_dst.shape[1]}")
     if cache_src.dtype != cache_dst.dtype:
         raise TypeError(f"{what}: cache dtypes differ: src {cache_src.dtype}, dst {cache_dst.dtype}")
+    _check_indices(what, indices_dst, indices_src)
+    if dst.row_bytes != element_size:
+        raise ValueError(f"{what}: cache dimension mismatch: rows of {dst.row_bytes} bytes, module built for {element_size}")
+    return src, dst
+
+
+def _check_indices(what: str, indices_dst: Tensor, indices_src: Tensor) -> None:
     for name, t in (("indices_src", indices_src), ("indices_dst", indices_dst)):
         if t.dim() != 1:
             raise ValueError(f"{what}: {name} must be 1-D, got shape {tuple(t.shape)}")
@@ -147,9 +160,6 @@ def _check_operands(
         raise TypeError(f"{what}: index dtypes differ: {indices_src.dtype} vs {indices_dst.dtype}")
     if indices_src.numel() != indices_dst.numel():
         raise ValueError(f"{what}: {indices_src.numel()} source vs {indices_dst.numel()} destination indices")
-    if dst.row_bytes != element_size:
-        raise ValueError(f"{what}: cache dimension mismatch: rows of {dst.row_bytes} bytes, module built for {element_size}")
-    return src, dst
 
 
 def _check_bounds(what: str, name: str, index: Tensor, rows: _Rows) -> None:
@@ -171,6 +181,61 @@ def _copy_rows(src: _Rows, dst: _Rows, indices_src: Tensor, indices_dst: Tensor)
     """``dst[indices_dst[i]] = src[indices_src[i]]`` bytewise, gathered first."""
     rows = src.as_bytes().index_select(0, indices_src.to(torch.int64))
     dst.as_bytes().index_copy_(0, indices_dst.to(torch.int64), rows)
+
+
+@dataclass(frozen=True)
+class _TableRows:
+    """Layer ``l`` of a uint64 pointer table: rows at ``table[l] + index * stride_bytes``."""
+
+    addresses: tuple
+    row_bytes: int
+    stride_bytes: int
+
+    def row_addresses(self, layer: int, index: Tensor) -> Tensor:
+        return self.addresses[layer] + index.to(torch.int64) * self.stride_bytes
+
+    def as_bytes(self, layer: int, index: Tensor) -> Tensor:
+        """uint8 ``[max(index) + 1, row_bytes]`` alias of layer ``layer``'s rows."""
+        rows = int(index.max()) + 1
+        span = (rows - 1) * self.stride_bytes + self.row_bytes
+        raw = torch.frombuffer((ctypes.c_uint8 * span).from_address(self.addresses[layer]), dtype=torch.uint8)
+        return raw.as_strided((rows, self.row_bytes), (self.stride_bytes, 1))
+
+
+def _check_tables(
+    what: str, row_bytes: int, ptr_dst: Tensor, indices_dst: Tensor, ptr_src: Tensor,
+    indices_src: Tensor, src_stride_bytes: int, dst_stride_bytes: int,
+) -> tuple:  # fmt: skip
+    """The all-layer ``TensorMatcher``s: tables ``[N]`` uint64 on the kernel's device (one
+    ``N``), indices as for one layer, and no negative index (the rows have no bound)."""
+    for name, t in (("ptr_src", ptr_src), ("ptr_dst", ptr_dst)):
+        if t.dim() != 1:
+            raise ValueError(f"{what}: {name} must be 1-D [num_layers], got shape {tuple(t.shape)}")
+        if t.dtype != torch.uint64:
+            raise TypeError(f"{what}: {name} must be uint64, got {t.dtype}")
+        if t.device != KERNEL_DEVICE:
+            raise ValueError(f"{what}: {name} on {t.device}, must be on {KERNEL_DEVICE} (the kernel's device)")
+    if ptr_src.numel() != ptr_dst.numel():
+        raise ValueError(f"{what}: num_layers differ: src table {ptr_src.numel()}, dst table {ptr_dst.numel()}")
+    _check_indices(what, indices_dst, indices_src)
+    for name, t in (("indices_src", indices_src), ("indices_dst", indices_dst)):
+        if t.numel() and int(t.min()) < 0:
+            raise IndexError(f"{what}: {name} holds a negative index")
+
+    def rows(table: Tensor, stride: int) -> _TableRows:
+        addresses = tuple(int(a) for a in table.tolist())
+        if 0 in addresses:
+            raise ValueError(f"{what}: null layer pointer in a table")
+        return _TableRows(addresses, row_bytes, stride)
+
+    return rows(ptr_src, src_stride_bytes), rows(ptr_dst, dst_stride_bytes)
+
+
+def _copy_table_rows(src: _TableRows, dst: _TableRows, indices_src: Tensor, indices_dst: Tensor) -> None:
+    """Every layer: ``dst[l][indices_dst[i]] = src[l][indices_src[i]]``, gathered first."""
+    for layer in range(len(src.addresses)):
+        rows = src.as_bytes(layer, indices_src).index_select(0, indices_src.to(torch.int64))
+        dst.as_bytes(layer, indices_dst).index_copy_(0, indices_dst.to(torch.int64), rows)
 
 
 class _Unsupported:
@@ -227,6 +292,21 @@ class RegisterModule(_Unsupported):
         _copy_rows(src, dst, indices_src, indices_dst)
 
 
+    def launch_all_mla(
+        self, ptr_dst: Tensor, indices_dst: Tensor, ptr_src: Tensor, indices_src: Tensor,
+        src_stride_bytes: int, dst_stride_bytes: int,
+    ) -> None:  # fmt: skip
+        what = "HiCacheKernel::run_all_mla"
+        src, dst = _check_tables(what, self.element_size, ptr_dst, indices_dst, ptr_src, indices_src,
+                                 src_stride_bytes, dst_stride_bytes)  # fmt: skip
+        if indices_src.numel() == 0:
+            raise RuntimeError(f"{what}: empty indices launch a grid of 0 blocks (CUDA: invalid configuration argument)")
+        for layer in range(len(src.addresses)):
+            _check_aligned(what, "source", src.row_addresses(layer, indices_src), self.package_bytes)
+            _check_aligned(what, "destination", dst.row_addresses(layer, indices_dst), self.package_bytes)
+        _copy_table_rows(src, dst, indices_src, indices_dst)
+
+
 def register_module(*, element_size: int, unroll: int, block_quota: int) -> RegisterModule:
     """Stand-in of ``hicache._jit_hicache_module``."""
     return RegisterModule(element_size, unroll, block_quota)
@@ -266,6 +346,27 @@ class TmaModule(_Unsupported):
         _check_aligned(what, "source", src.addresses(indices_src), _TMA_ALIGN)
         _check_aligned(what, "destination", dst.addresses(indices_dst), _TMA_ALIGN)
         _copy_rows(src, dst, indices_src, indices_dst)
+
+
+    def launch_all_mla(
+        self, ptr_dst: Tensor, indices_dst: Tensor, ptr_src: Tensor, indices_src: Tensor,
+        src_stride_bytes: int, dst_stride_bytes: int, row_bytes: int,
+    ) -> None:  # fmt: skip
+        what = "HiCacheTmaKernel::run_all_mla"
+        src, dst = _check_tables(what, row_bytes, ptr_dst, indices_dst, ptr_src, indices_src,
+                                 src_stride_bytes, dst_stride_bytes)  # fmt: skip
+        if row_bytes <= 0 or row_bytes % 16:
+            raise RuntimeError(f"{what}: row bytes must be a multiple of 16, got {row_bytes}")
+        if row_bytes > TMA_STAGE_BYTES:
+            raise RuntimeError(f"{what}: row bytes {row_bytes} exceed the smem stage")
+        if src_stride_bytes % 16 or dst_stride_bytes % 16:
+            raise RuntimeError(f"{what}: strides must be multiples of 16 (src {src_stride_bytes}, dst {dst_stride_bytes})")
+        if indices_src.numel() == 0 or not src.addresses:
+            return
+        for layer in range(len(src.addresses)):
+            _check_aligned(what, "source", src.row_addresses(layer, indices_src), _TMA_ALIGN)
+            _check_aligned(what, "destination", dst.row_addresses(layer, indices_dst), _TMA_ALIGN)
+        _copy_table_rows(src, dst, indices_src, indices_dst)
 
 
 def tma_module(*, block_quota: int) -> TmaModule:

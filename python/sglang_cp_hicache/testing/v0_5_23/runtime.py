@@ -27,9 +27,13 @@ import there is an error, never a fallback). On CPU:
 * **JIT HiCache modules**: ``kernels/ops/kvcache/hicache.py``'s wrappers run as shipped over
   the torch stand-ins of their compiled modules (:mod:`sglang_cp_hicache.testing.hicache_jit`:
   ``_jit_hicache_module``, ``_jit_hicache_tma_module``) and answer ``use_hicache_tma_kernel``
-  as an sm_90 part would, so ``can_use_hicache_jit_kernel`` and the one-layer
-  ``transfer_hicache_one_layer_mla`` work on CPU. The host pools' own ``can_use_jit`` stays
-  False here (``pool_host/mla.py:264`` gates it on CUDA/ROCm first).
+  as an sm_90 part would, so ``can_use_hicache_jit_kernel``, the one-layer
+  ``transfer_hicache_one_layer_mla`` and the all-layer ``transfer_hicache_all_layer_mla``
+  work on CPU. The MLA host pool's ``can_use_jit`` is what that part computes
+  (``pool_host/mla.py:264`` gates it on CUDA/ROCm first, so it is re-evaluated after
+  ``_initialize_transfer_views`` without the gate): its transfers take the JIT branches a
+  GPU takes. The staged write-back kernel (``can_use_write_back_jit``) has no stand-in and
+  stays off.
 * **Triton stand-ins** (only when Triton has no driver): torch versions of the indexer
   store ``dsa_index_k_cache.SetKAndS.execute`` and the sharded pool's MLA row read
   ``page_interleave_pool.get_mla_kv_buffer_triton``.
@@ -77,6 +81,7 @@ HOST_POOL_BASE = "sglang.srt.mem_cache.pool_host.base"
 PAGE_INTERLEAVE_POOL = "sglang.srt.mem_cache.page_interleave_pool"  # = shard_group.POOL_MODULE
 DSA_INDEX_K_CACHE = "sglang.kernels.ops.kvcache.dsa_index_k_cache"
 HICACHE_JIT = "sglang.kernels.ops.kvcache.hicache"
+MLA_HOST_POOL = "sglang.srt.mem_cache.pool_host.mla"
 _KVCACHEIO = "sgl_kernel.kvcacheio"
 
 _plan: Optional["InstallPlan"] = None
@@ -298,6 +303,21 @@ def _bind_get_mla_kv_buffer(module: ModuleType) -> None:
     module.get_mla_kv_buffer_triton = get_mla_kv_buffer_reference
 
 
+def _model_mla_can_use_jit(module: ModuleType) -> None:
+    """``MLATokenToKVPoolHost.can_use_jit`` as the modelled CUDA part computes it: the same
+    ``can_use_hicache_jit_kernel`` call, without the ``_is_cuda or _is_hip`` gate."""
+    cls = module.MLATokenToKVPoolHost
+    initialize = cls._initialize_transfer_views
+
+    def _initialize_transfer_views(self) -> None:
+        initialize(self)
+        self.can_use_jit = module.can_use_hicache_jit_kernel(
+            page_size=self.page_size, element_size=self.kv_cache_dim * self.dtype.itemsize
+        )
+
+    cls._initialize_transfer_views = _initialize_transfer_views
+
+
 def _bind_hicache_jit(module: ModuleType) -> None:
     from sglang_cp_hicache.testing import hicache_jit
 
@@ -335,6 +355,7 @@ def patches(plan: InstallPlan) -> Dict[str, Tuple[Callable[[ModuleType], None], 
         add(PAGE_INTERLEAVE_POOL, bind_gather_communicator)
     if plan.hicache_jit_stand_ins:
         add(HICACHE_JIT, _bind_hicache_jit)
+        add(MLA_HOST_POOL, _model_mla_can_use_jit)
     if plan.triton_stand_ins:
         add(DSA_INDEX_K_CACHE, _bind_set_k_and_s)
         add(PAGE_INTERLEAVE_POOL, _bind_get_mla_kv_buffer)

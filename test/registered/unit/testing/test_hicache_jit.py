@@ -267,8 +267,8 @@ def test_tma_kernel_refuses_a_row_larger_than_its_stage() -> None:
 
 def test_entry_points_without_a_stand_in_are_named() -> None:
     for module in KERNELS.values():
-        with pytest.raises(NotImplementedError, match="launch_all_mla"):
-            module().launch_all_mla
+        with pytest.raises(NotImplementedError, match="launch_all"):
+            module().launch_all
 
 
 def test_tma_kernel_encodes_a_strided_sources_map_before_skipping_empty_indices() -> None:
@@ -283,3 +283,91 @@ def test_tma_kernel_encodes_a_strided_sources_map_before_skipping_empty_indices(
     KERNELS["tma"]().launch_one_mla(device, none, _layer_view(host, 1), none)
     with pytest.raises(RuntimeError, match="cuTensorMapEncodeTiled"):
         KERNELS["tma"]().launch_one_mla(device, none, off_by_8, none)
+
+
+# ---- all layers through pointer tables (launch_all_mla) ---------------------------------
+
+
+def _table(tensors) -> torch.Tensor:
+    """``make_kernel_ptr_table`` on the kernel's device (pageable host memory)."""
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64)
+
+
+def _all_layer_call(kernel: str) -> tuple:
+    """Every layer of a device stack into page_first per-layer views (upstream's
+    ``data_refs`` table, stride ``layout_dim``): the call, the host, the device layers."""
+    host = _page_first(4 * PAGE, MLA_DIM, torch.bfloat16, seed=9)
+    device = [_device_rows(2 * PAGE, MLA_DIM, torch.bfloat16, seed=10 + layer) for layer in range(LAYERS)]
+    args = [
+        _table([host.transpose(0, 1)[layer] for layer in range(LAYERS)]),
+        torch.arange(PAGE, 2 * PAGE),
+        _table(device),
+        torch.arange(0, PAGE),
+        ELEMENT,  # device row stride
+        LAYERS * ELEMENT,  # host layout_dim
+    ]
+    return (args + [ELEMENT] if kernel == "tma" else args), host, device
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_all_layer_backup_through_pointer_tables_writes_exactly_each_layers_slots(kernel: str) -> None:
+    args, host, device = _all_layer_call(kernel)
+    expected = host.clone()
+    KERNELS[kernel]().launch_all_mla(*args)
+    for layer in range(LAYERS):
+        expected[args[1], layer, 0] = device[layer][args[3]]
+    assert torch.equal(host.view(torch.uint8), expected.view(torch.uint8))
+
+
+#: rule -> (how a valid all-layer call breaks it, what the refusal says)
+TABLE_RULES: Dict[str, tuple] = {
+    "table_not_uint64": (lambda a: a.__setitem__(0, a[0].to(torch.int64)), "must be uint64"),
+    "table_not_1d": (lambda a: a.__setitem__(2, a[2].view(1, -1)), "must be 1-D"),
+    "table_lengths_differ": (lambda a: a.__setitem__(2, a[2][:-1]), "num_layers differ"),
+    "null_pointer": (lambda a: a[2].__setitem__(0, 0), "null layer pointer"),
+    "negative_index": (lambda a: a.__setitem__(3, a[3] - 1), "negative index"),
+    "indices_dtype": (lambda a: a.__setitem__(1, a[1].short()) or a.__setitem__(3, a[3].short()), "int32 or int64"),
+    "indices_not_contiguous": (lambda a: a.__setitem__(3, torch.arange(0, 2 * PAGE)[::2]), "not contiguous"),
+    "lengths_differ": (lambda a: a.__setitem__(3, a[3][:-1]), "destination indices"),
+}
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("rule", sorted(TABLE_RULES))
+def test_each_all_layer_rule_refuses_its_violation(kernel: str, rule: str) -> None:
+    args, host, _ = _all_layer_call(kernel)
+    before = host.clone()
+    breaks, says = TABLE_RULES[rule]
+    breaks(args)
+    with pytest.raises((ValueError, TypeError, IndexError), match=says):
+        KERNELS[kernel]().launch_all_mla(*args)
+    assert torch.equal(host.view(torch.uint8), before.view(torch.uint8))
+
+
+def test_all_layer_register_kernel_refuses_empty_indices_and_tma_skips_them() -> None:
+    for kernel in KERNELS:
+        args, host, _ = _all_layer_call(kernel)
+        args[1], args[3] = args[1][:0], args[3][:0]
+        if kernel == "register":
+            with pytest.raises(RuntimeError, match="0 blocks"):
+                KERNELS[kernel]().launch_all_mla(*args)
+        else:
+            KERNELS[kernel]().launch_all_mla(*args)
+
+
+def test_all_layer_alignment_and_stride_rules() -> None:
+    # A host stride 8 bytes off 16 (but on 4-byte packages): the register kernel copies it,
+    # the TMA kernel refuses the stride; a base 2 bytes off refuses the register kernel.
+    for kernel, module in KERNELS.items():
+        args, host, _ = _all_layer_call(kernel)
+        args[5] = LAYERS * ELEMENT + 8
+        args[1] = torch.arange(0, PAGE)
+        if kernel == "tma":
+            with pytest.raises(RuntimeError, match="strides must be multiples of 16"):
+                module().launch_all_mla(*args)
+        else:
+            module().launch_all_mla(*args)
+    args, _, _ = _all_layer_call("register")
+    args[0] = torch.tensor([a + 2 for a in args[0].tolist()], dtype=torch.uint64)
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        KERNELS["register"]().launch_all_mla(*args)

@@ -222,6 +222,17 @@ def test_without_tma_the_dsa_fp8_latent_row_has_no_jit_kernel(monkeypatch: pytes
     assert module.can_use_hicache_jit_kernel(element_size=1152, page_size=64)
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_mla_host_pools_take_the_jit_branches_the_modelled_part_takes(gloo_world1, layout: str) -> None:
+    """``can_use_jit`` as an sm_90 part computes it (upstream gates it on CUDA/ROCm first):
+    bf16 latent rows of 1152 B have a JIT kernel, so the pool's transfers take its branches."""
+    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_unsharded_stack
+
+    with build_unsharded_stack(gloo_world1, StackConfig(device_pages_per_rank=8, mem_layout=layout)) as stack:
+        assert stack.kv_host_pool.can_use_jit is True
+        assert stack.kv_host_pool.can_use_write_back_jit is False  # the staged kernel has no stand-in
+
+
 def test_one_layer_jit_backup_into_page_first_host_pools(gloo_world1) -> None:
     """Upstream's wrapper, as ``pool_host/mla.py`` calls it for a layer-sharded page_first
     backup (``cache_dst=self.data_refs[host_layer_id]``), and the same kernel over the DSA
