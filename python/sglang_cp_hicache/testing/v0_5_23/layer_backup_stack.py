@@ -42,6 +42,20 @@ def logical_kv(stack: Any, num_tokens: int, layers: int, seed: int) -> Tuple[tor
     return latent.to(pool.kv_buffer[0].dtype), indexer.to(torch.uint8)
 
 
+def host_latent_layer(kv_host: Any, host_layer: int) -> torch.Tensor:
+    """Host layer ``host_layer`` of the MLA host pool's latent, ``[rows, 1, dim]``, read as
+    its layout stores it (layer_first ``[layer, row, ...]``, page_first ``[row, layer, ...]``)."""
+    buffer = kv_host.kv_buffer
+    return buffer[host_layer] if kv_host.layout == "layer_first" else buffer[:, host_layer]
+
+
+def host_indexer_layer(indexer_host: Any, host_layer: int) -> torch.Tensor:
+    """Host layer ``host_layer`` of the DSA indexer host pool, ``[pages, bytes]``
+    (layer_first ``[layer, page, bytes]``, page_first ``[page, layer, 1, bytes]``)."""
+    buffer = indexer_host.index_k_with_scale_buffer
+    return buffer[host_layer] if indexer_host.layout == "layer_first" else buffer[:, host_layer, 0]
+
+
 def fresh_write_plan(pool: Any) -> None:
     """A new extend batch for the sharded pool's write plan. Upstream caches a batch's
     owner filter keyed by the locs tensor's address and length and a per-batch epoch that
@@ -240,6 +254,8 @@ __all__ = [
     "forward",
     "forward_batch_of",
     "fresh_write_plan",
+    "host_indexer_layer",
+    "host_latent_layer",
     "logical_kv",
     "store_layer",
     "time_backups",

@@ -20,6 +20,8 @@ from typing import Any, List, Sequence, Tuple
 
 import torch
 
+from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import host_indexer_layer, host_latent_layer
+
 #: One request of a batch: its logical locs and one pool's logical KV (latent
 #: [layer, token, 1, dim], indexer [layer, page, bytes]), identical on every rank.
 DraftItem = Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
@@ -101,9 +103,9 @@ def host_layer_mismatches(
     page_positions = torch.nonzero(stack.owned_mask(first)).squeeze(1)
     host_pages = stack.physical_rows(first) // page
     expected = latent[kv_layer][owned]
-    host = stack.kv_host_pool.kv_buffer[host_layer][host_rows].view(expected.dtype).reshape(expected.shape)
+    host = host_latent_layer(stack.kv_host_pool, host_layer)[host_rows].view(expected.dtype).reshape(expected.shape)
     bad = [f"host layer {host_layer} latent row {int(r)}" for r in host_rows[(host != expected).flatten(1).any(1)]]
-    host_index = stack.indexer_host_pool.index_k_with_scale_buffer[host_layer][host_pages]
+    host_index = host_indexer_layer(stack.indexer_host_pool, host_layer)[host_pages]
     differs = (host_index != indexer[kv_layer][page_positions]).any(1)
     return bad + [f"host layer {host_layer} indexer page {int(p)}" for p in host_pages[differs]]
 

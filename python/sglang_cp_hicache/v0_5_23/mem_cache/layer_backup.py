@@ -280,9 +280,8 @@ def reserve_batch(cache: Any, reqs: List[Any]) -> Dict[str, int]:
 # --------------------------------------------------------------------------------- hooks
 def set_up(cache: Any, server_args: Any) -> None:
     """Once HiCache is initialised (``hicache_init.init_hicache_after``), under the
-    flag: per-layer backups. Two-batch overlap (a layer stored in two parts) is refused; a
-    host layout without upstream one-layer D2H ops keeps upstream's all-layer path, said
-    once here."""
+    flag: per-layer backups. Two-batch overlap (a layer stored in two parts) and host pools
+    without a one-layer D2H path (``per_layer_problem``) are refused here, at start-up."""
     from sglang_cp_hicache.v0_5_23.server_args import cp_shared_kv_enabled
 
     if not cp_shared_kv_enabled(server_args) or cache.cache_controller is None:
@@ -292,14 +291,6 @@ def set_up(cache: Any, server_args: Any) -> None:
             "--enable-nsa-prefill-cp-shared-kv backs up each layer at its store; two-batch "
             "overlap stores a layer in two parts: drop --enable-two-batch-overlap"
         )
-    problem = per_layer_problem(cache.cache_controller)
-    if problem is not None:
-        logger.warning(
-            "per-layer D2H backup is off for %s; host backups use upstream's all-layer path "
-            "after the forward (launch with --hicache-mem-layout layer_first for per-layer)",
-            problem,
-        )
-        return
     attach(cache)
 
 

@@ -8,6 +8,7 @@ store hook reports it to the pipeline's draft stage), the insert and ``writing_c
 Target and draft KV are different seeded draws, so a host tail holding the target's last
 layer, or the draft's bytes copied before the draft stored them, reads as a mismatch. The
 same step with the flag off is upstream's all-layer path (its bytes are checked too).
+Every test runs on both host layouts, ``layer_first`` and ``page_first``.
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ _A = list(range(1, 5 * PAGE + 1))
 _C = list(range(20_001, 20_001 + PAGE))  # one page at rotation base 1: rank 0 owns none
 REQUESTS: Tuple[List[int], ...] = (_A, _C)
 SKIPS = ("draft_forward_without_its_layer", "target_forward_before_the_draft")
+LAYOUTS = ("layer_first", "page_first")
 
 
-def _stack(ctx: RankContext, cp_shared_kv: bool):
+def _stack(ctx: RankContext, cp_shared_kv: bool, layout: str):
     from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
 
-    return sharded_stack(ctx, StackConfig(layer_num=LAYERS, cp_shared_kv=cp_shared_kv, mtp_draft=True))
+    config = StackConfig(layer_num=LAYERS, cp_shared_kv=cp_shared_kv, mtp_draft=True, mem_layout=layout)
+    return sharded_stack(ctx, config)
 
 
 def _kv(stack, tokens):
@@ -67,7 +70,7 @@ def _host_value(node) -> torch.Tensor:
     return node.component_data[ComponentType.FULL].host_value
 
 
-def one_step(ctx: RankContext, cp_shared_kv: bool) -> Dict[str, object]:
+def one_step(ctx: RankContext, cp_shared_kv: bool, layout: str) -> Dict[str, object]:
     """Reserve -> target forward -> draft forward -> insert -> ack -> evict -> load back."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
@@ -76,7 +79,7 @@ def one_step(ctx: RankContext, cp_shared_kv: bool) -> Dict[str, object]:
     from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of, notify_forward_end
 
     report: Dict[str, object] = {}
-    with _stack(ctx, cp_shared_kv) as stack:
+    with _stack(ctx, cp_shared_kv, layout) as stack:
         backup = layer_backup_of(stack.cache)
         report["pipeline_draft_layers"] = None if backup is None else backup.pipeline.draft_layer_num
         report["host_layers"] = (stack.kv_host_pool.layer_num, stack.indexer_host_pool.layer_num)
@@ -166,13 +169,13 @@ def _skipped_draft(stack, how: str) -> str:
     return "no error"
 
 
-def scenario(ctx: RankContext) -> Dict[str, object]:
-    return {"on": one_step(ctx, True), "off": one_step(ctx, False)}
+def scenario(ctx: RankContext, layout: str) -> Dict[str, object]:
+    return {"on": one_step(ctx, True, layout), "off": one_step(ctx, False, layout)}
 
 
-@pytest.fixture(scope="module")
-def reports() -> Dict[bool, List[Dict[str, object]]]:
-    per_rank = run_ranks(2, scenario)
+@pytest.fixture(scope="module", params=LAYOUTS)
+def reports(request) -> Dict[bool, List[Dict[str, object]]]:
+    per_rank = run_ranks(2, scenario, request.param)
     return {on: [r["on" if on else "off"] for r in per_rank] for on in (True, False)}
 
 

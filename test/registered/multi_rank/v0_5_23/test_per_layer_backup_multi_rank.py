@@ -7,6 +7,10 @@ pool's own ``set_mla_kv_buffer`` (the store hook reports each layer), then the i
 ``writing_check`` (upstream's MIN all-reduce pops the one ack). Request C is one page: one
 rank owns none of it and must still ack. The same workload with the flag off is upstream's
 all-layer path, so each "flag on" assertion below is one upstream's behaviour fails.
+
+Every test runs on both host layouts: ``layer_first`` (upstream's one-layer D2H ops) and
+``page_first`` (0.5.23's default, the Mooncake store's: the JIT one-layer kernel over
+per-layer strided views of the latent and indexer host buffers).
 """
 
 from __future__ import annotations
@@ -25,12 +29,13 @@ _A = list(range(1, 5 * PAGE + 1))
 _C = list(range(20_001, 20_001 + PAGE))
 REQUESTS: Tuple[List[int], ...] = (_A, _C)
 SKIPS = ("layer1_first", "ends_after_layer0", "stored_in_parts")
+LAYOUTS = ("layer_first", "page_first")
 
 
-def _stack(ctx: RankContext, cp_shared_kv: bool, **config):
+def _stack(ctx: RankContext, cp_shared_kv: bool, layout: str):
     from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
 
-    return sharded_stack(ctx, StackConfig(layer_num=LAYERS, cp_shared_kv=cp_shared_kv, **config))
+    return sharded_stack(ctx, StackConfig(layer_num=LAYERS, cp_shared_kv=cp_shared_kv, mem_layout=layout))
 
 
 def _logical_kv(stack, token_ids: Sequence[int]):
@@ -53,6 +58,8 @@ def _forward(stack, batch) -> None:
 
 def _host_mismatches(stack, locs: torch.Tensor, host_locs: torch.Tensor, layers) -> List[str]:
     """Owned host rows (latent) and pages (indexer) that differ from the device's."""
+    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import host_indexer_layer, host_latent_layer
+
     kv_host = stack.kv_host_pool
     owned = stack.owned_mask(locs)
     device_rows = stack.physical_rows(locs)
@@ -64,10 +71,10 @@ def _host_mismatches(stack, locs: torch.Tensor, host_locs: torch.Tensor, layers)
     bad = []
     for layer in layers:
         device = stack.kv_pool.kv_buffer[layer][device_rows]
-        host = kv_host.kv_buffer[layer][host_rows].view(device.dtype).reshape(device.shape)
+        host = host_latent_layer(kv_host, layer)[host_rows].view(device.dtype).reshape(device.shape)
         bad += [f"layer {layer} latent row {int(r)}" for r in device_rows[(host != device).flatten(1).any(1)]]
         device_index = stack.kv_pool.index_k_with_scale_buffer[layer][device_pages]
-        host_index = stack.indexer_host_pool.index_k_with_scale_buffer[layer][host_pages]
+        host_index = host_indexer_layer(stack.indexer_host_pool, layer)[host_pages]
         bad += [f"layer {layer} indexer page {int(p)}" for p in device_pages[(host_index != device_index).any(1)]]
     return bad
 
@@ -77,14 +84,14 @@ def _node_of(stack, tokens):
     return stack.cache.tree_core.node_by_id(match.last_device_node)
 
 
-def happy_path(ctx: RankContext, cp_shared_kv: bool) -> Dict[str, object]:
+def happy_path(ctx: RankContext, cp_shared_kv: bool, layout: str) -> Dict[str, object]:
     """Reserve -> forward (layer by layer) -> insert -> ack -> evict -> load back."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of, notify_forward_end
 
     report: Dict[str, object] = {}
-    with _stack(ctx, cp_shared_kv) as stack:
+    with _stack(ctx, cp_shared_kv, layout) as stack:
         backup = layer_backup_of(stack.cache)
         report["attached"] = backup is not None
         start = (stack.device_available(), stack.host_available())
@@ -146,13 +153,13 @@ def _on_device(stack, tokens) -> bool:
 
 
 
-def zero_owned_and_rollback(ctx: RankContext) -> Dict[str, object]:
+def zero_owned_and_rollback(ctx: RankContext, layout: str) -> Dict[str, object]:
     """A forward whose pages rank 0 owns none of, an aborted request's rollback, then two
     forwards that skip a layer."""
     from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of
 
     report: Dict[str, object] = {}
-    with _stack(ctx, True) as stack:
+    with _stack(ctx, True, layout) as stack:
         backup = layer_backup_of(stack.cache)
         start = (stack.device_available(), stack.host_available())
         empty = torch.empty((0,), dtype=torch.int64)
@@ -249,15 +256,6 @@ def _device_mismatches(stack, locs: torch.Tensor, kv) -> List[str]:
     return bad
 
 
-def page_first_attached(ctx: RankContext) -> bool:
-    """0.5.23's default host layout, page_first, has no one-layer D2H op for the indexer:
-    the flag keeps upstream's all-layer path there."""
-    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of
-
-    with _stack(ctx, True, mem_layout="page_first") as stack:
-        return layer_backup_of(stack.cache) is not None
-
-
 def _skipped_layer(stack, how: str) -> str:
     """A forward that reports layer 1 first, ends after layer 0, or stores layer 0 in two
     parts: the error message."""
@@ -283,20 +281,19 @@ def _skipped_layer(stack, how: str) -> str:
     return "no error"
 
 
-def scenario(ctx: RankContext) -> Dict[str, object]:
+def scenario(ctx: RankContext, layout: str) -> Dict[str, object]:
     """Every workload on one rank, in one process (one SGLang import per rank): the flag
     on, the flag off (upstream), then zero-owned, rollback and skipped layers."""
     return {
-        "on": happy_path(ctx, True),
-        "off": happy_path(ctx, False),
-        "zero": zero_owned_and_rollback(ctx),
-        "page_first_attached": page_first_attached(ctx),
+        "on": happy_path(ctx, True, layout),
+        "off": happy_path(ctx, False, layout),
+        "zero": zero_owned_and_rollback(ctx, layout),
     }
 
 
-@pytest.fixture(scope="module")
-def reports() -> List[Dict[str, object]]:
-    return run_ranks(2, scenario)
+@pytest.fixture(scope="module", params=LAYOUTS)
+def reports(request) -> List[Dict[str, object]]:
+    return run_ranks(2, scenario, request.param)
 
 
 @pytest.fixture(scope="module")
@@ -383,6 +380,3 @@ def test_a_split_of_a_pending_node_is_published_at_the_ack_and_reads_back(zero_o
         assert split["host_hit"] == 4 * PAGE, f"rank {rank}"
         assert split["reload_mismatches"] == [], f"rank {rank}"
 
-
-def test_page_first_keeps_upstreams_all_layer_path(reports):
-    assert not any(r["page_first_attached"] for r in reports)
