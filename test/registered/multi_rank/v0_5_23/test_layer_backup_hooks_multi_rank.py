@@ -9,7 +9,8 @@ through the sharded pool's own ``set_mla_kv_buffer``, whose hook backs the layer
 the scheduler and the model runner around them (the hooks read the scheduler's
 ``tree_cache`` and the runner's ``token_to_kv_pool``). Contract: host slots
 reserved before the forward, one ack after its last layer, a skipped layer or a forward left
-mid-way fails fast; flag off, each hook is upstream's call and nothing else.
+mid-way fails fast; flag off, each hook is upstream's call and nothing else. Every test
+runs on both host layouts, ``layer_first`` and ``page_first``.
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ SEED = 20261202
 _A = list(range(1, 5 * PAGE + 1))  # five pages: both ranks own some
 _C = list(range(20_001, 20_001 + PAGE))  # one page: one rank owns none of it
 FAILURES = ("skips_layer0", "ends_after_layer0", "raises_after_layer0")
+LAYOUTS = ("layer_first", "page_first")
 
 
-def _stack(ctx: RankContext, cp_shared_kv: bool):
+def _stack(ctx: RankContext, cp_shared_kv: bool, layout: str):
     from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
 
-    return sharded_stack(ctx, StackConfig(layer_num=LAYERS, cp_shared_kv=cp_shared_kv))
+    return sharded_stack(ctx, StackConfig(layer_num=LAYERS, cp_shared_kv=cp_shared_kv, mem_layout=layout))
 
 
 class FakeModel:
@@ -80,18 +82,20 @@ def _finish(cache, req) -> None:
 
 def _host_mismatches(stack, device_locs: torch.Tensor, host_locs: torch.Tensor) -> int:
     """Owned latent rows whose host copy differs from the device's, over every layer."""
+    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import host_latent_layer
+
     owned = stack.owned_mask(device_locs)
     device_rows = stack.physical_rows(device_locs)
     host_rows = stack.placement.local_index(host_locs[owned])
     bad = 0
     for layer in range(LAYERS):
         device = stack.kv_pool.kv_buffer[layer][device_rows]
-        host = stack.kv_host_pool.kv_buffer[layer][host_rows].view(device.dtype).reshape(device.shape)
+        host = host_latent_layer(stack.kv_host_pool, layer)[host_rows].view(device.dtype).reshape(device.shape)
         bad += int((host != device).flatten(1).any(1).sum())
     return bad
 
 
-def flag_on(ctx: RankContext) -> Dict[str, object]:
+def flag_on(ctx: RankContext, layout: str) -> Dict[str, object]:
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
@@ -103,7 +107,7 @@ def flag_on(ctx: RankContext) -> Dict[str, object]:
     )
 
     report: Dict[str, object] = {}
-    with _stack(ctx, True) as stack:
+    with _stack(ctx, True, layout) as stack:
         cache, queue = stack.cache, stack.controller.ack_write_queue
         backup = layer_backup_of(cache)
         scheduler = SimpleNamespace(tree_cache=cache)  # what the hook reads of the Scheduler
@@ -172,7 +176,7 @@ def _failure(stack, scheduler, how: str) -> str:
     return "no error"
 
 
-def flag_off(ctx: RankContext) -> Dict[str, object]:
+def flag_off(ctx: RankContext, layout: str) -> Dict[str, object]:
     from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import extend_batch, forward_batch_of
     from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import (
         layer_backup_of,
@@ -181,7 +185,7 @@ def flag_off(ctx: RankContext) -> Dict[str, object]:
     )
 
     report: Dict[str, object] = {}
-    with _stack(ctx, False) as stack:
+    with _stack(ctx, False, layout) as stack:
         cache, queue = stack.cache, stack.controller.ack_write_queue
         report["attached"] = layer_backup_of(cache) is not None
         batch = extend_batch(stack, [_A])
@@ -211,13 +215,13 @@ def flag_off(ctx: RankContext) -> Dict[str, object]:
     return report
 
 
-def scenario(ctx: RankContext) -> Dict[str, object]:
-    return {"on": flag_on(ctx), "off": flag_off(ctx)}
+def scenario(ctx: RankContext, layout: str) -> Dict[str, object]:
+    return {"on": flag_on(ctx, layout), "off": flag_off(ctx, layout)}
 
 
-@pytest.fixture(scope="module")
-def reports() -> List[Dict[str, object]]:
-    return run_ranks(2, scenario)
+@pytest.fixture(scope="module", params=LAYOUTS)
+def reports(request) -> List[Dict[str, object]]:
+    return run_ranks(2, scenario, request.param)
 
 
 @pytest.fixture(scope="module")

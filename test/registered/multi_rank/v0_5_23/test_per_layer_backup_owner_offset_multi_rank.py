@@ -8,7 +8,8 @@ from lane ``(rotation base + 3) % 2``, not from the chain's base. Each reserved 
 must sit on its device page's lane, and the KV must come back byte-exact: after the
 forward's per-layer copies and the ack, the device is evicted and zeroed and the node
 loaded back from host. A reservation at the wrong owner offset puts each rank's rows in
-host slots another rank owns; only 4-minute simulator runs caught that before.
+host slots another rank owns; only 4-minute simulator runs caught that before. Both host
+layouts, ``layer_first`` and ``page_first``.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _device_mismatches(stack, locs: torch.Tensor, kv) -> List[str]:
     return bad
 
 
-def _rank(ctx: RankContext) -> Dict[str, object]:
+def _rank(ctx: RankContext, layout: str) -> Dict[str, object]:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
@@ -58,7 +59,7 @@ def _rank(ctx: RankContext) -> Dict[str, object]:
     from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import reserve_batch
 
     report: Dict[str, object] = {}
-    with sharded_stack(ctx, StackConfig(layer_num=LAYERS, cp_shared_kv=True)) as stack:
+    with sharded_stack(ctx, StackConfig(layer_num=LAYERS, cp_shared_kv=True, mem_layout=layout)) as stack:
         locs, base = stack.alloc_extend(torch.empty((0,), dtype=torch.int64), len(PREFIX), 0)
         stack.insert(PREFIX, locs, base)
         stack.cache.flush_pending_backups()
@@ -93,9 +94,9 @@ def _rank(ctx: RankContext) -> Dict[str, object]:
     return report
 
 
-@pytest.fixture(scope="module")
-def per_rank() -> List[Dict[str, object]]:
-    return run_ranks(LANES, _rank)
+@pytest.fixture(scope="module", params=("layer_first", "page_first"))
+def per_rank(request) -> List[Dict[str, object]]:
+    return run_ranks(LANES, _rank, request.param)
 
 
 def test_the_extension_of_a_cached_prefix_is_reserved_per_layer(per_rank) -> None:

@@ -9,7 +9,7 @@ made for those 64 tokens only (one page on the first lane) looks like a fit, evi
 nothing, and the owner-matched allocation then fails: the reservation is refused and the
 node silently falls back to upstream's all-layer backup at its insert. Room made for the
 whole draw evicts the one host chain that frees a page on the short lane, and the backup
-is per layer.
+is per layer. Both host layouts, ``layer_first`` and ``page_first``.
 """
 
 from __future__ import annotations
@@ -57,12 +57,12 @@ def _fill_host(stack, chains: Sequence[Tuple[str, int, int]]) -> None:
         assert node is not None and node.evicted and node.backuped, "not demoted to host"
 
 
-def _rank(ctx: RankContext) -> Dict[str, object]:
+def _rank(ctx: RankContext, layout: str) -> Dict[str, object]:
     from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import extend_batch
     from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
     from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of, reserve_batch
 
-    config = StackConfig(device_pages_per_rank=4, host_to_device_ratio=1.0, cp_shared_kv=True)
+    config = StackConfig(device_pages_per_rank=4, host_to_device_ratio=1.0, cp_shared_kv=True, mem_layout=layout)
     with sharded_stack(ctx, config) as stack:
         slots = stack.kv_host_pool._slots
         _fill_host(stack, FILL)
@@ -82,9 +82,9 @@ def _rank(ctx: RankContext) -> Dict[str, object]:
         }
 
 
-@pytest.fixture(scope="module")
-def per_rank() -> List[Dict[str, object]]:
-    reports = run_ranks(LANES, _rank)
+@pytest.fixture(scope="module", params=("layer_first", "page_first"))
+def per_rank(request) -> List[Dict[str, object]]:
+    reports = run_ranks(LANES, _rank, request.param)
     assert reports[0] == reports[1], "the ranks decided differently"
     return reports
 
