@@ -63,9 +63,10 @@ HOOKS: Tuple[HookSpec, ...] = (
         "sglang_cp_hicache.v0_5_23.arg_groups.kv_shard_hook:validate_dsa_backend_around",
         "AROUND",
     ),
-    # One extension per sharded cache (v0_5_23/mem_cache/cache_extension.py): the mode
-    # decided once when the cache is built, its host side and per-layer backup when HiCache
-    # is; every hook below finds it, or calls upstream's function unchanged.
+    # One extension per sharded cache (v0_5_23/mem_cache/cache_extension.py): built with the
+    # cache when the record's mode (cp_mode.py, settled by the resolution steps below)
+    # shards KV, its host side and per-layer backup when HiCache is; every hook below finds
+    # it, or calls upstream's function unchanged.
     HookSpec(f"{_URC}.__init__", f"{_EXTENSION}:cache_init_after", "AFTER"),
     HookSpec(
         f"{_URC}.init_hicache",

@@ -8,8 +8,9 @@ upstream sharding rule applies unchanged: a resolution step declares
 On one prefill rank with L3 storage (``--tp 1 --hicache-storage-backend file|mooncake``: CP
 size 1, nothing to shard, and upstream refuses DSA sharding there) the flag means an
 unsharded stack whose L3 backend uses the plugin's owner-free keys, so it reads a sharded
-fleet's pages (``docs/l3_storage.md``): :func:`cp_shared_kv_enabled` (the sharding deltas)
-is off there, :func:`owner_free_storage_enabled` on.
+fleet's pages (``docs/l3_storage.md``). Which of the two a server runs is its
+:class:`~sglang_cp_hicache.v0_5_23.cp_mode.CpMode`, decided once here
+(:func:`decide_mode`) and read by startup code from the record (``cp_mode.cp_mode``).
 
 How the flag travels, given that 0.5.23's ``ServerArgs`` is a sealed msgspec struct whose
 Python ``__init__`` never runs:
@@ -24,10 +25,11 @@ Python ``__init__`` never runs:
   call, and msgspec rejects the keyword ("Unexpected keyword argument"). Call
   ``sglang.srt.plugins.load_plugins()`` before the first Engine, or pass
   ``server_args=prepare_server_args([..., "--enable-nsa-prefill-cp-shared-kv"])``.
-* On the record it is the underscore attribute :data:`RECORD_ATTR`: the sealed record
-  accepts underscore names before, during and after resolution, and its ``__reduce__``
-  carries them to spawned schedulers. :func:`cp_shared_kv_flag_given` is the one reader of
-  it; :data:`UNSHARDED_ATTR`, set by resolution on one prefill rank, travels the same way.
+* On the record it is the mode, the underscore attribute ``cp_mode.MODE_ATTR``: the
+  sealed record accepts underscore names before, during and after resolution, and its
+  ``__reduce__`` carries them to spawned schedulers. The flag stores
+  :attr:`CpMode.SHARDED`; resolution settles it once (:func:`decide_mode`, one prefill
+  rank: :attr:`CpMode.ONE_RANK_L3_READER`) and it never changes after.
 
 Resolution steps (see ``v0_5_23.hooks.RESOLUTION_STEPS``):
 
@@ -70,17 +72,13 @@ from typing import Any, Callable, ContextManager, List, MutableMapping, Set
 
 from sglang_cp_hicache import hook_table
 from sglang_cp_hicache.core.module_binding import binding_swapped
+from sglang_cp_hicache.v0_5_23.cp_mode import MODE_ATTR, CpMode, cp_mode
 from sglang_cp_hicache.v0_5_23.hooks import PluginNotInstalledError, verify_hooks_installed
 
 logger = logging.getLogger(__name__)
 
 FLAG = "enable_nsa_prefill_cp_shared_kv"  # argparse dest and Engine keyword
 CLI_FLAG = "--enable-nsa-prefill-cp-shared-kv"
-# Underscore: the sealed record takes it at any time and pickles it with its bookkeeping.
-RECORD_ATTR = "_enable_nsa_prefill_cp_shared_kv"
-# Set by resolution on a flagged record with one prefill rank (nothing to shard); pickled
-# with the record like RECORD_ATTR.
-UNSHARDED_ATTR = "_cp_shared_kv_unsharded"
 # The source our declarations carry in the record's resolution stash.
 DECLARATION_SOURCE = "sglang_cp_hicache.enable_nsa_prefill_cp_shared_kv"
 
@@ -105,46 +103,17 @@ class CpSharedKVConfigError(ValueError):
     """An unsupported server configuration together with CP shared KV."""
 
 
-def cp_shared_kv_flag_given(server_args: Any) -> bool:
-    """Whether ``server_args`` (a record, or a resolution view of one) carries the flag, in
-    either mode (sharded, or one prefill rank).
-
-    Only ``True`` stored by this module counts, so an object that merely answers every
-    attribute (a mock, a foreign config) reads as off.
-    """
-    return getattr(server_args, RECORD_ATTR, False) is True
-
-
-def is_unsharded_mode(server_args: Any) -> bool:
-    """Whether resolution found one prefill rank under the flag (marked by
-    :func:`refuse_and_enable_sharding`): no KV sharding, only the owner-free L3 keys."""
-    marked = getattr(server_args, UNSHARDED_ATTR, False) is True
-    return marked and cp_shared_kv_flag_given(server_args)
-
-
-def cp_shared_kv_enabled(server_args: Any) -> bool:
-    """Whether CP shared KV's sharding and the plugin's deltas on it apply to ``server_args``:
-    the flag, except on one prefill rank (there it selects only the owner-free L3 keys,
-    :func:`owner_free_storage_enabled`)."""
-    return cp_shared_kv_flag_given(server_args) and not is_unsharded_mode(server_args)
-
-
-def owner_free_storage_enabled(server_args: Any) -> bool:
-    """Whether the L3 file / mooncake backends use the plugin's owner-free namespaced keys
-    and payload components: the flag, sharded or on one prefill rank."""
-    return cp_shared_kv_flag_given(server_args)
-
-
 def set_cp_shared_kv_enabled(server_args: Any, enabled: bool) -> None:
-    """Store the flag on a record before it is resolved (resolution declares from it)."""
-    if getattr(server_args, "_resolution_finished", False) and (
-        cp_shared_kv_flag_given(server_args) != enabled
-    ):
+    """Store the flag on a record before it is resolved: the mode it asks for,
+    :attr:`CpMode.SHARDED` (resolution settles it, :func:`decide_mode`), or off."""
+    if (cp_mode(server_args) is not CpMode.OFF) == bool(enabled):
+        return  # as asked already (a mode resolution settled stays)
+    if getattr(server_args, "_resolution_finished", False):
         raise CpSharedKVConfigError(
             f"{CLI_FLAG}: this ServerArgs is already resolved, so the flag can no longer "
             "change; pass it when the record is built (command line or Engine keyword)"
         )
-    setattr(server_args, RECORD_ATTR, bool(enabled))
+    setattr(server_args, MODE_ATTR, CpMode.SHARDED if enabled else CpMode.OFF)
 
 
 # ------------------------------------------------------------------------ the CLI
@@ -472,7 +441,7 @@ def storage_hidden_from_gate() -> ContextManager[None]:
     def without_storage(upstream_view: Callable[[Any], Any]) -> Callable[[Any], Any]:
         def view(server_args: Any) -> Any:
             cfg = upstream_view(server_args)
-            return _StorageRuleView(cfg) if cp_shared_kv_enabled(server_args) else cfg
+            return _StorageRuleView(cfg) if cp_mode(server_args).shards_kv else cfg
 
         return view
 
@@ -480,32 +449,46 @@ def storage_hidden_from_gate() -> ContextManager[None]:
 
 
 # ------------------------------------------------------------ resolution steps
-def refuse_and_enable_sharding(server_args: Any, previous: Callable[[Any], None]) -> None:
-    """Wraps ``validate_prefill_cp_platform``: refuse every unsupported configuration at
-    once, then declare ``enable_kv_cache_sharding`` so every later step, upstream's gate
-    first among them, sees sharding on. Runs twice per resolution (the step is called again
-    from ``handle_context_parallelism``), so it declares only once.
+def decide_mode(requested: CpMode, cfg: Any) -> CpMode:
+    """The server's mode, from the mode the record asks for (the flag's
+    :attr:`CpMode.SHARDED`, or one settled by an earlier run of the step) and ``cfg`` (a
+    resolution view before the model is resolved): one prefill rank
+    (:func:`is_single_prefill_rank`) makes the flag a one-rank L3 reader. The one place the
+    mode is decided; once settled it stays."""
+    if requested is CpMode.SHARDED and is_single_prefill_rank(cfg):
+        return CpMode.ONE_RANK_L3_READER
+    return requested
 
-    One prefill rank (:func:`is_single_prefill_rank`): upstream refuses DSA sharding at CP
-    size 1 and there is nothing to shard, so sharding is not declared; the record is marked
-    (:data:`UNSHARDED_ATTR`) and the flag selects only the owner-free L3 keys."""
-    if cp_shared_kv_flag_given(server_args):
+
+def refuse_and_enable_sharding(server_args: Any, previous: Callable[[Any], None]) -> None:
+    """Wraps ``validate_prefill_cp_platform``: decide the mode (:func:`decide_mode`),
+    refuse every unsupported configuration at once, then declare
+    ``enable_kv_cache_sharding`` so every later step, upstream's gate first among them,
+    sees sharding on. Runs twice per resolution (the step is called again from
+    ``handle_context_parallelism``), so it decides and declares only once.
+
+    One prefill rank: upstream refuses DSA sharding at CP size 1 and there is nothing to
+    shard, so sharding is not declared; the record's mode becomes
+    :attr:`CpMode.ONE_RANK_L3_READER` and the flag selects only the owner-free L3 keys."""
+    requested = cp_mode(server_args)
+    if requested is not CpMode.OFF:
         from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
 
         verify_hooks_installed(import_targets=False)
         cfg = resolving_view(server_args)
-        unsharded = is_unsharded_mode(server_args) or is_single_prefill_rank(cfg)
+        mode = decide_mode(requested, cfg)
         problems = unsupported_combinations(cfg)
-        _refuse(problems + single_rank_problems(cfg) if unsharded else problems)
-        if unsharded and not is_unsharded_mode(server_args):
-            setattr(server_args, UNSHARDED_ATTR, True)
+        one_rank = mode is CpMode.ONE_RANK_L3_READER
+        _refuse(problems + single_rank_problems(cfg) if one_rank else problems)
+        if mode is not requested:
+            setattr(server_args, MODE_ATTR, mode)
             logger.info(
                 "%s on one prefill rank: no KV sharding; L3 %s uses the owner-free keys of "
                 "sharded servers",
                 CLI_FLAG,
                 cfg.hicache_storage_backend,
             )
-        elif not unsharded and not cfg.enable_kv_cache_sharding:
+        elif mode.shards_kv and not cfg.enable_kv_cache_sharding:
             declare_resolution(server_args, DECLARATION_SOURCE, enable_kv_cache_sharding=True)
     previous(server_args)
 
@@ -530,12 +513,13 @@ def refuse_unsupported_model(server_args: Any, previous: Callable[[Any], None]) 
     gate with every rule but its storage refusal (an admitted L3 backend is hidden from it,
     :func:`storage_hidden_from_gate`). One prefill rank: the model rule, the resolved CP
     size 1, then upstream's gate as is (sharding off, it checks nothing)."""
-    if is_unsharded_mode(server_args):
+    mode = cp_mode(server_args)
+    if mode is CpMode.ONE_RANK_L3_READER:
         _refuse(unsupported_models(server_args))
         _refuse_resharded_single_rank(server_args)
         previous(server_args)
         return
-    if cp_shared_kv_enabled(server_args):
+    if mode.shards_kv:
         from sglang.srt.arg_groups.overrides import resolving_view
 
         if not resolving_view(server_args).enable_kv_cache_sharding:

@@ -97,7 +97,7 @@ def attach_at_runtime(
 def publish_single_rank_flag_record(stack: Any, backend: str) -> Any:
     """Publish, for an unsharded ``stack``, the record of a ``--tp 1`` PD prefill server
     with the plugin's flag and L3 ``backend`` (the stack's own record with the flag, the
-    real pipeline's one-prefill-rank step marks it); call before :func:`attach_storage`,
+    real pipeline's one-prefill-rank step decides its mode); call before :func:`attach_storage`,
     whose backend factory reads it."""
     from sglang_cp_hicache.testing.v0_5_23.stack import publish_server_args
 

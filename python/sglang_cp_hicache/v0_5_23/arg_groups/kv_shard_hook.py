@@ -43,11 +43,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
-from sglang_cp_hicache.v0_5_23.server_args import (
-    CLI_FLAG,
-    CpSharedKVConfigError,
-    cp_shared_kv_enabled,
-)
+from sglang_cp_hicache.v0_5_23.cp_mode import cp_mode
+from sglang_cp_hicache.v0_5_23.server_args import CLI_FLAG, CpSharedKVConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +142,7 @@ def validate_dsa_backend_around(
     original: Callable[..., None], server_args: Any, cfg: Any = None
 ) -> None:
     """AROUND ``kv_shard_hook.validate_kv_shard_attention_backend(server_args, cfg)``."""
-    if not cp_shared_kv_enabled(server_args):
+    if not cp_mode(server_args).shards_kv:
         return original(server_args, cfg)
     from sglang.srt.arg_groups.overrides import (
         attention_backends_of,

@@ -2,9 +2,11 @@
 that cache, owned in one place.
 
 Built once, right after ``UnifiedRadixCache.__init__`` (:func:`cache_init_after`), when the
-plugin's flag is on in its sharded mode and the cache's allocator is upstream's sharded
-``PageInterleavePoolAllocator``; a flag-off, unsharded or one-prefill-rank cache gets none,
-and every hook of the line then calls upstream's function unchanged. Its HiCache side
+published record's mode (``cp_mode.CpMode``, frozen at resolution) shards KV and the
+cache's allocator is upstream's sharded ``PageInterleavePoolAllocator``; a flag-off,
+unsharded or one-prefill-rank cache gets none, and every hook of the line then calls
+upstream's function unchanged: "is an extension attached?" is the only question a cache's
+hook asks, and the extension carries the mode it was built under. Its HiCache side
 (host lanes, the per-layer backup) is filled in once by ``init_hicache``'s AFTER hook.
 
 It owns: the chains started per rotation base (:class:`ChainStarts`), the device and host
@@ -25,6 +27,8 @@ import logging
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, Generic, Iterator, List, Optional, Sequence, Tuple, TypeVar
+
+from sglang_cp_hicache.v0_5_23.cp_mode import CpMode, cp_mode
 
 logger = logging.getLogger(__name__)
 
@@ -95,12 +99,16 @@ class CallScope(Generic[Value]):
 class CpCacheExtension:
     """The plugin's state for one sharded ``UnifiedRadixCache`` (one per scheduler rank).
 
-    Invariants: built once per cache, before its first allocation; every field but the
-    call scopes is replicated (identical on every rank); the call scopes are set and
-    restored by the hook that opens them, on the scheduler thread.
+    Invariants: built once per cache, before its first allocation, only in a mode that
+    shards KV (:attr:`mode`, frozen); every field but the call scopes is replicated
+    (identical on every rank); the call scopes are set and restored by the hook that
+    opens them, on the scheduler thread.
     """
 
-    def __init__(self, cache: Any, allocator: Any) -> None:
+    def __init__(self, cache: Any, allocator: Any, mode: CpMode) -> None:
+        if not mode.shards_kv:
+            raise ValueError(f"a CpCacheExtension serves a sharded cache, not mode {mode.value}")
+        self.mode = mode
         self.cache = cache
         self.allocator = allocator  # PageInterleavePoolAllocator
         self.chain_starts = ChainStarts([0] * allocator.shard_size)
@@ -171,16 +179,17 @@ def _is_sharded_allocator(allocator: Any) -> bool:
 
 # --------------------------------------------------------------------------- hooks
 def cache_init_after(result: Any, cache: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER ``UnifiedRadixCache.__init__``: the mode, decided once for this cache (the
-    published record's flag in its sharded mode, over the sharded allocator)."""
+    """AFTER ``UnifiedRadixCache.__init__``: an extension for this cache when the published
+    record's mode (frozen at resolution) shards KV over the sharded allocator."""
     from sglang.srt.runtime_context import get_server_args
 
-    from sglang_cp_hicache.v0_5_23.server_args import cp_shared_kv_enabled
-
     allocator = cache.token_to_kv_pool_allocator
-    if not (_is_sharded_allocator(allocator) and cp_shared_kv_enabled(get_server_args())):
+    if not _is_sharded_allocator(allocator):
         return
-    extension = CpCacheExtension(cache, allocator)
+    mode = cp_mode(get_server_args())
+    if not mode.shards_kv:
+        return
+    extension = CpCacheExtension(cache, allocator, mode)
     for obj in (cache, cache.tree_core, allocator):
         _register(obj, extension)
 

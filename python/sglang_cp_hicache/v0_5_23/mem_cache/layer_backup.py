@@ -279,12 +279,11 @@ def reserve_batch(cache: Any, reqs: List[Any]) -> Dict[str, int]:
 
 # --------------------------------------------------------------------------------- hooks
 def set_up(cache: Any, server_args: Any) -> None:
-    """Once HiCache is initialised (``hicache_init.init_hicache_after``), under the
-    flag: per-layer backups. Two-batch overlap (a layer stored in two parts) and host pools
-    without a one-layer D2H path (``per_layer_problem``) are refused here, at start-up."""
-    from sglang_cp_hicache.v0_5_23.server_args import cp_shared_kv_enabled
-
-    if not cp_shared_kv_enabled(server_args) or cache.cache_controller is None:
+    """Once HiCache is initialised (``hicache_init.init_hicache_after``), for a cache with
+    an extension (the sharded mode): per-layer backups. Two-batch overlap (a layer stored
+    in two parts) and host pools without a one-layer D2H path (``per_layer_problem``) are
+    refused here, at start-up."""
+    if extension_of(cache) is None or cache.cache_controller is None:
         return
     if getattr(server_args, "enable_two_batch_overlap", False):
         raise PerLayerBackupUnavailable(

@@ -150,20 +150,17 @@ CP1_SCENARIOS = {
 def read_at_cp1(ctx: RankContext, config: dict) -> Dict[str, Dict[str, object]]:
     from sglang_cp_hicache.testing.v0_5_23 import storage
     from sglang_cp_hicache.testing.v0_5_23.stack import build_unsharded_stack
-    from sglang_cp_hicache.v0_5_23.server_args import cp_shared_kv_enabled, is_unsharded_mode
+    from sglang_cp_hicache.v0_5_23.cp_mode import cp_mode
 
     storage.apply_plugin_hooks()
     reports = {}
     for name, (mode, flag, model_name) in CP1_SCENARIOS.items():
         with build_unsharded_stack(ctx.attn_tp_group, _config(MODES[mode], sharded=False)) as stack:
-            modes: Dict[str, Optional[bool]] = {"unsharded_mode": None, "sharding_deltas": None}
+            cp_mode_value: Optional[str] = None
             if flag:
                 record = storage.publish_single_rank_flag_record(stack, "mooncake")
-                modes = {
-                    "unsharded_mode": is_unsharded_mode(record),
-                    "sharding_deltas": cp_shared_kv_enabled(record),
-                }
-            reports[name] = {**modes, **_read(stack, config, model_name)}
+                cp_mode_value = cp_mode(record).value
+            reports[name] = {"mode": cp_mode_value, **_read(stack, config, model_name)}
     return reports
 
 
@@ -209,7 +206,7 @@ def test_writers_agree_and_were_held_for_the_readers(runs):
 def test_cp1_with_the_flag_reads_every_page_byte_exact(runs, scenario):
     writers, cp1, _ = runs
     report, written = cp1[scenario], writers[0][CP1_SCENARIOS[scenario][0]]
-    assert report["unsharded_mode"] is True and report["sharding_deltas"] is False
+    assert report["mode"] == "one_rank_l3_reader"  # no sharding deltas, owner-free keys
     assert report["backend"] == "OwnerFreeMooncakeStore"
     assert report["namespace"] == written["namespace"], "cp 1 and cp 2 namespaces differ"
     assert report["digest"] == written["digest"], "the reader checks other bytes"

@@ -64,15 +64,14 @@ def read_run(ctx: RankContext, folder: str, flag: bool, mtp_draft: bool) -> Dict
     from sglang_cp_hicache.testing.v0_5_23 import storage
     from sglang_cp_hicache.testing.v0_5_23.mtp_draft import device_layer_mismatches
     from sglang_cp_hicache.testing.v0_5_23.stack import build_unsharded_stack
-    from sglang_cp_hicache.v0_5_23.server_args import cp_shared_kv_enabled, is_unsharded_mode
+    from sglang_cp_hicache.v0_5_23.cp_mode import cp_mode
 
     storage.apply_plugin_hooks()
     report: Dict[str, object] = {}
     with build_unsharded_stack(ctx.attn_tp_group, _config(mtp_draft, sharded=False)) as stack:
         if flag:
             record = storage.publish_single_rank_flag_record(stack, "file")
-            report["unsharded_mode"] = is_unsharded_mode(record)
-            report["sharding_deltas"] = cp_shared_kv_enabled(record)
+            report["mode"] = cp_mode(record).value
         backend = storage.attach_storage(stack, "file", extra={"file_storage_path": folder})
         report["backend"] = type(backend).__name__
         namespace = getattr(backend, "namespace", None)
@@ -134,7 +133,7 @@ def reads(written, tmp_path_factory) -> Dict[str, Dict[str, object]]:
 def test_cp1_with_the_flag_reads_every_page_byte_exact(written, reads, scenario):
     report = reads[scenario]
     source = SCENARIOS[scenario][0]
-    assert report["unsharded_mode"] is True and report["sharding_deltas"] is False
+    assert report["mode"] == "one_rank_l3_reader"  # no sharding deltas, owner-free keys
     assert report["backend"] == "OwnerFreeHiCacheFile"
     assert report["namespace"] == written[1][source], "cp 1 and cp 2 namespaces differ"
     assert report["hit"] == len(TOKENS) and report["loaded"] == len(TOKENS)

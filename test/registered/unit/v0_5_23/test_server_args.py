@@ -28,11 +28,10 @@ from sglang_cp_hicache.v0_5_23.server_args import (
     CLI_FLAG,
     DECLARATION_SOURCE,
     FLAG,
-    RECORD_ATTR,
     CpSharedKVConfigError,
-    cp_shared_kv_enabled,
     set_cp_shared_kv_enabled,
 )
+from sglang_cp_hicache.v0_5_23.cp_mode import MODE_ATTR, CpMode, cp_mode
 
 ROOT = Path(__file__).resolve().parents[4]
 # A PD prefill worker with interleave prefill CP: everything the flag needs.
@@ -85,8 +84,8 @@ def gpu_capability(monkeypatch):
 def test_cli_flag_turns_on_the_record():
     on = prepare_server_args(DUMMY + [CLI_FLAG])
     off = prepare_server_args(DUMMY)
-    assert cp_shared_kv_enabled(on) and not cp_shared_kv_enabled(off)
-    assert RECORD_ATTR not in vars(off)  # flag off: nothing of ours on the record
+    assert cp_mode(on) is CpMode.SHARDED and cp_mode(off) is CpMode.OFF
+    assert MODE_ATTR not in vars(off)  # flag off: nothing of ours on the record
 
 
 def test_upstream_from_cli_args_alone_drops_the_flag():
@@ -95,19 +94,19 @@ def test_upstream_from_cli_args_alone_drops_the_flag():
     ServerArgs.add_cli_args(parser)
     namespace = parser.parse_args(DUMMY + [CLI_FLAG])
     assert getattr(namespace, FLAG) is True
-    assert not cp_shared_kv_enabled(inspect.unwrap(ServerArgs.from_cli_args)(ServerArgs, namespace))
-    assert cp_shared_kv_enabled(ServerArgs.from_cli_args(namespace))
+    assert cp_mode(inspect.unwrap(ServerArgs.from_cli_args)(ServerArgs, namespace)) is CpMode.OFF
+    assert cp_mode(ServerArgs.from_cli_args(namespace)) is CpMode.SHARDED
     assert CLI_FLAG in parser.format_help()
 
 
-def test_the_reader_counts_only_a_stored_true():
+def test_the_reader_counts_only_a_stored_mode():
     from unittest.mock import MagicMock
 
-    assert not cp_shared_kv_enabled(MagicMock())  # answers every attribute, holds no flag
-    assert not cp_shared_kv_enabled(object())
+    assert cp_mode(MagicMock()) is CpMode.OFF  # answers every attribute, holds no mode
+    assert cp_mode(object()) is CpMode.OFF
     record = ServerArgs(model_path="dummy")
     set_cp_shared_kv_enabled(record, True)
-    assert cp_shared_kv_enabled(resolving_view(record))  # resolution views read through
+    assert cp_mode(resolving_view(record)) is CpMode.SHARDED  # resolution views read through
 
 
 # ----------------------------------------------------------------- the Engine
@@ -138,13 +137,13 @@ def engine_without_launch(monkeypatch):
 
 def test_engine_keyword_turns_on_the_record_engine_builds(engine_without_launch):
     stopped = engine_without_launch(model_path="dummy", **{FLAG: True}, enable_prefill_cp=True)
-    assert cp_shared_kv_enabled(stopped.server_args) and stopped.server_args.enable_prefill_cp
+    assert cp_mode(stopped.server_args) is CpMode.SHARDED and stopped.server_args.enable_prefill_cp
     assert stopped.server_args.log_level == "error"  # upstream's construction ran as is
     assert "server_args_class" not in vars(stopped.engine)  # the instance shadow is gone
     off = engine_without_launch(model_path="dummy", **{FLAG: False})
-    assert not cp_shared_kv_enabled(off.server_args) and RECORD_ATTR not in vars(off.server_args)
+    assert cp_mode(off.server_args) is CpMode.OFF and MODE_ATTR not in vars(off.server_args)
     given = ServerArgs(model_path="dummy")
-    assert cp_shared_kv_enabled(engine_without_launch(server_args=given, **{FLAG: True}).server_args)
+    assert cp_mode(engine_without_launch(server_args=given, **{FLAG: True}).server_args) is CpMode.SHARDED
 
 
 def test_engine_accepts_the_0_5_12_keywords_only_with_the_flag(engine_without_launch):
@@ -158,10 +157,10 @@ def test_engine_accepts_the_0_5_12_keywords_only_with_the_flag(engine_without_la
 # ----------------------------------------------------------------- pickling
 def test_flag_and_sharding_declaration_survive_pickling():
     record = prepare_server_args(DUMMY + [CLI_FLAG] + VALID)
-    assert cp_shared_kv_enabled(pickle.loads(pickle.dumps(record)))  # before resolution
+    assert cp_mode(pickle.loads(pickle.dumps(record))) is CpMode.SHARDED  # before resolution
     record.resolve_once()
     for copied in (pickle.loads(pickle.dumps(record)), copy.deepcopy(record)):
-        assert cp_shared_kv_enabled(copied)
+        assert cp_mode(copied) is CpMode.SHARDED
         assert resolution_result(copied, "enable_kv_cache_sharding") is True
         assert copied._resolution_finished
     with pytest.raises(CpSharedKVConfigError, match="already resolved"):
@@ -349,7 +348,7 @@ def test_the_missions_launch_command_runs_on_0_5_23(deprecations):
     argv = command[command.index("sglang.launch_server") + 1:]
     argv[argv.index("--model-path") + 1] = "dummy"
     record = prepare_and_resolve(argv)
-    assert cp_shared_kv_enabled(record) and (record.enable_prefill_cp, record.cp_strategy) == (True, "interleave")
+    assert cp_mode(record) is CpMode.SHARDED and (record.enable_prefill_cp, record.cp_strategy) == (True, "interleave")
     assert resolution_result(record, "enable_kv_cache_sharding") is True
     prepare_and_resolve(argv)
     assert len(deprecations) == 1  # told once per process

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict
 
 from sglang_cp_hicache.core import bootstrap_probe
 from sglang_cp_hicache.core.bootstrap_probe import bootstrap_address, wait_until_reachable
-from sglang_cp_hicache.v0_5_23.server_args import cp_shared_kv_enabled
+from sglang_cp_hicache.v0_5_23.cp_mode import cp_mode
 
 
 def register_topology_row_around(
@@ -26,6 +26,6 @@ def register_topology_row_around(
 ) -> None:
     from sglang.srt.runtime_context import get_server_args
 
-    if cp_shared_kv_enabled(get_server_args()):  # startup: once per registration
+    if cp_mode(get_server_args()).shards_kv:  # startup: once per registration
         wait_until_reachable(*bootstrap_address(url), timeout_s=bootstrap_probe.REGISTRATION_WAIT_S)
     return original(manager, url, payload, *args, **kwargs)

@@ -429,9 +429,9 @@ def init_attention_backends_after(result: Any, runner: Any) -> None:
     the scratch upstream charged and run the self-test; a failure raises before serving.
     Flag off (or a draft worker, which shares the target's format): nothing runs."""
     from sglang_cp_hicache.v0_5_23.mem_cache.kv_shard_scratch import log_startup_scratch
-    from sglang_cp_hicache.v0_5_23.server_args import cp_shared_kv_enabled
+    from sglang_cp_hicache.v0_5_23.cp_mode import cp_mode
 
-    if not cp_shared_kv_enabled(runner.server_args) or runner.is_draft_worker:
+    if not cp_mode(runner.server_args).shards_kv or runner.is_draft_worker:
         return None
     pool = sharded_pool_of(runner)
     log_startup_scratch(runner, pool)

@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Tuple
 
-from sglang_cp_hicache.v0_5_23.server_args import CLI_FLAG, owner_free_storage_enabled
+from sglang_cp_hicache.v0_5_23.cp_mode import cp_mode
+from sglang_cp_hicache.v0_5_23.server_args import CLI_FLAG
 
 logger = logging.getLogger(__name__)
 
@@ -27,14 +28,6 @@ OWNER_FREE_BACKENDS: Tuple[str, ...] = ("file", "mooncake")
 
 class UnsupportedShardedStorageError(ValueError):
     """An L3 backend the plugin has not proven under CP shared KV."""
-
-
-def owner_free_keys_enabled() -> bool:
-    """Whether this process's L3 backend takes the owner-free keys: the plugin's flag on
-    the published record, sharded or on one prefill rank."""
-    from sglang.srt.runtime_context import get_server_args
-
-    return owner_free_storage_enabled(get_server_args())
 
 
 def refuse_unless_owner_free(backend_name: str) -> None:
@@ -54,7 +47,9 @@ def create_backend_around(
     mem_pool_host: Any,
     **kwargs: Any,
 ) -> Any:
-    if not owner_free_keys_enabled():
+    from sglang.srt.runtime_context import get_server_args
+
+    if not cp_mode(get_server_args()).owner_free_storage:  # once per backend built
         return original(factory, backend_name, storage_config, mem_pool_host, **kwargs)
     refuse_unless_owner_free(backend_name)
     from sglang.srt.mem_cache.hicache_storage import (
@@ -88,6 +83,5 @@ __all__ = [
     "OWNER_FREE_BACKENDS",
     "UnsupportedShardedStorageError",
     "create_backend_around",
-    "owner_free_keys_enabled",
     "refuse_unless_owner_free",
 ]

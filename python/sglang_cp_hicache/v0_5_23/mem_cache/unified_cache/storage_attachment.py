@@ -23,8 +23,9 @@ when the scheduler is idle -> ``UnifiedRadixCache.attach_storage_backend``):
   ``generate_storage_config_around``), the backend from ``StorageBackendFactory`` (the
   owner-free backends, ``create_backend_around``), threads and sync groups, the runtime
   config (hashes of the nodes that predate storage). The owner writes / reads, the start
-  owner and the host room are hooks decided per call from the record and the pool, so
-  they hold after an attach as after a startup with storage.
+  owner and the host room are the hooks of the cache's extension (built with the cache,
+  its host side with HiCache; ``cache_extension.py``), so they hold after an attach as
+  after a startup with storage.
 
 Detach is upstream's (it has no sharding check); a re-attach builds a fresh backend.
 """
@@ -34,7 +35,7 @@ from __future__ import annotations
 from typing import Any, Callable, ContextManager, Optional, Tuple
 
 from sglang_cp_hicache.core.module_binding import binding_swapped
-from sglang_cp_hicache.v0_5_23.mem_cache.storage.backend_factory import owner_free_keys_enabled
+from sglang_cp_hicache.v0_5_23.cp_mode import cp_mode
 from sglang_cp_hicache.v0_5_23.server_args import CLI_FLAG, unsupported_combinations
 
 
@@ -100,12 +101,13 @@ def attach_around(
 ) -> Tuple[bool, str]:
     """Upstream's attach; under the flag, refused before anything changes when a launch
     would refuse it, else run with the sharding check answered (module docstring)."""
-    if not owner_free_keys_enabled():
-        return original(attachment, storage_backend, *args, **kwargs)
     from sglang.srt.runtime_context import get_server_args
 
+    server_args = get_server_args()
+    if not cp_mode(server_args).owner_free_storage:  # once per admin attach
+        return original(attachment, storage_backend, *args, **kwargs)
     cache = attachment._cache  # the attachment's one cache (upstream keeps it private)
-    refusal = startup_refusal(get_server_args(), storage_backend)
+    refusal = startup_refusal(server_args, storage_backend)
     if refusal is None and cache.cache_controller is not None:  # None: upstream refuses
         refusal = layout_refusal(storage_backend, cache.cache_controller.storage_host_pool.layout)
     if refusal is not None:

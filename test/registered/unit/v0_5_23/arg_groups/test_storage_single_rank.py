@@ -4,8 +4,8 @@ the GPU faked as an H200), issue 24.
 
 Upstream accepts ``--enable-prefill-cp --cp-strategy interleave`` at ``--tp 1`` (CP size 1)
 but refuses DSA KV sharding there ("requires CUDA interleave prefill CP > 1"). Under the flag
-a one-rank record with L3 file or mooncake storage declares no sharding and is marked
-unsharded: the sharding deltas are off, the owner-free L3 keys on. Every other refusal is unchanged; at cp 1 the flag also needs
+a one-rank record with L3 file or mooncake storage declares no sharding and its mode is
+``CpMode.ONE_RANK_L3_READER``: the sharding deltas are off, the owner-free L3 keys on. Every other refusal is unchanged; at cp 1 the flag also needs
 HiCache and PP 1. Without L3 storage (where it would change nothing) the flag declares
 sharding as everywhere and upstream refuses CP size 1.
 """
@@ -16,13 +16,8 @@ import pytest
 from sglang.srt.arg_groups.overrides import resolution_result
 
 from sglang_cp_hicache.testing.v0_5_23.resolution import HICACHE, PD_PREFILL_CP, resolve
-from sglang_cp_hicache.v0_5_23.server_args import (
-    CLI_FLAG,
-    CpSharedKVConfigError,
-    cp_shared_kv_enabled,
-    is_unsharded_mode,
-    owner_free_storage_enabled,
-)
+from sglang_cp_hicache.v0_5_23.cp_mode import MODE_ATTR, CpMode, cp_mode
+from sglang_cp_hicache.v0_5_23.server_args import CLI_FLAG, CpSharedKVConfigError
 
 UPSTREAM_CP1_REFUSAL = "DSA KV sharding requires CUDA interleave prefill CP > 1"
 
@@ -64,18 +59,17 @@ def test_the_flag_at_cp1_resolves_unsharded_with_owner_free_storage(cp1, backend
     assert resolution_result(record, "attn_cp_size") == 1
     assert resolution_result(record, "enable_kv_cache_sharding") is False
     assert resolution_result(record, "hicache_storage_backend") == backend
-    assert is_unsharded_mode(record)
-    assert not cp_shared_kv_enabled(record), "the sharding deltas must be off at cp 1"
-    assert owner_free_storage_enabled(record)
-    # The mark travels to spawned schedulers with the record.
-    copy = pickle.loads(pickle.dumps(record))
-    assert is_unsharded_mode(copy) and owner_free_storage_enabled(copy)
+    assert cp_mode(record) is CpMode.ONE_RANK_L3_READER
+    assert not cp_mode(record).shards_kv, "the sharding deltas must be off at cp 1"
+    assert cp_mode(record).owner_free_storage
+    # The mode travels to spawned schedulers with the record.
+    assert cp_mode(pickle.loads(pickle.dumps(record))) is CpMode.ONE_RANK_L3_READER
 
 
 def test_the_flag_at_cp2_still_declares_sharding(glm5_model):
     record = resolve(glm5_model + ["--tp", "2"] + PD_PREFILL_CP + HICACHE + storage("file") + [CLI_FLAG])
     assert resolution_result(record, "enable_kv_cache_sharding") is True
-    assert not is_unsharded_mode(record) and cp_shared_kv_enabled(record)
+    assert cp_mode(record) is CpMode.SHARDED
 
 
 def _refused(argv) -> str:
@@ -139,7 +133,6 @@ def test_a_marked_record_resolved_to_cp_above_1_is_refused():
     from sglang_cp_hicache.v0_5_23 import server_args as flag
 
     record = ServerArgs(model_path="dummy", attn_cp_size=2)
-    flag.set_cp_shared_kv_enabled(record, True)
-    setattr(record, flag.UNSHARDED_ATTR, True)
+    setattr(record, MODE_ATTR, CpMode.ONE_RANK_L3_READER)  # as the one-rank decision leaves it
     with pytest.raises(CpSharedKVConfigError, match="resolution gave attn_cp_size 2"):
         flag._refuse_resharded_single_rank(record)

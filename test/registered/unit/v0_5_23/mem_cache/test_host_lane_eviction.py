@@ -104,10 +104,13 @@ def _fill_host(stack, chains: Sequence[Chain]) -> None:
 def _lane_pages_match_slots(stack) -> bool:
     """The evictor's lane pages equal the owners the rotation phase gives each host node."""
     from sglang_cp_hicache.core.rotation import run_lane_counts
+    from sglang_cp_hicache.v0_5_23.cp_mode import CpMode
     from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import CpCacheExtension, extension_of
     from sglang_cp_hicache.v0_5_23.mem_cache.host_lane_eviction import HostLaneEvictor
 
-    extension = extension_of(stack.cache) or CpCacheExtension(stack.cache, stack.allocator)
+    extension = extension_of(stack.cache) or CpCacheExtension(
+        stack.cache, stack.allocator, CpMode.SHARDED
+    )
     evictor, core = HostLaneEvictor(extension), stack.cache.tree_core
     for node in core.evictable_host_leaves:
         phase, pages = core.rotation_phase_of(node.id), len(node.key) // PAGE

@@ -27,6 +27,7 @@ REGISTRATION_MODULES = {
 # The first call of a ServerArgs hook imports the flag's module.
 OURS_AFTER_PARSE = {m for m in REGISTRATION_MODULES if m.startswith("sglang_cp_hicache")} | {
     "sglang_cp_hicache.v0_5_23.server_args",
+    "sglang_cp_hicache.v0_5_23.cp_mode",  # pure: the mode's enum and its reader
     "sglang_cp_hicache.core.module_binding",  # pure, no import: the gate's binding swap
 }
 # Cache, scheduler, model, attention, transfer and kernel code: none of it before a launch.
@@ -65,14 +66,14 @@ flag_parse = sorted(set(sys.modules) - parsed)
 
 from sglang_cp_hicache.core.import_watcher import installed_watcher
 from sglang_cp_hicache.v0_5_23 import hooks
-from sglang_cp_hicache.v0_5_23.server_args import cp_shared_kv_enabled
+from sglang_cp_hicache.v0_5_23.cp_mode import cp_mode
 
 print(json.dumps({
     "cost_s": cost_s,
     "after_registration": after_registration,
     "flag_parse": flag_parse,
     "modules": sorted(sys.modules),
-    "flag": cp_shared_kv_enabled(args),
+    "flag": cp_mode(args).value,
     "cp": [args.enable_prefill_cp, args.cp_strategy],
     "missing_now": hooks.missing_hooks(import_targets=False),
     "applied": sorted(HookRegistry._patched),
@@ -97,7 +98,7 @@ def test_registration_and_parsing_import_no_cache_model_or_kernel_module():
     assert [m for m in result["modules"] if m.startswith(HEAVY_PREFIXES)] == []
     ours = {m for m in result["modules"] if m.split(".")[0] == "sglang_cp_hicache"}
     assert ours <= OURS_AFTER_PARSE, ours - OURS_AFTER_PARSE
-    assert result["flag"] is True and result["cp"] == [True, "interleave"]
+    assert result["flag"] == "sharded" and result["cp"] == [True, "interleave"]
     # The ServerArgs hooks are applied; the Engine hook waits for the engine's import.
     assert result["missing_now"] == []
     assert {t.rsplit(".", 1)[-1] for t in result["applied"]} >= {"add_cli_args", "from_cli_args"}

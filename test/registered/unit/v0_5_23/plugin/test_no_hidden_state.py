@@ -18,7 +18,7 @@ LINE = Path(sglang_cp_hicache.__file__).parent / "v0_5_23"
 
 # (module path under v0_5_23/, what) -> why it stays
 KNOWN = {
-    ("server_args.py", "setattr"): "the flag's own field on the sealed ServerArgs record (twice)",
+    ("server_args.py", "setattr"): "the mode's own field on the sealed ServerArgs record (the flag, resolution's decision)",
     ("server_args.py", "vars"): "argparse's Namespace of from_cli_args, not an SGLang object",
     ("server_args.py", "_warned_spellings"): "a 0.5.12 spelling is warned about once per process",
     ("server_args.py", "LEGACY_CP_STRATEGIES"): "a constant table, never written",

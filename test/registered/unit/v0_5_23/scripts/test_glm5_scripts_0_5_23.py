@@ -15,7 +15,7 @@ import torch
 from sglang.srt.arg_groups.overrides import resolution_result
 from sglang.srt.server_args import prepare_server_args
 
-from sglang_cp_hicache.v0_5_23.server_args import cp_shared_kv_enabled
+from sglang_cp_hicache.v0_5_23.cp_mode import CpMode, cp_mode
 
 ROOT = Path(__file__).resolve().parents[5]
 SCRIPT = ROOT / "scripts" / "glm5" / "glm5_pd.py"
@@ -56,6 +56,6 @@ def test_the_0_5_23_prefill_command_resolves_on_h200(glm5_pd, plugins_loaded, tm
     argv.remove("--trust-remote-code")
     record = prepare_server_args(argv + ["--device", "cuda"])
     record.resolve_once()
-    assert cp_shared_kv_enabled(record) and resolution_result(record, "enable_kv_cache_sharding") is True
+    assert cp_mode(record) is CpMode.SHARDED and resolution_result(record, "enable_kv_cache_sharding") is True
     resolved = tuple(resolution_result(record, f) for f in ("dsa_prefill_backend", "dsa_decode_backend", "kv_cache_dtype"))
     assert resolved == backends
