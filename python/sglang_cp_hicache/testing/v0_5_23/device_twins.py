@@ -111,44 +111,11 @@ class DeviceReadPathModel(ReadPathModel):
         self.device = device
         self.indexer = DeviceIndexer(config, weights)
 
-    def forward(self, backend, pool, batch: ReadPathBatch) -> ForwardRecord:
-        from sglang.srt.layers.cp.base import get_cp_strategy
-        from sglang.srt.layers.cp.utils import prepare_cp_forward
+    def _forward_batch(self, batch: ReadPathBatch) -> Any:
+        return forward_batch_on(batch, self.device)
 
-        c, r = self.config, self.config.kv_lora_rank
-        strategy = get_cp_strategy()
-        forward_batch = forward_batch_on(batch, self.device)
-        prepare_cp_forward(forward_batch)
-        backend.init_forward_metadata(forward_batch)
-        metadata = backend.forward_metadata
-        record = ForwardRecord(
-            page_table_1=metadata.page_table_1.clone(),
-            real_page_table=metadata.real_page_table.clone(),
-            table_seq_lens=metadata.indexer_seq_lens_cpu.clone(),
-        )
-        record.query_requests = strategy.shard_local_tokens(batch.chunk_requests)
-        local = strategy.shard_hidden_states(batch.chunk_hidden, forward_batch)
-        for layer_id, w in enumerate(self.weights):
-            full_key = strategy.gather_kv_cache((local @ w.w_index_k).contiguous(), forward_batch)
-            topk, index_read = self.indexer.forward(local, full_key, forward_batch, backend, pool, layer_id)
-            latent = torch.cat([local @ w.w_kv, local @ w.w_k_rope], dim=-1).to(c.kv_dtype)
-            full_latent = strategy.gather_kv_cache(latent.contiguous(), forward_batch)[:, None, :]
-            out = backend.forward_extend(
-                torch.einsum("nh,hgr->ngr", local, w.w_q_nope).to(c.kv_dtype),
-                full_latent[..., :r],
-                full_latent[..., :r],
-                self.layers[layer_id],
-                forward_batch,
-                q_rope=torch.einsum("nh,hgr->ngr", local, w.w_q_rope).to(c.kv_dtype),
-                k_rope=full_latent[..., r:],
-                topk_indices=topk,
-            )
-            record.topk.append(topk)
-            record.index_reads.append(index_read)
-            record.attention.append(out.clone())
-            local = local + out.float().reshape(out.shape[0], -1) @ w.w_out
-        record.hidden = strategy.gather_hidden_states(local, forward_batch)
-        return record_on_cpu(record)
+    def _finished(self, record: ForwardRecord) -> ForwardRecord:
+        return record_on_cpu(record)  # compared on the CPU, whatever device ran it
 
 
 def build_backend_on(pool: Any, batch: ReadPathBatch, model_config: Any, rank: "DeviceReadPathRank") -> Any:

@@ -623,7 +623,7 @@ class ReadPathModel:
 
         c, r = self.config, self.config.kv_lora_rank
         strategy = get_cp_strategy()
-        forward_batch = _forward_batch(batch)
+        forward_batch = self._forward_batch(batch)
         prepare_cp_forward(forward_batch)
         backend.init_forward_metadata(forward_batch)
         metadata = backend.forward_metadata
@@ -656,6 +656,14 @@ class ReadPathModel:
             record.attention.append(out.clone())
             local = local + out.float().reshape(out.shape[0], -1) @ w.w_out
         record.hidden = strategy.gather_hidden_states(local, forward_batch)
+        return self._finished(record)
+
+    def _forward_batch(self, batch: ReadPathBatch) -> Any:
+        """The forward batch the layers run on (the CPU runtime's device here)."""
+        return _forward_batch(batch)
+
+    def _finished(self, record: ForwardRecord) -> ForwardRecord:
+        """The record as the comparison reads it."""
         return record
 
 
