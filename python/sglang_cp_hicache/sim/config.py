@@ -30,6 +30,8 @@ FAULTS = {
     "(0.5.23, per-layer backup): the last layer never reaches its host pages",
     "skip_backup_layer": "every rank's forward stores layer 0 without reporting it to the "
     "per-layer D2H backup (0.5.23, per-layer backup): the backup must refuse the forward",
+    "early_l3_write": "every rank writes a node to L3 storage when its insert claims per-layer "
+    "backup slots, before that backup's ack (0.5.23, per-layer backup, needs storage_backend)",
 }
 
 # Which sharding the main column runs (``SimConfig.shard_impl``): the plugin's (upstream's
@@ -113,8 +115,8 @@ class SimConfig:
     # New leaves' backups reserved before the forward move during it, layer by layer (the
     # forward reports each layer's end as the NSA hook does); False: all layers at once at
     # the insert. Hit-count and write-back backups are all-layer either way. None: the
-    # line's default (0.5.12.post1: per layer; 0.5.23: per layer on the plugin column with
-    # layer_first, all layers on page_first; native and upstream columns: all layers).
+    # line's default (0.5.12.post1: per layer; 0.5.23: per layer on the plugin column, either
+    # host layout; native and upstream columns: all layers).
     per_layer_backup: Optional[bool] = None
     # ---- one rank's stack (nsa_stack.StackConfig)
     layer_num: int = 2
@@ -208,8 +210,8 @@ class SimConfig:
             bad("storage_dir is the file backend's folder: it needs storage_backend='file'")
         if self.storage_logical_baseline and self.storage_backend is None:
             bad("storage_logical_baseline compares L3 hits: it needs storage_backend")
-        if self.fault == "storage_wrong_bytes" and self.storage_backend is None:
-            bad("fault 'storage_wrong_bytes' needs storage_backend")
+        if self.fault in ("storage_wrong_bytes", "early_l3_write") and self.storage_backend is None:
+            bad(f"fault {self.fault!r} needs storage_backend")
         if self.pd and self.page_size != 64:
             bad(f"pd=True runs the PD harness's page size 64, got page_size={self.page_size}")
         if self.chunked_prefill_size < 0 or self.chunked_prefill_size % self.page_size:

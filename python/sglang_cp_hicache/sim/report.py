@@ -361,6 +361,7 @@ class SimReport:
     per_layer_forwards: int  # forwards whose reserved backups went to host layer by layer
     per_layer_layers: int  # the layers they reported to the backup
     per_layer_acks: int  # the acks they appended (one per forward)
+    per_layer_l3_writes: int  # L3 writes of per-layer-backed host slots, each after its ack
     # ---- memory and traffic
     bytes_per_token: int
     logical_host_bytes: int  # peak, logical (what a replicated host tier holds per rank)
@@ -697,6 +698,7 @@ def build_report(
         per_layer_forwards=c.per_layer_forwards,
         per_layer_layers=c.per_layer_layers,
         per_layer_acks=c.per_layer_acks,
+        per_layer_l3_writes=c.per_layer_l3_writes,
         bytes_per_token=bpt,
         logical_host_bytes=results[0].host_peak_logical_bytes,
         host_bytes_per_rank=[r.host_peak_physical_bytes for r in results],
@@ -840,6 +842,8 @@ def _cache_rows(report: SimReport) -> List[str]:
     row("per-layer fwds/layers/acks (0.5.23)",
         lambda s: f"{report.per_layer_forwards}/{report.per_layer_layers}/{report.per_layer_acks}",
         main_only=True)  # fmt: skip
+    if report.per_layer_l3_writes:
+        row("L3 writes of per-layer backups", lambda s: report.per_layer_l3_writes, main_only=True)
     row("writing_check all-reduces/rank", lambda s: report.writing_check_all_reduces[0], main_only=True)
     if report.native_column_note:
         lines.append(f"native column n/a: {report.native_column_note}")
@@ -1012,7 +1016,7 @@ def _delta_rows(report: SimReport) -> List[str]:
          f"{'on' if per_layer else 'off'} ({report.per_layer_forwards} forwards): the plugin reserves "
          "host slots in alloc and copies each layer during the forward (not timed here), native "
          "copies all layers after it; scheduler time, not hits"
-         + ("" if per_layer else "; on with --mem-layout layer_first")),
+         + ("" if per_layer else "; on unless --all-layer-backup")),
         ("scheduler time", bool(beyond),
          f"ops whose p50 is beyond {_OP_RATIO_BAND}x of native's either way: "
          + (", ".join(beyond) if beyond else "none") + " (the per-op table above; one run's CPU "

@@ -42,6 +42,9 @@ class RankCounters:
     per_layer_forwards: int = 0
     per_layer_layers: int = 0
     per_layer_acks: int = 0
+    # L3 writes (``write_storage`` calls) of host slots a per-layer backup filled, all
+    # issued after its ack (checked). Replicated. 0 without storage.
+    per_layer_l3_writes: int = 0
     # Inserts the tree refused (0.5.23 under sharding: the key would join two rotation
     # runs; the request keeps its own pages, freed at release), and the hits they cost:
     # later prompt tokens a refused key would have matched beyond the real match (an upper

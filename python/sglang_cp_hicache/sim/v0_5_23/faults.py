@@ -20,7 +20,7 @@ SUPPORTED = frozenset(
 ) | {"pd_wrong_owner"}  # planted by the PD prefill role in upstream's filter (sim/v0_5_23/pd.py)
 SUPPORTED |= {"storage_wrong_bytes"}  # planted in the L3 tier's reads (sim/v0_5_23/storage.py)
 #: Faults planted in the per-layer D2H backup (the plugin column with per_layer_backup).
-PER_LAYER_FAULTS = frozenset(("early_layer_ack", "skip_backup_layer"))
+PER_LAYER_FAULTS = frozenset(("early_layer_ack", "skip_backup_layer", "early_l3_write"))
 SUPPORTED |= PER_LAYER_FAULTS
 SUPPORTED |= {"drop_last_rank_draft_loads"}  # the packed MTP draft's loads (SimConfig.draft)
 SUPPORTED |= {"pd_drop_draft"}  # planted on the PD link's engine (sim/v0_5_23/pd_link.py)
@@ -57,7 +57,9 @@ def _plant_in_layer_backup(name: str, stack: RankStack, last_rank: bool) -> None
     """``early_layer_ack``: the last rank's pipeline counts one layer less, so it acks after
     the forward's last-but-one layer and takes the last one for a forward with nothing held.
     ``skip_backup_layer``: the store hook's report of layer 0 is lost on every rank (so the
-    ranks stop together), the next layer arrives first. The native column has no backup."""
+    ranks stop together), the next layer arrives first. ``early_l3_write``: every rank sends
+    a node to L3 (upstream's ``write_backup_storage``) as soon as its insert claims reserved
+    host slots, before the per-layer backup's ack. The native column has no backup."""
     from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of
 
     backup = layer_backup_of(stack.cache)
@@ -73,6 +75,14 @@ def _plant_in_layer_backup(name: str, stack: RankStack, last_rank: bool) -> None
                 layer_stored(layer_id, num_locs)
 
         backup.layer_stored = drop_layer0
+    elif name == "early_l3_write":
+        tracked, cache = backup.tracked, stack.cache
+
+        def write_at_claim(node_id: int) -> None:
+            cache.write_backup_storage(node_id)  # upstream writes to L3 at the ack, not here
+            tracked(node_id)
+
+        backup.tracked = write_at_claim
 
 
 def _drop_draft_loads(stack: RankStack) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections import Counter
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Sequence, Set, Tuple
 
 from sglang_cp_hicache.sim.common_checks import check_lock_refs, pending_io
 from sglang_cp_hicache.sim.engine import TreeSummary
@@ -169,7 +169,12 @@ class LayerBackupLedger:
     * a node that claimed reserved host slots stays write-through pending and device-locked
       (not host-visible) until its ticket's ack, and is published at that ack;
     * every reservation is claimed by its insert or settled (checkpoint, release) in its own
-      batch, and one left unclaimed is rolled back; with no write in flight no ticket is left.
+      batch, and one left unclaimed is rolled back; with no write in flight no ticket is left;
+    * with L3 storage, no page goes to L3 before its per-layer backup's ack: a storage write
+      (``controller.write_storage``, every L3 write's one door) may not name host slots of a
+      backup still in flight (its last layer may not have reached the host). Storage writes
+      of slots an acked per-layer backup filled are counted (``per_layer_l3_writes``,
+      replicated: the write is issued on every rank, each rank's thread writes its pages).
 
     ``layer_num`` is the stack's (not the pipeline's): an ack the pipeline appends early
     is caught. With an MTP draft, :meth:`forward` spans the target's and the draft's
@@ -187,11 +192,16 @@ class LayerBackupLedger:
         self._committed: List[int] = []  # node ids whose ack committed them since the last check
         self._forward_tickets: List[int] = []  # held by the running forward
         self._forward_layers = 0
+        self._unacked_slots: Dict[int, Set[int]] = {}  # ticket -> its host slots, until its ack
+        self._acked_slots: Set[int] = set()  # host slots acked per-layer backups filled
         _wrap(backup, "layer_stored", self._layer_stored)
         reservations = backup.reservations
+        _wrap(reservations, "reserve", self._reserve)
         _wrap(reservations, "claim", self._claim)
         _wrap(reservations, "settle", self._settle)
         _wrap(reservations, "land", self._land)
+        _wrap(reservations, "clear", self._clear)
+        _wrap(stack.controller, "write_storage", self._write_storage)
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
@@ -258,6 +268,33 @@ class LayerBackupLedger:
                 "reached the host"
             )
 
+    def _reserve(self, original: Callable, rid: str, write: Any, *args, **kwargs) -> Any:
+        reservation = original(rid, write, *args, **kwargs)
+        if reservation.ticket is not None:
+            slots = set(write.host_indices.tolist())
+            self._unacked_slots[reservation.ticket] = slots
+            self._acked_slots -= slots  # reused slots: filled anew
+        return reservation
+
+    def _write_storage(self, original: Callable, host_indices: Any, *args, **kwargs) -> Any:
+        slots = set(host_indices.tolist())
+        for ticket, unacked in self._unacked_slots.items():
+            early = slots & unacked
+            if early:
+                self.violation(
+                    f"L3 write of {len(early)} host slots (first {min(early)}) before the ack of "
+                    f"their per-layer backup (ticket {ticket})"
+                )
+        if slots & self._acked_slots:
+            self.counters.per_layer_l3_writes += 1
+        return original(host_indices, *args, **kwargs)
+
+    def _clear(self, original: Callable) -> None:
+        """A flush: upstream cleared the host pools, every slot is free again."""
+        original()
+        self._unacked_slots.clear()
+        self._acked_slots.clear()
+
     def _claim(self, original: Callable, node: int, pages: Any) -> Any:
         from sglang_cp_hicache.core.forward_reservations import Next
 
@@ -281,7 +318,10 @@ class LayerBackupLedger:
         from sglang_cp_hicache.core.forward_reservations import Next
 
         transition = original(ticket)
+        slots = self._unacked_slots.pop(ticket, set())
         node = self._claimed.pop(ticket, None)
+        if transition.next is not Next.ROLL_BACK:  # acked; claimed now or by its insert
+            self._acked_slots |= slots
         if transition.next is Next.COMMIT:
             self.counters.pending_committed += 1
             self._committed.append(node)

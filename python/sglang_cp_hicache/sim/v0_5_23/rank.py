@@ -10,9 +10,10 @@ Columns on this line, all on the real 0.5.23 cache stack (``testing.v0_5_23.stac
   way ``load_plugins`` applies them (refused if one is missing), and the plugin's flag on
   the stack's record (``StackConfig.cp_shared_kv``, marked before the record is resolved).
   Of the plugin's scheduler-path deltas this column runs lane-aware device eviction and
-  per-layer D2H backup (``SimConfig.per_layer_backup``, on by default on layer_first, as
-  the flag attaches it there; ``--all-layer-backup`` or page_first: upstream's all-layer
-  path after the forward);
+  per-layer D2H backup (``SimConfig.per_layer_backup``, on by default: the flag attaches
+  it at ``init_hicache`` on both host layouts, or refuses the start-up naming what the
+  host pools lack, ``l2_transfer.per_layer_problem``; ``--all-layer-backup``: upstream's
+  all-layer path after the forward);
 * ``upstream``: the unsharded stack on one rank with the same per-rank memory.
 """
 
@@ -38,7 +39,6 @@ RELEASE = "0.5.23"
 # (arg_groups/kv_shard_hook.py:185-193); the DSA indexer needs 64-token pages.
 IO_BACKEND = "kernel"
 MEM_LAYOUTS = ("layer_first", "page_first")
-PER_LAYER_LAYOUT = "layer_first"  # layer_backup.per_layer_problem: page_first keeps all-layer
 PAGE_SIZE = 64
 
 
@@ -207,11 +207,6 @@ class _Line023(LineSim):
             problems.append(f"mem_layout must be one of {layouts} (kv_shard_hook.py:185-193)")
         if cfg.per_layer_backup and cfg.shard_impl == "native":
             problems.append("per_layer_backup=True: upstream's native sharding backs up all layers at once")
-        if cfg.per_layer_backup and cfg.mem_layout != PER_LAYER_LAYOUT:
-            problems.append(
-                f"per_layer_backup=True needs mem_layout={PER_LAYER_LAYOUT!r} (0.5.23 has no one-layer "
-                "D2H op into the DSA indexer's page_first host pool; the flag keeps all-layer there)"
-            )
         if cfg.storage_backend is not None:
             problems += _storage_problems(cfg)
         if cfg.fault in PER_LAYER_FAULTS and (cfg.shard_impl != "plugin" or not self.resolved_per_layer_backup(cfg)):
@@ -220,12 +215,6 @@ class _Line023(LineSim):
             problems.append("fault 'early_layer_ack' needs layer_num >= 2")
         if problems:
             raise ValueError(f"SGLang {RELEASE} line: " + "; ".join(problems))
-
-    def resolved_per_layer_backup(self, cfg: SimConfig) -> bool:
-        """Unset: per layer where the flag attaches it (layer_first), else all layers."""
-        if cfg.per_layer_backup is None:
-            return cfg.mem_layout == PER_LAYER_LAYOUT
-        return cfg.per_layer_backup
 
 
 def _storage_problems(cfg: SimConfig) -> List[str]:
@@ -246,7 +235,7 @@ def _storage_problems(cfg: SimConfig) -> List[str]:
 LINE = _Line023(
     release=RELEASE,
     native_sharding=True,
-    per_layer_backup=True,  # the plugin column (layer_first); native and upstream: all layers
+    per_layer_backup=True,  # the plugin column, either layout; native and upstream: all layers
     sharded_main=sharded_rank_main,
     upstream_main=upstream_rank_main,
     storage_backends=STORAGE_BACKENDS,

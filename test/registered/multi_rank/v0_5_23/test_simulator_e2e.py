@@ -173,7 +173,7 @@ def test_a_fault_in_a_comparison_column_fails_the_run() -> None:
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(per_layer_backup=True, mem_layout="page_first"), "needs mem_layout='layer_first'"),
+        (dict(mem_layout="page_first_direct"), "mem_layout must be one of"),
         (dict(io_backend="direct"), "io_backend must be 'kernel'"),
         (dict(fault="shift_mirror"), "fault .shift_mirror. is not planted on the SGLang 0.5.23 line"),
         (dict(cp_size=1), "cp_size must be >= 2"),

@@ -1,9 +1,11 @@
-"""The 0.5.23 simulator's plugin column with per-layer D2H backup (the default there on
-layer_first): host slots reserved by ``Scheduler.run_batch``'s hook, each layer stored
+"""The 0.5.23 simulator's plugin column with per-layer D2H backup (the default there, on
+either host layout): host slots reserved by ``Scheduler.run_batch``'s hook, each layer stored
 through the sharded pool's own door (its store hook backs the layer up), the forward ended
 by ``ModelRunner.forward``'s hook, one ack per forward, together with chunked prefill,
 aborts, retractions and writes in flight; and a planted fault in the per-layer path fails
-the run (so a green run means the checks ran)."""
+the run (so a green run means the checks ran). On page_first (0.5.23's default layout, the
+one Mooncake needs) the same, with the Mooncake store attached: no page goes to L3 before
+its per-layer backup's ack (a planted early L3 write fails the run)."""
 
 import pytest
 
@@ -24,6 +26,11 @@ def report() -> SimReport:
     return run_simulation(SimConfig(**WORKLOAD))
 
 
+@pytest.fixture(scope="module")
+def page_first() -> SimReport:
+    return run_simulation(SimConfig(**{**WORKLOAD, "mem_layout": "page_first"}))
+
+
 def test_per_layer_backup_with_every_scheduler_feature_passes(report: SimReport) -> None:
     assert report.passed, report.invariant_violations[:5]
     assert report.invariant_violations == [] and report.kv_mismatches == 0
@@ -41,6 +48,46 @@ def test_the_per_layer_path_ran_one_ack_per_forward_after_every_layer(report: Si
     assert report.per_layer_acks == report.per_layer_forwards
     # Claimed nodes were published at their ack; retracted requests' slots rolled back.
     assert report.pending_committed > 0 and report.pending_rolled_back > 0
+
+
+def test_per_layer_backup_on_page_first_passes_with_byte_checked_host_hits(page_first: SimReport) -> None:
+    assert page_first.passed, page_first.invariant_violations[:5]
+    assert page_first.kv_mismatches == 0
+    assert page_first.kv_checked_tokens == page_first.device_hit_tokens + page_first.host_hit_tokens
+    assert page_first.host_hit_tokens > 0  # host copies written layer by layer into page_first, read back
+    assert page_first.per_layer_forwards > 0
+    assert page_first.per_layer_layers == LAYERS * page_first.per_layer_forwards
+    assert page_first.per_layer_acks == page_first.per_layer_forwards
+    assert page_first.pending_committed > 0
+    assert sum(page_first.d2h_bytes_per_rank) == page_first.replicated_d2h_bytes > 0
+
+
+# Mooncake on page_first (small pools, a tight host tier: pages of returning sessions are
+# evicted from host, so L3 serves hits); one request per batch, acks at once.
+MOONCAKE = dict(
+    cp_size=2, seed=0, num_requests=30, physical_tokens=768, hicache_ratio=1.25, max_active_sessions=6,
+    max_prompt_len=640, layer_num=LAYERS, mem_layout="page_first", storage_backend="mooncake",
+    native_column=False, baseline=False, timeout_s=120,
+)  # fmt: skip
+
+
+def test_per_layer_backup_with_mooncake_writes_l3_only_after_each_ack() -> None:
+    report = run_simulation(SimConfig(**MOONCAKE))
+    assert report.passed, report.invariant_violations[:5]
+    assert report.storage_summary.backend_class == "OwnerFreeMooncakeStore"
+    assert report.kv_mismatches == 0 and report.storage_hit_tokens > 0  # L3 hits byte-checked
+    assert report.kv_checked_tokens == report.device_hit_tokens + report.host_hit_tokens
+    assert report.per_layer_acks == report.per_layer_forwards > 0
+    # Per-layer backups reached L3 through upstream's write at their ack (none earlier: checked).
+    assert report.per_layer_l3_writes > 0
+
+
+def test_an_l3_write_before_the_per_layer_ack_fails_the_run() -> None:
+    report = run_simulation(SimConfig(**{**MOONCAKE, "num_requests": 6, "fault": "early_l3_write"}))
+    assert not report.passed
+    assert any("before the ack of their per-layer backup" in v for v in report.invariant_violations), (
+        report.invariant_violations[:5]
+    )
 
 
 def test_all_layer_backup_on_the_plugin_column_reserves_nothing() -> None:
@@ -71,7 +118,8 @@ def test_a_fault_in_the_per_layer_path_fails_the_run(fault, caught) -> None:
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(per_layer_backup=True, mem_layout="page_first"), "needs mem_layout='layer_first'"),
+        # Upstream's sharded DSA HiCache refuses it before per-layer backup matters.
+        (dict(mem_layout="page_first_direct"), "mem_layout must be one of"),
         (dict(per_layer_backup=True, shard_impl="native"), "native sharding backs up all layers"),
         (dict(fault="early_layer_ack", per_layer_backup=False), "needs the plugin column's per-layer"),
     ],
@@ -81,9 +129,9 @@ def test_the_line_refuses_per_layer_where_it_cannot_run(overrides, message) -> N
         run_simulation(SimConfig(**overrides))
 
 
-def test_unset_means_per_layer_where_the_flag_attaches_it() -> None:
+def test_unset_means_per_layer_on_either_layout() -> None:
     from sglang_cp_hicache.sim.v0_5_23.rank import LINE
 
     assert LINE.resolved_per_layer_backup(SimConfig()) is True  # layer_first
-    assert LINE.resolved_per_layer_backup(SimConfig(mem_layout="page_first")) is False
+    assert LINE.resolved_per_layer_backup(SimConfig(mem_layout="page_first")) is True
     assert LINE.resolved_per_layer_backup(SimConfig(per_layer_backup=False)) is False
