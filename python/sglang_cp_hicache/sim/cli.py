@@ -79,6 +79,10 @@ def _parser(d: SimConfig) -> argparse.ArgumentParser:
                     help="the file backend's folder (a subfolder per column), kept between runs: a "
                     "second run, at any cp size, reads the pages the first one stored (default: "
                     "a temporary folder removed after the run)")  # fmt: skip
+    l3.add_argument("--storage-mooncake-master", metavar="HOST:PORT", default=d.storage_mooncake_master,
+                    help="mooncake: the plugin column uses this running master and a segment held "
+                    "beside it (python -m sglang_cp_hicache.sim.v0_5_23.held_store), so a second "
+                    "run, at any cp size, reads the pages the first one stored")  # fmt: skip
     l3.add_argument("--storage-logical-baseline", action="store_true",
                     default=d.storage_logical_baseline,
                     help="also replay upstream cp 1 with cp-size x the per-rank device and host "
@@ -174,6 +178,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         pd=args.pd,
         storage_backend=args.storage_backend,
         storage_dir=args.storage_dir,
+        storage_mooncake_master=args.storage_mooncake_master,
         storage_logical_baseline=args.storage_logical_baseline,
         progress=not args.no_progress,
         timeout_s=args.timeout_s,

@@ -151,6 +151,12 @@ class SimConfig:
     # at any cp size reads the pages an earlier one stored. None: a temporary folder.
     # Mooncake: the run starts its own mooncake_master on loopback and stops it at the end.
     storage_dir: Optional[str] = None
+    # Mooncake: the host:port of a running mooncake_master whose store outlives the run
+    # (a segment held by a mooncake_client: ``python -m sglang_cp_hicache.sim.v0_5_23.held_store``).
+    # The plugin column's clients mount no segment of their own, so every page lands in
+    # the held one and a later run, at any cp size, reads what this one stored (a
+    # restart); the other columns keep a master of their own for the run.
+    storage_mooncake_master: Optional[str] = None
     # Beside the cp-1 upstream column (the same memory per rank), replay upstream cp 1 once
     # more with cp_size x the per-rank device and host pools (the ``upstream_logical``
     # column, its own L3 folder or master): the same logical L1 + L2 as the cp ranks'
@@ -208,6 +214,8 @@ class SimConfig:
             bad(f"storage_backend must be one of {list(STORAGE_BACKENDS)}, got {self.storage_backend!r}")
         if self.storage_dir is not None and self.storage_backend != "file":
             bad("storage_dir is the file backend's folder: it needs storage_backend='file'")
+        if self.storage_mooncake_master is not None and self.storage_backend != "mooncake":
+            bad("storage_mooncake_master is a Mooncake store: it needs storage_backend='mooncake'")
         if self.storage_logical_baseline and self.storage_backend is None:
             bad("storage_logical_baseline compares L3 hits: it needs storage_backend")
         if self.fault in ("storage_wrong_bytes", "early_l3_write") and self.storage_backend is None:

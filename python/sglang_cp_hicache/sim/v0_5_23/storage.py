@@ -4,7 +4,8 @@ Parent side (:func:`open_storage`, no SGLang): the run's backend set-up. The fil
 gets one folder per column under ``SimConfig.storage_dir`` (``cp_shared_kv/``,
 ``upstream/``, ``upstream_logical/``; kept between runs, so a later run, at any cp size,
 reads what an earlier one wrote); the Mooncake store gets a ``mooncake_master`` on
-loopback per column, started here and stopped (by its pid) when the run ends. Columns:
+loopback per column, started here and stopped (by its pid) when the run ends (or, for the
+plugin column, a store that outlives the run: ``SimConfig.storage_mooncake_master``). Columns:
 ``plugin`` attaches the backend with the plugin's owner-free keys, owner writes and owner
 reads; ``upstream`` (cp 1, unsharded) attaches upstream's own backend; ``upstream_logical``
 (``SimConfig.storage_logical_baseline``) the same with cp x the per-rank pools; ``native``
@@ -110,11 +111,27 @@ def open_storage(cfg: SimConfig) -> Iterator[Optional[StorageRun]]:
     with contextlib.ExitStack() as masters:
         configs = {}
         for column in columns:
+            if column == "plugin" and cfg.storage_mooncake_master is not None:
+                configs[column] = held_store_client_config(cfg.storage_mooncake_master)
+                continue
             master = masters.enter_context(
                 MooncakeMaster(*free_ports(2), lease_ttl_ms=MOONCAKE_LEASE_TTL_MS)
             )
             configs[column] = master.client_config(MOONCAKE_SEGMENT_BYTES)
         yield StorageRun("mooncake", mooncake=configs)
+
+
+def held_store_client_config(master: str) -> Dict[str, Any]:
+    """A client of a store that outlives the run (``SimConfig.storage_mooncake_master``):
+    no segment of its own, so the master places every object in the held segment."""
+    return {
+        "master_server_address": master,
+        "protocol": "tcp",
+        "metadata_server": "P2PHANDSHAKE",
+        "local_hostname": "127.0.0.1",
+        "global_segment_size": 0,
+        "check_server": False,
+    }
 
 
 def _anchor_skips(cache: Any) -> int:

@@ -9,12 +9,14 @@ order (the cache's own collectives pair up across ranks); the extra MIN in
 from __future__ import annotations
 
 
+import contextlib
 import logging
 import os
+import sys
 import time
 from array import array
 from dataclasses import dataclass, replace
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -249,6 +251,7 @@ __all__ = [
     "attach_storage",
     "detach_storage",
     "evict_everything",
+    "held_mooncake_store",
     "load_back",
     "logical_kv",
     "owned_row_mismatches",
@@ -326,6 +329,62 @@ class MooncakeMaster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass
+class MooncakeSegmentHolder:
+    """A ``mooncake_client`` on loopback that mounts one segment of ``segment_bytes`` on
+    ``master`` and holds it until :meth:`stop` (by its pid): objects placed there outlive
+    the clients that put them, so a later run, at another cp size, reads them (clients
+    that mount no segment of their own, ``global_segment_size`` 0, place every object
+    in the held one)."""
+
+    master: str  # the master's host:port
+    port: int
+    segment_bytes: int = 1 << 30
+    process: Any = None
+
+    def start(self, timeout_s: float = 10.0) -> "MooncakeSegmentHolder":
+        import socket
+        import subprocess
+
+        binary = os.path.join(os.path.dirname(sys.executable), "mooncake_client")
+        argv = [binary, f"--master_server_address={self.master}", "--metadata_server=P2PHANDSHAKE",
+                "--host=127.0.0.1", f"--port={self.port}", "--protocol=tcp",
+                f"--global_segment_size={self.segment_bytes >> 20}MB"]  # fmt: skip
+        self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"mooncake_client exited with {self.process.returncode}")
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", self.port)) == 0:  # listens once mounted
+                    return self
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"mooncake_client did not listen on 127.0.0.1:{self.port}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except Exception:
+                self.process.kill()
+                self.process.wait(timeout=5)
+        self.process = None
+
+
+@contextlib.contextmanager
+def held_mooncake_store(segment_bytes: int = 1 << 30, lease_ttl_ms: int = 5000) -> Iterator[str]:
+    """A Mooncake store that outlives its clients: a master on loopback and one held
+    segment; yields the master's address. Both stopped (by pid) on exit."""
+    with MooncakeMaster(*free_ports(2), lease_ttl_ms=lease_ttl_ms) as master:
+        holder = MooncakeSegmentHolder(master.address, free_ports(1)[0], segment_bytes).start()
+        try:
+            yield master.address
+        finally:
+            holder.stop()
 
 
 def free_ports(count: int) -> List[int]:

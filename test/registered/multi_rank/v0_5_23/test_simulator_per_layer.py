@@ -7,6 +7,8 @@ the run (so a green run means the checks ran). On page_first (0.5.23's default l
 one Mooncake needs) the same, with the Mooncake store attached: no page goes to L3 before
 its per-layer backup's ack (a planted early L3 write fails the run)."""
 
+from typing import Iterator
+
 import pytest
 
 from sglang_cp_hicache.sim import SimConfig, SimReport, run_simulation
@@ -71,15 +73,46 @@ MOONCAKE = dict(
 )  # fmt: skip
 
 
-def test_per_layer_backup_with_mooncake_writes_l3_only_after_each_ack() -> None:
-    report = run_simulation(SimConfig(**MOONCAKE))
-    assert report.passed, report.invariant_violations[:5]
-    assert report.storage_summary.backend_class == "OwnerFreeMooncakeStore"
-    assert report.kv_mismatches == 0 and report.storage_hit_tokens > 0  # L3 hits byte-checked
-    assert report.kv_checked_tokens == report.device_hit_tokens + report.host_hit_tokens
-    assert report.per_layer_acks == report.per_layer_forwards > 0
+@pytest.fixture(scope="module")
+def held_store() -> Iterator[str]:
+    """A Mooncake store that outlives the runs (a master and a held segment)."""
+    from sglang_cp_hicache.testing.v0_5_23.storage import held_mooncake_store
+
+    with held_mooncake_store(256 << 20) as master:
+        yield master
+
+
+@pytest.fixture(scope="module")
+def mooncake(held_store: str) -> SimReport:
+    return run_simulation(SimConfig(**MOONCAKE, storage_mooncake_master=held_store))
+
+
+def test_per_layer_backup_with_mooncake_writes_l3_only_after_each_ack(mooncake: SimReport) -> None:
+    assert mooncake.passed, mooncake.invariant_violations[:5]
+    assert mooncake.storage_summary.backend_class == "OwnerFreeMooncakeStore"
+    assert mooncake.kv_mismatches == 0 and mooncake.storage_hit_tokens > 0  # L3 hits byte-checked
+    assert mooncake.kv_checked_tokens == mooncake.device_hit_tokens + mooncake.host_hit_tokens
+    assert mooncake.per_layer_acks == mooncake.per_layer_forwards > 0
     # Per-layer backups reached L3 through upstream's write at their ack (none earlier: checked).
-    assert report.per_layer_l3_writes > 0
+    assert mooncake.per_layer_l3_writes > 0
+
+
+def test_a_cp4_restart_reads_the_cp2_runs_pages_through_the_store(mooncake: SimReport, held_store: str) -> None:
+    """The trace's first requests at cp 4 on the store the cp-2 run filled, against the
+    same run on a fresh store: fresh L1 and L2 both times, so the extra L3 hits are the
+    cp-2 run's pages, read by other owners and byte-checked on them. (The replayed prompts'
+    whole pages all come from L3 there, so the restart may have no new page to back up.)"""
+    short = {**MOONCAKE, "cp_size": 4, "num_requests": 8}
+    restart = run_simulation(SimConfig(**short, storage_mooncake_master=held_store))
+    fresh = run_simulation(SimConfig(**short))
+    for report in (restart, fresh):
+        assert report.passed, report.invariant_violations[:5]
+        assert report.kv_mismatches == 0
+        assert report.kv_checked_tokens == report.device_hit_tokens + report.host_hit_tokens
+        assert report.per_layer_acks == report.per_layer_forwards
+    assert fresh.per_layer_forwards > 0
+    assert restart.storage_hit_tokens > fresh.storage_hit_tokens
+    assert restart.host_hit_tokens > fresh.host_hit_tokens  # L3 hits load back as host hits
 
 
 def test_an_l3_write_before_the_per_layer_ack_fails_the_run() -> None:
