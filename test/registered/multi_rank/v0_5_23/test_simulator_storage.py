@@ -119,3 +119,5 @@ def test_the_line_refuses_storage_it_cannot_run_before_any_rank_starts():
         LINE.check(SimConfig(storage_backend="mooncake"))
     with pytest.raises(ValueError, match="storage_dir"):
         SimConfig(storage_dir="/tmp/x")
+    with pytest.raises(ValueError, match="storage_mooncake_master is a Mooncake store"):
+        SimConfig(storage_backend="file", storage_mooncake_master="127.0.0.1:50051")
