@@ -120,7 +120,7 @@ def _parser(d: SimConfig) -> argparse.ArgumentParser:
     sched.add_argument("--all-layer-backup", action="store_true",
                        help="back up new leaves all layers at once at the insert; without it the "
                        "line's default: layer by layer during the forward (0.5.23: the plugin "
-                       "column on layer_first; native and upstream always all layers)")  # fmt: skip
+                       "column, either host layout; native and upstream always all layers)")  # fmt: skip
 
     stack = p.add_argument_group("per-rank stack")
     stack.add_argument("--layer-num", type=int, default=d.layer_num, help="KV layers")

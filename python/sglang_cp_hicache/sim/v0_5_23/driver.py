@@ -204,8 +204,9 @@ class RankDriver(StepLoop):
         self.pd = pd_link.attach(stack) if stack.sharded else None
 
     def _attach_layer_backup(self, per_layer: bool) -> Tuple[Any, Optional[LayerBackupLedger]]:
-        """The stack's per-layer D2H backup when the column runs it (the plugin's flag on a
-        layer_first host layout attaches it at ``init_hicache``), observed and checked;
+        """The stack's per-layer D2H backup when the column runs it (the plugin's flag
+        attaches it at ``init_hicache`` on either host layout, or the stack's start-up
+        failed with ``PerLayerBackupUnavailable``), observed and checked;
         (None, None) for upstream's all-layer path."""
         from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of
 
