@@ -218,12 +218,13 @@ def test_every_fault_has_a_test() -> None:
     tested |= {"pd_wrong_owner"}  # test_simulator_pd.py
     assert set(LINE.faults) == tested
     # 0.5.23 only: test_simulator_per_layer.py, test_simulator_storage.py, test_simulator_pd.py
-    assert set(FAULTS) == tested | {"early_layer_ack", "skip_backup_layer", "storage_wrong_bytes", "pd_drop_draft"}
+    assert set(FAULTS) == tested | {"early_layer_ack", "skip_backup_layer", "early_l3_write", "storage_wrong_bytes", "pd_drop_draft"}
 
 
 @pytest.mark.parametrize(
     "fault, needs",
-    [("early_layer_ack", {}), ("skip_backup_layer", {}), ("storage_wrong_bytes", {"storage_backend": "file"})],
+    [("early_layer_ack", {}), ("skip_backup_layer", {}), ("storage_wrong_bytes", {"storage_backend": "file"}),
+     ("early_l3_write", {"storage_backend": "file"})],
 )
 def test_a_fault_this_line_does_not_plant_is_refused(fault, needs) -> None:
     """A fault planted only on the 0.5.23 line would replay clean here (a checker test
