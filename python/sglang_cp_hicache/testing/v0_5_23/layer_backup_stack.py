@@ -156,7 +156,7 @@ def forward_batch_of(stack: Any, batch: Any) -> Any:
 def forward(stack: Any, batch: Sequence[BatchItem], on_layer: Callable[[int], None] = lambda _: None) -> None:
     """Every layer's stores over ``batch`` (``on_layer`` after each), then the forward's
     end, as the model-forward hook reports it."""
-    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import notify_forward_end
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import notify_forward_end
 
     for layer in range(stack.config.layer_num):
         store_layer(stack, layer, batch)
@@ -200,7 +200,7 @@ def time_backups(ctx: RankContext, per_layer: bool, bench: Dict[str, int]) -> Ba
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_sharded_stack
-    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of
 
     apply_plugin_hooks()
     page = 64

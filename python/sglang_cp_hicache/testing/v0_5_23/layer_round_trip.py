@@ -190,7 +190,7 @@ def round_trip(
 
     from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import logical_kv
     from sglang_cp_hicache.testing.v0_5_23.mtp_draft import device_layer_mismatches
-    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of, notify_forward_end
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of, notify_forward_end
 
     report: Dict[str, Any] = {"layout": layout}
     timing = _Timing(device)
@@ -321,7 +321,7 @@ def _patched(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None
 
 def planted(name: str) -> Any:
     """The planted fault ``name`` as a context manager (see the module doc)."""
-    from sglang_cp_hicache.v0_5_23.mem_cache.l2_transfer import DeviceBackupStreams, L2LayerTransfers
+    from sglang_cp_hicache.v0_5_23.backup.l2_transfer import DeviceBackupStreams, L2LayerTransfers
 
     if name == "missing_wait":
         return _patched(

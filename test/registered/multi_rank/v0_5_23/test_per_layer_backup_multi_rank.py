@@ -88,7 +88,7 @@ def happy_path(ctx: RankContext, cp_shared_kv: bool, layout: str) -> Dict[str, o
     """Reserve -> forward (layer by layer) -> insert -> ack -> evict -> load back."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of, notify_forward_end
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of, notify_forward_end
 
     report: Dict[str, object] = {}
     with _stack(ctx, cp_shared_kv, layout) as stack:
@@ -156,7 +156,7 @@ def _on_device(stack, tokens) -> bool:
 def zero_owned_and_rollback(ctx: RankContext, layout: str) -> Dict[str, object]:
     """A forward whose pages rank 0 owns none of, an aborted request's rollback, then two
     forwards that skip a layer."""
-    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of
 
     report: Dict[str, object] = {}
     with _stack(ctx, True, layout) as stack:
@@ -204,7 +204,7 @@ def _split_pending_node(stack) -> Dict[str, object]:
     ack then publishes both parts, and E reloaded from host reads back byte-exact."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of
 
     out: Dict[str, object] = {}
     tokens_e = list(range(60_001, 60_001 + 4 * PAGE))
@@ -260,7 +260,7 @@ def _skipped_layer(stack, how: str) -> str:
     """A forward that reports layer 1 first, ends after layer 0, or stores layer 0 in two
     parts: the error message."""
     from sglang_cp_hicache.core.per_layer_backup import PerLayerBackupIncomplete
-    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of, notify_forward_end
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of, notify_forward_end
 
     first = 40_001 + 1_000 * SKIPS.index(how)
     tokens = list(range(first, first + 2 * PAGE))

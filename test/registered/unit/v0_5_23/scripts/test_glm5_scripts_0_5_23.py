@@ -15,7 +15,7 @@ import torch
 from sglang.srt.arg_groups.overrides import resolution_result
 from sglang.srt.server_args import prepare_server_args
 
-from sglang_cp_hicache.v0_5_23.cp_mode import CpMode, cp_mode
+from sglang_cp_hicache.v0_5_23.launch.cp_mode import CpMode, cp_mode
 
 ROOT = Path(__file__).resolve().parents[5]
 SCRIPT = ROOT / "scripts" / "glm5" / "glm5_pd.py"

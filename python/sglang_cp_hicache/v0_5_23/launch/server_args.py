@@ -9,7 +9,7 @@ On one prefill rank with L3 storage (``--tp 1 --hicache-storage-backend file|moo
 size 1, nothing to shard, and upstream refuses DSA sharding there) the flag means an
 unsharded stack whose L3 backend uses the plugin's owner-free keys, so it reads a sharded
 fleet's pages (``docs/l3_storage.md``). Which of the two a server runs is its
-:class:`~sglang_cp_hicache.v0_5_23.cp_mode.CpMode`, decided once here
+:class:`~sglang_cp_hicache.v0_5_23.launch.cp_mode.CpMode`, decided once here
 (:func:`decide_mode`) and read by startup code from the record (``cp_mode.cp_mode``).
 
 How the flag travels, given that 0.5.23's ``ServerArgs`` is a sealed msgspec struct whose
@@ -68,11 +68,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any, Callable, ContextManager, List, MutableMapping, Set
+from typing import Any, Callable, ContextManager, List, MutableMapping, Optional, Set
 
 from sglang_cp_hicache import hook_table
+from sglang_cp_hicache.core.field_overlay import FieldOverlay
 from sglang_cp_hicache.core.module_binding import binding_swapped
-from sglang_cp_hicache.v0_5_23.cp_mode import MODE_ATTR, CpMode, cp_mode
+from sglang_cp_hicache.v0_5_23.launch.cp_mode import MODE_ATTR, CpMode, cp_mode
 from sglang_cp_hicache.v0_5_23.hooks import PluginNotInstalledError, verify_hooks_installed
 
 logger = logging.getLogger(__name__)
@@ -406,34 +407,18 @@ def _refuse(problems: List[str]) -> None:
 
 
 # ------------------------------------------------- L3 storage at upstream's gate
-class _StorageRuleView:
-    """``cfg`` with no storage backend in place of an admitted one (file, mooncake).
-
-    Shown to upstream's sharding gate under the flag, so its storage rule passes and every
-    other field it reads is the real, resolved value. Any other backend shows through (the
-    plugin's own refusal, :func:`unsupported_combinations`, has named it already; if a
-    later step declared one, upstream's verdict stands).
-    """
-
-    __slots__ = ("_cfg",)
-
-    def __init__(self, cfg: Any):
-        object.__setattr__(self, "_cfg", cfg)
-
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(object.__getattribute__(self, "_cfg"), name)
-        if name == "hicache_storage_backend" and value in SUPPORTED_STORAGE_BACKENDS:
-            return None
-        return value
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError("_StorageRuleView is read-only")
+def _storage_hidden(backend: Optional[str]) -> Optional[str]:
+    """An admitted backend (file, mooncake) hidden from upstream's gate, so its storage rule
+    passes; any other shows through (the plugin's own refusal, :func:`unsupported_combinations`,
+    has named it already; if a later step declared one, upstream's verdict stands)."""
+    return None if backend in SUPPORTED_STORAGE_BACKENDS else backend
 
 
 def storage_hidden_from_gate() -> ContextManager[None]:
     """Within: upstream's gate module (``sglang.srt.arg_groups.kv_shard_hook``) reads a
-    record that has the flag through :class:`_StorageRuleView`; any other record, and any
-    other module, through upstream's own ``resolving_view``. The gate builds its view by
+    record that has the flag without an admitted L3 backend (a ``FieldOverlay`` showing
+    :func:`_storage_hidden`); any other record, and any other module, through upstream's
+    own ``resolving_view``. The gate builds its view by
     the module-global name ``resolving_view``; only that binding is swapped, for the
     duration of the gate (:func:`binding_swapped`)."""
     from sglang.srt.arg_groups import kv_shard_hook as gate
@@ -441,7 +426,9 @@ def storage_hidden_from_gate() -> ContextManager[None]:
     def without_storage(upstream_view: Callable[[Any], Any]) -> Callable[[Any], Any]:
         def view(server_args: Any) -> Any:
             cfg = upstream_view(server_args)
-            return _StorageRuleView(cfg) if cp_mode(server_args).shards_kv else cfg
+            if not cp_mode(server_args).shards_kv:
+                return cfg
+            return FieldOverlay(cfg, {"hicache_storage_backend": _storage_hidden})
 
         return view
 

@@ -45,7 +45,8 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Protocol
 
 import torch
 
-from sglang_cp_hicache.v0_5_23.layers.attention.kv_shard_selftest_batch import (
+from sglang_cp_hicache.core.field_overlay import FieldOverlay, constant
+from sglang_cp_hicache.v0_5_23.selftest.kv_shard_selftest_batch import (
     LayerInputs,
     SelfTestBatch,
     SelfTestBatchSpec,
@@ -129,19 +130,6 @@ class SideRun:
     prefill_impl: str = ""
 
 
-class _RunnerView:
-    """The server's model runner with the self-test's pools in place of its own: the
-    backend reads everything else (model config, device, dtype, page size) from it."""
-
-    def __init__(self, runner: Any, pool: Any, req_to_token_pool: Any):
-        self._runner = runner
-        self.token_to_kv_pool = pool
-        self.req_to_token_pool = req_to_token_pool
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._runner, name)
-
-
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).cpu()
 
@@ -210,7 +198,14 @@ class ReadPathSide:
             size=bs, max_context_len=width, device=str(self.device), enable_memory_saver=False
         )
         req_to_token_pool.req_to_token[:bs] = self.batch.req_to_token.to(self.device)
-        return DeepseekSparseAttnBackend(_RunnerView(self.runner, self.pool, req_to_token_pool))
+        return DeepseekSparseAttnBackend(
+            # The server's runner with the self-test's pools in place of its own: the backend
+            # reads everything else (model config, device, dtype, page size) from it.
+            FieldOverlay(
+                self.runner,
+                {"token_to_kv_pool": constant(self.pool), "req_to_token_pool": constant(req_to_token_pool)},
+            )
+        )
 
     def run(self, layers: Sequence[Any]) -> SideRun:
         from sglang.srt.layers.cp.base import get_cp_strategy
@@ -428,8 +423,8 @@ def init_attention_backends_after(result: Any, runner: Any) -> None:
     """AFTER ``ModelRunner.init_attention_backends``: under the flag, on a target rank, log
     the scratch upstream charged and run the self-test; a failure raises before serving.
     Flag off (or a draft worker, which shares the target's format): nothing runs."""
-    from sglang_cp_hicache.v0_5_23.mem_cache.kv_shard_scratch import log_startup_scratch
-    from sglang_cp_hicache.v0_5_23.cp_mode import cp_mode
+    from sglang_cp_hicache.v0_5_23.selftest.kv_shard_scratch import log_startup_scratch
+    from sglang_cp_hicache.v0_5_23.launch.cp_mode import cp_mode
 
     if not cp_mode(runner.server_args).shards_kv or runner.is_draft_worker:
         return None

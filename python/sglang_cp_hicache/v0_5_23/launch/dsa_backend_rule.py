@@ -29,7 +29,7 @@ translated tables with the format's *prefill* kernel, never the decode one
 Upstream's MTP rules under sharding (GLM DSA, one NextN layer, EAGLE, top-k 1) stay its own.
 Anything else is refused naming what is admitted on that GPU: an unproven read of translated
 tables could serve wrong KV silently. An admitted Hopper triple then runs upstream's check
-unchanged, shown upstream's own triple for its backend rule (:class:`_BackendRuleView`): every
+unchanged, shown upstream's own triple for its backend rule (a ``FieldOverlay``): every
 other rule of the check (CUDA, CP, interleave, PP 1, Mooncake, index_kpool, layer split, page
 64) and of the rest of the gate stays upstream's. Flag off: upstream's function, called as is.
 
@@ -43,8 +43,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
-from sglang_cp_hicache.v0_5_23.cp_mode import cp_mode
-from sglang_cp_hicache.v0_5_23.server_args import CLI_FLAG, CpSharedKVConfigError
+from sglang_cp_hicache.core.field_overlay import FieldOverlay, constant
+from sglang_cp_hicache.v0_5_23.launch.cp_mode import cp_mode
+from sglang_cp_hicache.v0_5_23.launch.server_args import CLI_FLAG, CpSharedKVConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -95,30 +96,12 @@ def admitted_on(sm_major: int) -> Tuple[DsaShardBackends, ...]:
     return (UPSTREAM_ADMITTED,) + ADMITTED.get(sm_major, ())
 
 
-class _BackendRuleView:
-    """``cfg`` with upstream's admitted backend triple in place of the resolved one.
-
-    Shown to upstream's check once the resolved triple is one of :data:`ADMITTED`, so its
-    backend rule passes and every other field it reads is the real, resolved value.
-    """
-
-    __slots__ = ("_cfg",)
-    _SHOWN = {
-        "dsa_prefill_backend": UPSTREAM_ADMITTED.prefill,
-        "dsa_decode_backend": UPSTREAM_ADMITTED.decode,
-        "kv_cache_dtype": UPSTREAM_ADMITTED.kv_cache_dtype,
-    }
-
-    def __init__(self, cfg: Any):
-        object.__setattr__(self, "_cfg", cfg)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in self._SHOWN:
-            return self._SHOWN[name]
-        return getattr(object.__getattribute__(self, "_cfg"), name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError("_BackendRuleView is read-only")
+# Upstream's admitted backend triple, shown to its check in place of an admitted resolved one.
+_UPSTREAM_TRIPLE = {
+    "dsa_prefill_backend": constant(UPSTREAM_ADMITTED.prefill),
+    "dsa_decode_backend": constant(UPSTREAM_ADMITTED.decode),
+    "kv_cache_dtype": constant(UPSTREAM_ADMITTED.kv_cache_dtype),
+}
 
 
 def _device_sm_major() -> int:
@@ -164,4 +147,4 @@ def validate_dsa_backend_around(
     logger.info(
         "%s: admitting DSA KV sharding with %s on SM%d0", CLI_FLAG, chosen.spelled(), sm_major
     )
-    return original(server_args, _BackendRuleView(cfg))
+    return original(server_args, FieldOverlay(cfg, _UPSTREAM_TRIPLE))

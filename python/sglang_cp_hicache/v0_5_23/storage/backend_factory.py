@@ -3,9 +3,9 @@
 AROUND ``StorageBackendFactory.create_backend``: when the plugin's flag is on, sharded
 (upstream's ``PageInterleaveHostPool``) or on one prefill rank (an unsharded host pool,
 reading a sharded fleet's pages), ``file`` becomes
-:class:`~sglang_cp_hicache.v0_5_23.mem_cache.hicache_storage.OwnerFreeHiCacheFile` and
+:class:`~sglang_cp_hicache.v0_5_23.storage.file_backend.OwnerFreeHiCacheFile` and
 ``mooncake`` becomes
-:class:`~sglang_cp_hicache.v0_5_23.mem_cache.storage.mooncake_store.mooncake_store.OwnerFreeMooncakeStore`
+:class:`~sglang_cp_hicache.v0_5_23.storage.mooncake_backend.OwnerFreeMooncakeStore`
 (owner-free namespaced keys); any other backend is refused with one message. Flag off:
 upstream's factory, unchanged (the builtin registry is never rewritten, so other processes
 and flag-off servers see upstream's classes). The owner write / read rules apply only to a
@@ -17,8 +17,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Tuple
 
-from sglang_cp_hicache.v0_5_23.cp_mode import cp_mode
-from sglang_cp_hicache.v0_5_23.server_args import CLI_FLAG
+from sglang_cp_hicache.v0_5_23.launch.cp_mode import cp_mode
+from sglang_cp_hicache.v0_5_23.launch.server_args import CLI_FLAG
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def create_backend_around(
         _maybe_wrap_hicache_storage_failure_injector,
     )
 
-    from sglang_cp_hicache.v0_5_23.mem_cache.hicache_storage import (
+    from sglang_cp_hicache.v0_5_23.storage.file_backend import (
         OwnerFreeHiCacheFile,
         storage_namespace,
     )
@@ -65,7 +65,7 @@ def create_backend_around(
     if backend_name == "file":
         backend = OwnerFreeHiCacheFile(storage_config, namespace)
     else:
-        from sglang_cp_hicache.v0_5_23.mem_cache.storage.mooncake_store.mooncake_store import (
+        from sglang_cp_hicache.v0_5_23.storage.mooncake_backend import (
             OwnerFreeMooncakeStore,
         )
 

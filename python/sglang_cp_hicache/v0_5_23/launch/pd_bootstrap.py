@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict
 
 from sglang_cp_hicache.core import bootstrap_probe
 from sglang_cp_hicache.core.bootstrap_probe import bootstrap_address, wait_until_reachable
-from sglang_cp_hicache.v0_5_23.cp_mode import cp_mode
+from sglang_cp_hicache.v0_5_23.launch.cp_mode import cp_mode
 
 
 def register_topology_row_around(

@@ -68,14 +68,14 @@ from sglang_cp_hicache.core.lane_eviction import (
     first_page_leaders,
     lane_deficit,
 )
-from sglang_cp_hicache.v0_5_23.mem_cache.lane_tier import (
+from sglang_cp_hicache.v0_5_23.eviction.lane_tier import (
     Priority,
     full_type,
     in_eviction_order,
     plan_tier_victims,
 )
 from sglang_cp_hicache.core.rotation import lane_of, run_lane_counts
-from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import CpCacheExtension, extension_of
+from sglang_cp_hicache.v0_5_23.cache.cache_extension import CpCacheExtension, extension_of
 
 logger = logging.getLogger(__name__)
 

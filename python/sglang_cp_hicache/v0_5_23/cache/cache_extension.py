@@ -28,7 +28,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, Generic, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
-from sglang_cp_hicache.v0_5_23.cp_mode import CpMode, cp_mode
+from sglang_cp_hicache.v0_5_23.launch.cp_mode import CpMode, cp_mode
 
 logger = logging.getLogger(__name__)
 

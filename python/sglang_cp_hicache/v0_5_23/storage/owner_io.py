@@ -43,8 +43,8 @@ import torch
 
 from sglang_cp_hicache.core.lane_eviction import new_chain_base
 from sglang_cp_hicache.core.storage_keys import logical_pages_completed
-from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import CpCacheExtension, extension_of
-from sglang_cp_hicache.v0_5_23.mem_cache.host_lane_eviction import backup_room
+from sglang_cp_hicache.v0_5_23.cache.cache_extension import CpCacheExtension, extension_of
+from sglang_cp_hicache.v0_5_23.eviction.host_lane_eviction import backup_room
 
 logger = logging.getLogger(__name__)
 

@@ -47,12 +47,12 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Set, Tuple
 
 from sglang_cp_hicache.core.lane_eviction import lane_deficit
 from sglang_cp_hicache.core.rotation import lane_page_counts, run_lane_counts
-from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import (
+from sglang_cp_hicache.v0_5_23.cache.cache_extension import (
     CpCacheExtension,
     extension_of,
     host_extension_of,
 )
-from sglang_cp_hicache.v0_5_23.mem_cache.lane_tier import (
+from sglang_cp_hicache.v0_5_23.eviction.lane_tier import (
     Priority,
     full_type,
     in_eviction_order,

@@ -34,25 +34,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, ContextManager, Optional, Tuple
 
+from sglang_cp_hicache.core.field_overlay import FieldOverlay, constant
 from sglang_cp_hicache.core.module_binding import binding_swapped
-from sglang_cp_hicache.v0_5_23.cp_mode import cp_mode
-from sglang_cp_hicache.v0_5_23.server_args import CLI_FLAG, unsupported_combinations
-
-
-class _RecordWithBackend:
-    """The running server's (resolved) record as launched with
-    ``--hicache-storage-backend backend``: every other field is the record's."""
-
-    __slots__ = ("_record", "_backend")
-
-    def __init__(self, record: Any, backend: Optional[str]):
-        self._record = record
-        self._backend = backend
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "hicache_storage_backend":
-            return self._backend
-        return getattr(self._record, name)
+from sglang_cp_hicache.v0_5_23.launch.cp_mode import cp_mode
+from sglang_cp_hicache.v0_5_23.launch.server_args import CLI_FLAG, unsupported_combinations
 
 
 def startup_refusal(server_args: Any, backend: Optional[str]) -> Optional[str]:
@@ -60,7 +45,10 @@ def startup_refusal(server_args: Any, backend: Optional[str]) -> Optional[str]:
     backend`` meets (``server_args.unsupported_combinations``, one message starting with
     the flag), or None when it would start. The record has passed resolution, so only the
     backend can be refused here."""
-    problems = unsupported_combinations(_RecordWithBackend(server_args, backend))
+    problems = unsupported_combinations(
+        # the running server's record as launched with --hicache-storage-backend backend
+        FieldOverlay(server_args, {"hicache_storage_backend": constant(backend)})
+    )
     return f"{CLI_FLAG}: " + "; ".join(problems) if problems else None
 
 

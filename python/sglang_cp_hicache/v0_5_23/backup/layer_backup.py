@@ -39,8 +39,8 @@ import torch
 from sglang_cp_hicache.core.forward_reservations import ForwardReservations, Next
 from sglang_cp_hicache.core.per_layer_backup import PerLayerBackup, PerLayerBackupIncomplete
 from sglang_cp_hicache.core.rotation import owner_of
-from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import extension_of
-from sglang_cp_hicache.v0_5_23.mem_cache.l2_transfer import (
+from sglang_cp_hicache.v0_5_23.cache.cache_extension import extension_of
+from sglang_cp_hicache.v0_5_23.backup.l2_transfer import (
     DeviceBackupStreams,
     L2LayerTransfers,
     MergedTransfer,
@@ -91,7 +91,7 @@ class CacheLayerBackup:
             return None
         cache, cc = self.cache, self.cache.cache_controller
         sidecar = cache._build_backup_sidecar(device_locs, {})
-        from sglang_cp_hicache.v0_5_23.mem_cache.host_lane_eviction import backup_room
+        from sglang_cp_hicache.v0_5_23.eviction.host_lane_eviction import backup_room
 
         need = len(device_locs) - cc.mem_pool_host.available_size()
         if need > 0:

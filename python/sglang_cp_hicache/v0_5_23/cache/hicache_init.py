@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_cp_hicache.v0_5_23.mem_cache import layer_backup
-from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import decide_host_side
+from sglang_cp_hicache.v0_5_23.backup import layer_backup
+from sglang_cp_hicache.v0_5_23.cache.cache_extension import decide_host_side
 
 
 def init_hicache_after(result: Any, cache: Any, server_args: Any, params: Any) -> None:

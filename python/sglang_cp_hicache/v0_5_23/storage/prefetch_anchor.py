@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from sglang_cp_hicache.core.rotation import OwnerLane, base_for, owner_of
-from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import host_extension_of
+from sglang_cp_hicache.v0_5_23.cache.cache_extension import host_extension_of
 
 logger = logging.getLogger(__name__)
 
