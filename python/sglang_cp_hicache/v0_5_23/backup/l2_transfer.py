@@ -168,9 +168,18 @@ class L2LayerTransfers:
     def _copy(self, transfer: Any, layer_id: int, draft: bool) -> None:
         """One layer of ``transfer`` with the host pool's own one-layer D2H op (the indexer
         into page_first: :func:`indexer_layer_into_page_first`); a draft layer goes to the
-        host's tail layer ``target layers + layer_id`` (PACKED mode)."""
+        host's tail layer ``target layers + layer_id`` (PACKED mode).
+
+        A target layer goes through the pool entry's ``layer_mapper`` (transfer layer ->
+        device layer), as upstream's per-layer loads do; None means the pool holds no
+        buffer for the layer (a shared top-k layer's DSA indexer: no host layer), so
+        nothing is copied for it."""
         from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
 
+        if not draft and transfer.layer_mapper is not None:
+            layer_id = transfer.layer_mapper(layer_id)
+            if layer_id is None:
+                return
         native = _native(transfer.host_pool)
         io_backend = self._engine.io_backend
         if isinstance(native, DSAIndexerPoolHost):

@@ -57,26 +57,9 @@ def _forward(stack, batch) -> None:
 
 
 def _host_mismatches(stack, locs: torch.Tensor, host_locs: torch.Tensor, layers) -> List[str]:
-    """Owned host rows (latent) and pages (indexer) that differ from the device's."""
-    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import host_indexer_layer, host_latent_layer
+    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import host_mismatches
 
-    kv_host = stack.kv_host_pool
-    owned = stack.owned_mask(locs)
-    device_rows = stack.physical_rows(locs)
-    host_rows = stack.placement.local_index(host_locs[owned])
-    first = torch.arange(0, len(locs), PAGE)
-    owned_pages = stack.owned_mask(locs[first])
-    device_pages = stack.physical_rows(locs[first]) // PAGE
-    host_pages = stack.placement.local_index(host_locs[first][owned_pages]) // PAGE
-    bad = []
-    for layer in layers:
-        device = stack.kv_pool.kv_buffer[layer][device_rows]
-        host = host_latent_layer(kv_host, layer)[host_rows].view(device.dtype).reshape(device.shape)
-        bad += [f"layer {layer} latent row {int(r)}" for r in device_rows[(host != device).flatten(1).any(1)]]
-        device_index = stack.kv_pool.index_k_with_scale_buffer[layer][device_pages]
-        host_index = host_indexer_layer(stack.indexer_host_pool, layer)[host_pages]
-        bad += [f"layer {layer} indexer page {int(p)}" for p in device_pages[(host_index != device_index).any(1)]]
-    return bad
+    return host_mismatches(stack, locs, host_locs, layers)
 
 
 def _node_of(stack, tokens):
