@@ -60,7 +60,7 @@ def _plant_in_layer_backup(name: str, stack: RankStack, last_rank: bool) -> None
     ranks stop together), the next layer arrives first. ``early_l3_write``: every rank sends
     a node to L3 (upstream's ``write_backup_storage``) as soon as its insert claims reserved
     host slots, before the per-layer backup's ack. The native column has no backup."""
-    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of
 
     backup = layer_backup_of(stack.cache)
     if backup is None:
