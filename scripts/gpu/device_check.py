@@ -39,7 +39,9 @@ packed fp8), the same checks on both devices (CUDA: SGLang's kernels from the 0.
 bundle, loaded first; CPU: the torch stand-ins): the startup self-test (CUDA: per top-k
 path), the sharded-vs-replicated twins of the target and MTP draft extends
 (``testing/v0_5_23/device_twins.py``), the per-layer backup round trip on the real sharded
-stack (``testing/v0_5_23/layer_round_trip.py``; layer_first and page_first, each planted),
+stack (``testing/v0_5_23/layer_round_trip.py``; layer_first and page_first, each planted;
+on CUDA page_first only where upstream's JIT HiCache kernel builds on the host, probed
+first, else its round trip and plants are named NOT RUN with the reason in the line),
 then sglang-kernel's kvcacheio MLA transfers and the owned-shard D2H/H2D against pinned
 peak (>= 80 % on CUDA) in the main process; and a planted fault per check, run here, that
 must be caught. See docs/gpu_checks.md.
@@ -57,7 +59,7 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence
 
 STRATEGIES = ("all_reduce", "all_gather")
 KV_KINDS = ("bf16", "fp8")
@@ -778,8 +780,15 @@ def describe_0_5_23(options: CheckOptions) -> str:
         f"{head}; per admitted format {list(FORMATS_0_5_23)}: the startup self-test through its hook "
         f"(gather, indexer, translation, attention) {selftest}, and the read-path twins sharded vs "
         "replicated (target extend and MTP draft extend: records bit for bit, owned rows, block table); "
-        f"the per-layer backup round trip on the real sharded stack per host layout {list(ROUND_TRIP_LAYOUTS_0_5_23)}: "
-        "reservations before the "
+        f"the per-layer backup round trip on the real sharded stack per host layout {list(ROUND_TRIP_LAYOUTS_0_5_23)}"
+        + (
+            " (page_first where upstream's JIT HiCache kernel builds here, probed first in the main process: "
+            "nvcc, ninja, c++ and libcudart under CUDA_HOME, or a cached build; else reported NOT RUN with the "
+            "reason, its planted faults too)"
+            if cuda
+            else ""
+        )
+        + ": reservations before the "
         "forward, per-layer stores then backups on the D2H stream, one ack per forward after the last layer on "
         "every rank (a zero-owned one too), device wipe, load-back byte-exact"
         + (", layer 0's copy overlapping the forward from CUDA events" if cuda else "")
@@ -866,8 +875,9 @@ def _rank_twins(group: Any, device: Any) -> tuple[List[dict], dict]:
     return twins, planted
 
 
-def _rank_round_trips(ctx: Any, group: Any) -> tuple[dict, dict]:
-    """The round trip per layout, then each planted fault of this device on each layout.
+def _rank_round_trips(ctx: Any, group: Any, not_run: Mapping[str, str]) -> tuple[dict, dict]:
+    """The round trip per layout, then each planted fault of this device on each layout;
+    a layout in ``not_run`` (the main process's probe said why) and its plants are skipped.
     An error is recorded, not raised. On CUDA the sharded pools gather over gloo,
     host-staged (the check's shim for NCCL)."""
     from sglang_cp_hicache.testing.v0_5_23 import layer_round_trip as rt
@@ -886,16 +896,16 @@ def _rank_round_trips(ctx: Any, group: Any) -> tuple[dict, dict]:
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
 
-    layouts = {layout: run(layout) for layout in rt.LAYOUTS}
-    planted = {
-        f"round-trip/{layout}/{name}": run(layout, rt.planted(name)) for layout in rt.LAYOUTS for name in rt.plants_for(device)
-    }
+    runs = [layout for layout in rt.LAYOUTS if layout not in not_run]
+    layouts = {layout: run(layout) for layout in runs}
+    planted = {f"round-trip/{layout}/{name}": run(layout, rt.planted(name)) for layout in runs for name in rt.plants_for(device)}
     return layouts, planted
 
 
 def check_rank_0_5_23(ctx: Any, options: dict) -> dict:
     """One rank: self-tests, twins (target + MTP draft), the per-layer round trip, and the
-    planted faults of each; every part reports its own error and the others still run."""
+    planted faults of each; every part reports its own error and the others still run.
+    ``options["round_trip_not_run"]``: round-trip layouts not to run, with why (absent: all)."""
     import torch
 
     from sglang_cp_hicache.testing.v0_5_23 import device_twins
@@ -919,7 +929,7 @@ def check_rank_0_5_23(ctx: Any, options: dict) -> dict:
     report["twins"], planted_twins = _rank_twins(group, device)
     for name, twin in planted_twins.items():
         report["planted"][name] = dict(twin, caught="error" not in twin and bool(twin_problems(twin)))
-    report["round_trip"], planted_trips = _rank_round_trips(ctx, group)
+    report["round_trip"], planted_trips = _rank_round_trips(ctx, group, options.get("round_trip_not_run", {}))
     report["planted"].update(planted_trips)
     return report
 
@@ -1071,12 +1081,26 @@ def _round_trip_verdicts(per_rank: Sequence[dict], key: str) -> dict:
     return verdicts
 
 
-def planted_verdicts(per_rank: Sequence[dict], main: dict, device: str) -> dict:
-    """Each planted fault of ``device``: caught or not (a round-trip plant only by stale
-    bytes in the load-back on every rank's report, never by a crash)."""
+def round_trip_not_run(not_run: Mapping[str, str], device: str) -> dict:
+    """Each round trip (``round-trip/<layout>``) and round-trip plant of ``device`` left
+    out because its layout is in ``not_run``, with ``not run: <why>``."""
+    return {
+        name: f"not run: {not_run[layout]}"
+        for layout in ROUND_TRIP_LAYOUTS_0_5_23 if layout in not_run
+        for name in (f"round-trip/{layout}", *(f"round-trip/{layout}/{p}" for p in ROUND_TRIP_PLANTS_0_5_23[device]))
+    }  # fmt: skip
+
+
+def planted_verdicts(per_rank: Sequence[dict], main: dict, device: str, not_run: Mapping[str, str] = {}) -> dict:
+    """Each planted fault of ``device`` that ran: caught or not (a round-trip plant only by
+    stale bytes in the load-back on every rank's report, never by a crash). The plants of a
+    round-trip layout in ``not_run`` are left out (:func:`round_trip_not_run` names them)."""
     caught = {}
     trips = _round_trip_verdicts(per_rank, "planted") if per_rank else {}
+    skipped = round_trip_not_run(not_run, device)
     for name in PLANTED_0_5_23[device]:
+        if name in skipped:
+            continue
         if name.startswith("round-trip/"):
             v = trips.get(name)
             caught[name] = bool(v) and not v["raised"] and v["stale_loads"] > 0
@@ -1089,10 +1113,13 @@ def planted_verdicts(per_rank: Sequence[dict], main: dict, device: str) -> dict:
 
 def summarize_0_5_23(
     per_rank: Optional[Sequence[dict]], rank_error: Optional[BaseException], main: dict,
-    options: CheckOptions, wall_s: float,
+    options: CheckOptions, wall_s: float, not_run: Mapping[str, str] = {},
 ) -> tuple[bool, List[str]]:  # fmt: skip
     """One PASS/FAIL line naming the first failure (rank, format, check, stage), then the
-    figures: slowest self-test and twin per format, the round trip, bandwidth, planted."""
+    figures: slowest self-test and twin per format, the round trip, bandwidth, planted.
+    A round-trip layout in ``not_run`` (why, from the main process's probe) decides
+    nothing; the line ends naming it and its plants NOT RUN with the reason. Any other
+    layout the ranks did not report is a failure."""
     failures = []
     if rank_error is not None:
         failures.append(f"stage rank: {type(rank_error).__name__}: {str(rank_error).strip().splitlines()[-1]}")
@@ -1107,10 +1134,14 @@ def summarize_0_5_23(
     trips = _round_trip_verdicts(per_rank, "round_trip") if per_rank else {}
     for layout, verdict in trips.items():
         failures += [f"round trip {layout}: {p}" for p in verdict["problems"]]
+    if per_rank:
+        missing = [l for l in ROUND_TRIP_LAYOUTS_0_5_23 if l not in trips and l not in not_run]
+        failures += [f"round trip {layout}: not reported by the ranks" for layout in missing]
     failures += [f"stage kvcacheio: {p}" for p in main.get("kvcacheio", {}).get("problems", ())]
     failures += [f"stage bandwidth: {p}" for p in bandwidth_problems(main.get("bandwidth", {"error": "not run"}), options.device)]
-    caught = planted_verdicts(per_rank, main, options.device)
+    caught = planted_verdicts(per_rank, main, options.device, not_run)
     failures += [f"planted fault {name} not caught" for name, ok in caught.items() if not ok]
+    skipped = round_trip_not_run(not_run, options.device)
     head = f"cp={options.cp_size} device={options.device} sglang=0.5.23"
     if failures:
         lines = [f"FAIL 0.5.23 sharded KV != replicated or the check cannot fail ({head}): {failures[0]} (+{len(failures) - 1} more)"]
@@ -1121,6 +1152,9 @@ def summarize_0_5_23(
             f"self-test x {len(paths)} top-k paths, twins target + MTP draft; per-layer round trip {list(trips)}"
             f"; kvcacheio {len(main['kvcacheio']['cases'])} cases byte-exact; {len(caught)} planted faults caught)"
         ]
+    for layout, why in not_run.items():  # loud on PASS and on FAIL: a part of the check did not run
+        plants = [n for n in skipped if n.startswith(f"round-trip/{layout}/")]
+        lines[0] += f"; round trip {layout} NOT RUN: {why}; its planted faults {plants} not run either"
     if per_rank:
         timings = []
         for i, e in enumerate(per_rank[0]["selftests"]):
@@ -1139,6 +1173,7 @@ def summarize_0_5_23(
                 f"round trip {layout}: {'ok' if not v['problems'] else 'FAILED'}"
                 + (f", layer 0 on host {min(overlap):.2f}-{max(overlap):.2f} ms before the last layer's stores" if overlap else "")
             )
+        lines += [f"round trip {layout}: NOT RUN ({why})" for layout, why in not_run.items()]
     bw = main.get("bandwidth", {})
     if "d2h_gbps" in bw:
         lines.append(
@@ -1147,7 +1182,10 @@ def summarize_0_5_23(
             f"H2D {bw['h2d_gbps']:.1f} GB/s ({bw['h2d_of_peak']:.0%} of {bw['peak_h2d_gbps']:.1f})"
             + ("" if options.device == "cuda" else "; CPU: figures only")
         )
-    lines.append("planted faults: " + ", ".join(f"{n} {'caught' if ok else 'NOT caught'}" for n, ok in caught.items()))
+    lines.append(
+        "planted faults: "
+        + ", ".join([f"{n} {'caught' if ok else 'NOT caught'}" for n, ok in caught.items()] + [f"{n} NOT RUN" for n in skipped if n in PLANTED_0_5_23[options.device]])
+    )
     lines.append(f"total {wall_s:.1f} s")
     return not failures, lines
 
@@ -1180,6 +1218,21 @@ def _loader_reason(exc: BaseException) -> str:
     return attempts[0] if attempts else f"{type(exc).__name__}: {lines[-1]}"
 
 
+def probe_page_first_jit_0_5_23() -> dict:
+    """CUDA, in the main process before any rank: does upstream's JIT one-layer HiCache
+    kernel, which the product's page_first per-layer backup needs, build (or load from its
+    cache) on this host (``layer_round_trip.probe_page_first_jit``)? A probe that raised
+    is recorded as ``error`` and answers available: the round trip then runs and its own
+    error decides (only a definite no leaves page_first out)."""
+    from sglang_cp_hicache.testing.v0_5_23.layer_round_trip import probe_page_first_jit
+
+    try:
+        return probe_page_first_jit()
+    except Exception as exc:
+        logging.exception("the page_first JIT probe raised")
+        return {"available": True, "reason": None, "error": f"{type(exc).__name__}: {exc}"}
+
+
 def _importable(fn: Callable) -> Callable:
     """``run_ranks`` re-imports ``fn`` in each rank by module name and file; run as a script,
     this file is ``__main__`` there, so it is named :data:`_MODULE_NAME` instead."""
@@ -1202,6 +1255,7 @@ def main_0_5_23(argv: Sequence[str], launch: Optional[Callable] = None) -> int:
     import torch
 
     report: dict = {"line": LINE_0_5_23}
+    not_run: dict = {}  # round-trip layout -> why it does not run (CUDA: the JIT probe's no)
     if options.device == "cuda":
         if not torch.cuda.is_available():
             print("FAIL no CUDA device visible (use --cpu for the CPU checks)")
@@ -1214,6 +1268,10 @@ def main_0_5_23(argv: Sequence[str], launch: Optional[Callable] = None) -> int:
             write_json({"ok": False, "summary": lines, **report})
             return 1
         launch = launch or spawn_ranks
+        report["page_first_jit"] = probe_page_first_jit_0_5_23()
+        if not report["page_first_jit"]["available"]:
+            not_run["page_first"] = f"JIT HiCache kernel unavailable on this host ({report['page_first_jit']['reason']})"
+            logging.warning("round trip page_first NOT RUN: %s", not_run["page_first"])
     else:
         from sglang_cp_hicache.testing import install
 
@@ -1228,14 +1286,15 @@ def main_0_5_23(argv: Sequence[str], launch: Optional[Callable] = None) -> int:
     start = time.perf_counter()
     per_rank, rank_error = None, None
     try:
-        per_rank = launch(options.cp_size, check_rank_0_5_23, asdict(options))
+        per_rank = launch(options.cp_size, check_rank_0_5_23, dict(asdict(options), round_trip_not_run=not_run))
     except Exception as exc:
         rank_error = exc
         print(str(exc), file=sys.stderr)
     main = main_process_0_5_23(torch.device("cuda:0" if options.device == "cuda" else "cpu"))
-    ok, lines = summarize_0_5_23(per_rank, rank_error, main, options, time.perf_counter() - start)
+    ok, lines = summarize_0_5_23(per_rank, rank_error, main, options, time.perf_counter() - start, not_run)
     for line in lines:
         print(line)
+    report["not_run"] = round_trip_not_run(not_run, options.device)
     write_json({"ok": ok, "summary": lines, **report, "ranks": per_rank, **main})
     return 0 if ok else 1
 

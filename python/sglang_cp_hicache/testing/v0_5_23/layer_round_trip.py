@@ -22,11 +22,20 @@ Planted faults (:func:`plants_for`), each run on every layout and each must brea
 contract: ``layer_copy_dropped`` (layer 0's D2H skipped, its ack still sent) on every
 device; ``missing_wait`` (the D2H stream no longer waits for a layer's stores) on CUDA
 only: on CPU copies are synchronous and a missing wait races nothing.
+
+On CUDA the page_first stack needs upstream's JIT kernel built on the host (nvcc, ninja, a
+C++ compiler and libcudart under ``CUDA_HOME``; the product refuses page_first at start-up
+without it). :func:`probe_page_first_jit` asks upstream's ``can_use_hicache_jit_kernel``
+what the stack's host pools would ask, so the GPU check can report that round trip as not
+run, with upstream's reason, instead of failing on a stack the product refuses.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+import logging
+import os
+import shutil
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -145,12 +154,18 @@ class PreparedStores:
         pool.set_mla_kv_buffer(self.layers[layer], KVWriteLoc(self.locs), rows[..., :rank], rows[..., rank:])
 
 
+def stack_config(device: str, layout: str) -> Any:
+    """The round trip's stack on ``device`` with ``layout`` host pools."""
+    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig
+
+    return StackConfig(layer_num=LAYERS, cp_shared_kv=True, mem_layout=layout, device=device)
+
+
 def _stack(ctx: Any, device: str, layout: str) -> Any:
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.stack import build_sharded_stack
 
     apply_check_hooks()
-    config = StackConfig(layer_num=LAYERS, cp_shared_kv=True, mem_layout=layout, device=device)
-    return build_sharded_stack(ctx, config)
+    return build_sharded_stack(ctx, stack_config(device, layout))
 
 
 def _settle(device: str) -> None:
@@ -280,6 +295,88 @@ def stale_loads(reports: List[Dict[str, Any]]) -> int:
     return sum(1 for r in reports for bad in r["loaded"].values() if bad)
 
 
+# ------------------------------------------------------------------ the JIT kernel on this host
+def page_first_jit_operands(config: Any) -> Dict[str, Tuple[int, int]]:
+    """``(element bytes, page size)`` of each ``can_use_hicache_jit_kernel`` call the
+    page_first stack's host pools decide on: the MLA latent rows (``MLATokenToKVPoolHost``
+    at construction, its ``can_use_jit``) and the DSA indexer's pages as items
+    (``l2_transfer.per_layer_problem``). An indexer row is the fp8 K plus one fp32 scale
+    per 128 values."""
+    index_row = config.index_head_dim + config.index_head_dim // 128 * 4
+    return {
+        "latent": (config.kv_cache_dim * config.dtype.itemsize, config.page_size),
+        "indexer": (config.page_size * index_row, 1),
+    }
+
+
+def jit_toolchain() -> Dict[str, Optional[str]]:
+    """What upstream's JIT build runs (``sglang/kernels/jit/utils/compile``): ``ninja`` from
+    PATH, nvcc and libcudart / the CUDA headers under ``CUDA_HOME`` (else nvcc's on PATH, else
+    /usr/local/cuda), the host compiler ``$CXX`` or ``c++``; each path, None where missing.
+    Informative only: a cached build (``SGLANG_JIT_CACHE_DIR``) needs none of them."""
+    from sglang.kernels.jit.utils.compile import toolchain
+
+    home = toolchain.cuda_home()
+
+    def existing(path: str) -> Optional[str]:
+        return path if os.path.exists(path) else None
+
+    return {
+        "ninja": shutil.which("ninja"),
+        "nvcc": existing(toolchain.device_compiler_path()),
+        "c++": shutil.which(toolchain.host_compiler_path()),
+        "cuda_runtime.h": existing(os.path.join(home, "include", "cuda_runtime.h")),
+        "libcudart.so": existing(os.path.join(home, "lib64", "libcudart.so")),
+    }
+
+
+class _Warnings(logging.Handler):
+    """The messages a logger warns with while attached (upstream logs why a JIT kernel
+    cannot be used, then returns False)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def probe_page_first_jit(
+    can_use: Optional[Callable[..., bool]] = None, toolchain: Optional[Callable[[], dict]] = None
+) -> Dict[str, Any]:
+    """Whether upstream's JIT one-layer HiCache kernel serves the page_first round trip's
+    host pools on this host: ``can_use_hicache_jit_kernel`` (``can_use``) per operand of
+    :func:`page_first_jit_operands`, as the pools call it (building the kernel, or loading a
+    cached build). Returns ``available``, ``reason`` (one line: the first operand refused,
+    upstream's first warning, what :func:`jit_toolchain` found missing; None when
+    available), ``operands``, upstream's ``warnings`` in full and the ``toolchain``. The last
+    warning is upstream's verdict (a TMA kernel that did not load warns before it)."""
+    from sglang.kernels.ops.kvcache import hicache
+
+    can_use = can_use or hicache.can_use_hicache_jit_kernel
+    operands = page_first_jit_operands(stack_config("cuda", "page_first"))
+    refused, warnings = [], _Warnings()
+    logger = logging.getLogger(hicache.__name__)
+    logger.addHandler(warnings)
+    try:
+        for name, (element_size, page_size) in operands.items():
+            if not can_use(element_size=element_size, page_size=page_size):
+                refused.append(f"{name} {element_size}-byte items")
+    finally:
+        logger.removeHandler(warnings)
+    tools = (toolchain or jit_toolchain)()
+    reason = None
+    if refused:
+        said = warnings.messages[-1].strip().splitlines()[0][:300] if warnings.messages else "no warning logged"
+        missing = [tool for tool, path in tools.items() if path is None]
+        reason = f"{', '.join(refused)}: {said}" + (f"; missing here: {', '.join(missing)}" if missing else "")
+    return {
+        "available": not refused, "reason": reason, "operands": {k: list(v) for k, v in operands.items()},
+        "warnings": warnings.messages, "toolchain": tools,
+    }  # fmt: skip
+
+
 # ------------------------------------------------------------------ planted faults
 def planted(name: str) -> Any:
     """The planted fault ``name`` as a context manager (see the module doc)."""
@@ -299,13 +396,17 @@ def planted(name: str) -> Any:
 __all__ = [
     "LAYERS",
     "apply_check_hooks",
+    "jit_toolchain",
     "LAYOUTS",
     "PLANTS_CPU",
     "PLANTS_CUDA",
     "PreparedStores",
+    "page_first_jit_operands",
     "plants_for",
     "planted",
+    "probe_page_first_jit",
     "round_trip",
     "round_trip_problems",
+    "stack_config",
     "stale_loads",
 ]

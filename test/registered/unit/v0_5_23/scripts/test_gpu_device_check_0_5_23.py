@@ -97,7 +97,9 @@ def _trip(rank, world, layout="layer_first", **overrides):
     )  # fmt: skip
 
 
-def _rank_report(driver, rank, world, device="cpu", **overrides):
+def _rank_report(driver, rank, world, device="cpu", not_run=(), **overrides):
+    """One rank's passing report; the round-trip layouts in ``not_run`` and their plants
+    left out, as a rank told not to run them reports."""
     paths = driver.TOPK_PATHS_0_5_23 if device == "cuda" else ("torch",)
     selftest = {"ok": True, "stages": ["gather"], "backend": "b", "seconds": 0.5}
     planted_selftest = {"ok": False, "stage": "translation", "error": "layer 0 differ"}
@@ -105,12 +107,15 @@ def _rank_report(driver, rank, world, device="cpu", **overrides):
     report = {
         "selftests": [{"format": f, "topk": p, "selftest": dict(selftest)} for f in driver.FORMATS_0_5_23 for p in paths],
         "twins": [{"format": f, "target": _twin(), "draft": _twin(seconds=0.1)} for f in driver.FORMATS_0_5_23],
-        "round_trip": {layout: _trip(rank, world, layout) for layout in driver.ROUND_TRIP_LAYOUTS_0_5_23},
+        "round_trip": {layout: _trip(rank, world, layout) for layout in driver.ROUND_TRIP_LAYOUTS_0_5_23 if layout not in not_run},
         "planted": {
             "self-test": {"caught": True, "entries": [{"selftest": planted_selftest}]},
             "twin": dict(_twin(identical=False), caught=True),
             "twin-mtp": dict(_twin(identical=False), caught=True),
-            **{name: stale for name in driver.PLANTED_0_5_23[device] if name.startswith("round-trip/")},
+            **{
+                name: stale for name in driver.PLANTED_0_5_23[device]
+                if name.startswith("round-trip/") and name.split("/")[1] not in not_run
+            },
         },
     }
     report.update(overrides)
@@ -246,12 +251,13 @@ def test_main_prints_the_line_and_writes_the_report(driver, tmp_path, monkeypatc
         return [_rank_report(driver, r, world) for r in range(world)]
 
     assert driver.main_0_5_23(["--device", "cpu", "--cp", "3"], launch=launch) == 0
-    assert calls == [(3, "check_rank_0_5_23", {"device": "cpu", "cp_size": 3, "timeout_s": 240.0})]
+    assert calls == [(3, "check_rank_0_5_23", {"device": "cpu", "cp_size": 3, "timeout_s": 240.0, "round_trip_not_run": {}})]
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("PASS 0.5.23 sharded KV == replicated (cp=3 device=cpu")
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["ok"] is True and report["line"] == "0.5.23" and len(report["ranks"]) == 3
     assert set(report["planted"]) == {"kvcacheio", "bandwidth-sanity"} and "bandwidth" in report
+    assert report["not_run"] == {} and "page_first_jit" not in report  # on CPU page_first always runs
 
     def crash(world, fn, options):
         raise RuntimeError("rank 1 failed:\nTraceback ...\nAssertionError: prefix scratch miss")
@@ -270,8 +276,9 @@ def cuda_host(driver, monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake H200")
     monkeypatch.setenv("GPU_CHECK_JSON", str(tmp_path / "report.json"))
-    state = {"load": {"ok": True, "modules": {}}, "main": _main("cuda")}
+    state = {"load": {"ok": True, "modules": {}}, "main": _main("cuda"), "probe": {"available": True, "reason": None}}
     monkeypatch.setattr(driver, "load_kernels_0_5_23", lambda: state["load"])
+    monkeypatch.setattr(driver, "probe_page_first_jit_0_5_23", lambda: state["probe"])
     monkeypatch.setattr(driver, "main_process_0_5_23", lambda device: state["main"])
     state["report"] = lambda: json.loads((tmp_path / "report.json").read_text())
     return state
@@ -370,3 +377,98 @@ def test_the_driver_names_the_round_trip_layouts_and_plants_the_ranks_run(driver
         plants = layer_round_trip.plants_for(device)
         assert driver.ROUND_TRIP_PLANTS_0_5_23[device] == plants
         assert named == [f"round-trip/{layout}/{p}" for layout in layer_round_trip.LAYOUTS for p in plants]
+
+
+# ------------------------------------------------- page_first and the JIT kernel (CUDA)
+JIT_REASON = (
+    "latent 1152-byte items: Failed to load JIT HiCache kernel: Failed to build JIT module hicache_1152_1_2_1024"
+    "; missing here: nvcc, cuda_runtime.h, libcudart.so"
+)
+NOT_RUN = f"JIT HiCache kernel unavailable on this host ({JIT_REASON})"
+PAGE_FIRST_PLANTS = ["round-trip/page_first/layer_copy_dropped", "round-trip/page_first/missing_wait"]
+
+
+def _cuda_run(driver, cuda_host, capsys, mutate=lambda ranks: None):
+    """main_0_5_23 on the faked CUDA host; the ranks report what they were told to run."""
+    told = []
+
+    def launch(world, fn, options):
+        told.append(options["round_trip_not_run"])
+        ranks = [_rank_report(driver, r, world, "cuda", not_run=options["round_trip_not_run"]) for r in range(world)]
+        mutate(ranks)
+        return ranks
+
+    rc = driver.main_0_5_23(["--device", "cuda"], launch=launch)
+    return rc, told, capsys.readouterr().out.splitlines(), cuda_host["report"]()
+
+
+def test_without_the_jit_kernel_page_first_is_named_not_run_with_the_reason(driver, cuda_host, capsys):
+    cuda_host["probe"] = {"available": False, "reason": JIT_REASON, "toolchain": {"nvcc": None}}
+    rc, told, out, report = _cuda_run(driver, cuda_host, capsys)
+    assert told == [{"page_first": NOT_RUN}]  # the ranks leave it out, told why
+    assert rc == 0 and out[0].startswith("PASS 0.5.23 sharded KV == replicated (cp=2 device=cuda")
+    assert "per-layer round trip ['layer_first']; kvcacheio 2 cases byte-exact; 7 planted faults caught)" in out[0]
+    assert out[0].endswith(f"; round trip page_first NOT RUN: {NOT_RUN}; its planted faults {PAGE_FIRST_PLANTS} not run either")
+    assert f"round trip page_first: NOT RUN ({NOT_RUN})" in out
+    assert out[-2].endswith(", ".join(f"{n} NOT RUN" for n in PAGE_FIRST_PLANTS))
+    assert report["ok"] is True and report["page_first_jit"]["reason"] == JIT_REASON
+    assert report["not_run"] == {name: f"not run: {NOT_RUN}" for name in ["round-trip/page_first", *PAGE_FIRST_PLANTS]}
+    assert report["summary"][0] == out[0]
+
+
+def test_without_the_jit_kernel_a_failed_layer_first_still_fails_the_check(driver, cuda_host, capsys):
+    cuda_host["probe"] = {"available": False, "reason": JIT_REASON}
+
+    def stale_layer_first(ranks):
+        ranks[1]["round_trip"]["layer_first"]["loaded"]["C"] = ["layer 2 latent row 64"]
+
+    rc, _, out, report = _cuda_run(driver, cuda_host, capsys, stale_layer_first)
+    assert rc == 1 and out[0].startswith("FAIL 0.5.23") and "round trip layer_first: rank 1 C: load-back not byte-exact" in out[0]
+    assert f"round trip page_first NOT RUN: {NOT_RUN}" in out[0]  # never silent, on FAIL too
+    assert report["ok"] is False and "round-trip/page_first" in report["not_run"]
+
+    def missed_plant(ranks):  # no stale load on any rank: not caught
+        for rank, report in enumerate(ranks):
+            report["planted"]["round-trip/layer_first/missing_wait"] = _trip(rank, 2)
+
+    rc, _, out, _ = _cuda_run(driver, cuda_host, capsys, missed_plant)
+    assert rc == 1 and "planted fault round-trip/layer_first/missing_wait not caught" in out[0]
+
+
+def test_with_the_jit_kernel_page_first_runs_and_must_pass(driver, cuda_host, capsys):
+    rc, told, out, report = _cuda_run(driver, cuda_host, capsys)
+    assert told == [{}] and rc == 0 and "NOT RUN" not in "\n".join(out) and report["not_run"] == {}
+    assert "per-layer round trip ['layer_first', 'page_first']" in out[0] and "9 planted faults caught" in out[0]
+
+    def stale_page_first(ranks):
+        ranks[0]["round_trip"]["page_first"]["loaded"]["A"] = ["layer 1 indexer page 3"]
+
+    rc, _, out, _ = _cuda_run(driver, cuda_host, capsys, stale_page_first)
+    assert rc == 1 and "round trip page_first: rank 0 A: load-back not byte-exact" in out[0]
+
+    def page_first_left_out(ranks):  # a rank that skipped it unasked
+        for rank in ranks:
+            del rank["round_trip"]["page_first"]
+            for name in PAGE_FIRST_PLANTS:
+                del rank["planted"][name]
+
+    rc, _, out, _ = _cuda_run(driver, cuda_host, capsys, page_first_left_out)
+    assert rc == 1 and "round trip page_first: not reported by the ranks" in out[0]
+    assert "round-trip/page_first/missing_wait NOT caught" in out[-2]
+
+
+def test_the_ranks_leave_out_exactly_the_layouts_they_are_told(driver, monkeypatch):
+    """``_rank_round_trips`` (CPU group: no shim) runs each layout not in ``not_run`` and
+    its plants, nothing of the other."""
+    import types
+
+    from sglang_cp_hicache.testing.v0_5_23 import layer_round_trip
+
+    ran = []
+    monkeypatch.setattr(layer_round_trip, "round_trip", lambda ctx, device, layout, **kw: ran.append(layout) or {"layout": layout})
+    group = types.SimpleNamespace(device=types.SimpleNamespace(type="cpu"))
+    layouts, planted = driver._rank_round_trips(None, group, {"page_first": NOT_RUN})
+    assert list(layouts) == ["layer_first"] and list(planted) == ["round-trip/layer_first/layer_copy_dropped"]
+    assert ran == ["layer_first", "layer_first"]
+    layouts, planted = driver._rank_round_trips(None, group, {})
+    assert list(layouts) == ["layer_first", "page_first"] and len(planted) == 2
