@@ -91,7 +91,10 @@ def per_layer_problem(controller: Any) -> Optional[str]:
         row = anchor.kv_cache_dim * anchor.dtype.itemsize
         return (
             f"host layout 'page_first' without the JIT one-layer kernel for {row}-byte latent rows "
-            "(needs SGLANG_HICACHE_TMA_TRANSFER on an sm_90+ part, or --hicache-mem-layout layer_first)"
+            "(SGLang's can_use_hicache_jit_kernel refused it: a row size only its TMA kernel "
+            "serves, which needs SGLANG_HICACHE_TMA_TRANSFER on an sm_90+ part, or a JIT build "
+            "that failed on this host: nvcc, CUDA headers, ninja, see SGLang's warning above; "
+            "or launch with --hicache-mem-layout layer_first)"
         )
     from sglang.kernels.ops.kvcache.hicache import can_use_hicache_jit_kernel
 
@@ -101,7 +104,8 @@ def per_layer_problem(controller: Any) -> Optional[str]:
         ):
             return (
                 f"host layout 'page_first' without the JIT one-layer kernel for the DSA indexer's "
-                f"{pool.indexer_page_stride_size}-byte pages (use --hicache-mem-layout layer_first)"
+                f"{pool.indexer_page_stride_size}-byte pages (SGLang's can_use_hicache_jit_kernel refused "
+                "it; see SGLang's warning above; or launch with --hicache-mem-layout layer_first)"
             )
     return None
 
