@@ -10,7 +10,8 @@ hook asks, and the extension carries the mode it was built under. Its HiCache si
 (host lanes, the per-layer backup) is filled in once by ``init_hicache``'s AFTER hook.
 
 It owns: the chains started per rotation base (:class:`ChainStarts`), the device and host
-lane-eviction stats, the L3 prefetches' start owners (weakly keyed by operation: an
+lane-eviction stats and candidate heaps (``core.leaf_heap.LazyLeafHeap``: persistent
+across plans, over the tree core's own leaf sets), the L3 prefetches' start owners (weakly keyed by operation: an
 entry dies with its operation, whichever way it ends) and the
 prefetches not issued under a pending backup, the per-layer backup and which pool feeds
 which of its stages, and the scope of the call running on the scheduler thread (the
@@ -28,7 +29,9 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, Generic, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
+from sglang_cp_hicache.core.leaf_heap import LazyLeafHeap
 from sglang_cp_hicache.v0_5_23.cp_mode import CpMode, cp_mode
+from sglang_cp_hicache.v0_5_23.mem_cache.lane_tier import keys_only_grow
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +117,10 @@ class CpCacheExtension:
         self.chain_starts = ChainStarts([0] * allocator.shard_size)
         self.device_stats = LaneEvictionStats()
         self.host_stats = RoomStats()  # backups' host room
+        # The lane planners' candidates, in (priority, node id) order: the device tier
+        # keys by the tree's strategy, the host tier by FULL's session-ref key.
+        self.device_leaves = LazyLeafHeap(keys_only_grow(cache.tree_core, session_refs=False))
+        self.host_leaves = LazyLeafHeap(keys_only_grow(cache.tree_core, session_refs=True))
         # HiCache (init_hicache's AFTER hook): the KV host pool is the sharded one.
         self.host_lanes = False
         self.layer_backup: Optional[Any] = None  # layer_backup.CacheLayerBackup

@@ -71,7 +71,6 @@ from sglang_cp_hicache.core.lane_eviction import (
 from sglang_cp_hicache.v0_5_23.mem_cache.lane_tier import (
     Priority,
     full_type,
-    in_eviction_order,
     plan_tier_victims,
 )
 from sglang_cp_hicache.core.rotation import lane_of, run_lane_counts
@@ -165,8 +164,11 @@ class DeviceLaneEvictor:
         return parent
 
     def candidates(self, priority: Priority) -> Iterator[Any]:
-        """The evictable device leaves in (priority, node id) order."""
-        return in_eviction_order(self.cache.tree_core.evictable_device_leaves, priority)
+        """The evictable device leaves in (priority, node id) order (the extension's
+        persistent heap over the tree core's leaf set)."""
+        return self.extension.device_leaves.candidates(
+            self.cache.tree_core.evictable_device_leaves, priority
+        )
 
     # ------------------------------------------------------------------- making room
     def plan(self, demand: Sequence[int]) -> Optional[List[Any]]:

@@ -3,8 +3,9 @@ is run over, and the planning itself (one rule for both tiers).
 
 A tier (``lane_eviction.DeviceLaneEvictor``, ``host_lane_eviction.HostLaneEvictor``)
 answers, from replicated state only: its free pages per owner lane, a node's pages per
-lane, its evictable leaves in (priority, node id) order, and the parent a planned set
-frees. :func:`plan_tier_victims` hands that to
+lane, its evictable leaves in (priority, node id) order (from the tier's persistent
+:class:`~sglang_cp_hicache.core.leaf_heap.LazyLeafHeap`, owned by the cache's extension),
+and the parent a planned set frees. :func:`plan_tier_victims` hands that to
 :func:`sglang_cp_hicache.core.lane_eviction.plan_lane_victims`; each tier evicts the plan
 its own way (upstream's device walk, upstream's host walk).
 """
@@ -12,8 +13,7 @@ its own way (upstream's device walk, upstream's host walk).
 from __future__ import annotations
 
 import functools
-import heapq
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Protocol, Sequence, Set
+from typing import Any, Callable, Iterator, List, Optional, Protocol, Sequence, Set
 
 from sglang_cp_hicache.core.lane_eviction import plan_lane_victims
 
@@ -41,12 +41,19 @@ def full_type() -> Any:
     return ComponentType.FULL
 
 
-def in_eviction_order(leaves: Iterable[Any], priority: Priority) -> Iterator[Any]:
-    """``leaves`` in (priority, node id) order."""
-    heap = [(priority(node), node.id, node) for node in leaves]
-    heapq.heapify(heap)
-    while heap:
-        yield heapq.heappop(heap)[2]
+def keys_only_grow(tree_core: Any, session_refs: bool) -> bool:
+    """Whether a node's eviction key on ``tree_core`` can only grow while it is cached (a
+    persistent candidate heap is then exact, ``core.leaf_heap``): the tree's strategy is
+    one whose key is access times, hit counts or priorities, and (``session_refs``: the key
+    leads with the node's session refs, which drop) session radix caching is off."""
+    from sglang.srt.mem_cache.evict_policy import (
+        FIFOStrategy, LFUStrategy, LRUStrategy, PriorityStrategy, SLRUStrategy,
+    )  # fmt: skip
+
+    growing = (LRUStrategy, LFUStrategy, FIFOStrategy, PriorityStrategy, SLRUStrategy)
+    if type(tree_core.eviction_strategy) not in growing:
+        return False
+    return not (session_refs and tree_core.enable_session_radix_cache)
 
 
 def _parent_of(node: Any) -> Any:
@@ -65,4 +72,4 @@ def plan_tier_victims(
     )  # fmt: skip
 
 
-__all__ = ["LaneTier", "Priority", "full_type", "in_eviction_order", "plan_tier_victims"]
+__all__ = ["LaneTier", "Priority", "full_type", "keys_only_grow", "plan_tier_victims"]

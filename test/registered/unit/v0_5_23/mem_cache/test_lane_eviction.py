@@ -63,6 +63,9 @@ class Outcome:
     lane_pages_match_locs: bool
     loaded: Optional[bool] = None  # the load-back's result (load_exact only)
     new_chain_bases: Optional[Tuple[int, ...]] = None  # the extends' bases (spread only)
+    # After the room was made: both tiers' persistent candidate heaps (LRU: kept across
+    # plans) give the order of a heap rebuilt over the tree core's leaf sets.
+    candidates_match_rebuild: bool = True
 
 
 def _tokens(index: int, pages: int) -> List[int]:
@@ -119,6 +122,29 @@ def _lane_pages_match_locs(stack) -> bool:
         if evictor.lane_pages(node) != [owners.count(lane) for lane in range(LANES)]:
             return False
     return True
+
+
+def _candidates_match_rebuild(stack) -> bool:
+    from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import extension_of
+    from sglang_cp_hicache.v0_5_23.mem_cache.host_lane_eviction import HostLaneEvictor
+    from sglang_cp_hicache.v0_5_23.mem_cache.lane_eviction import DeviceLaneEvictor
+
+    extension = extension_of(stack.cache)
+    tree_core = stack.cache.tree_core
+    device, host = DeviceLaneEvictor(extension), HostLaneEvictor(extension)
+    host_priority = host._component().session_ref_eviction_strategy
+
+    def rebuilt(leaves, priority):
+        return [node for _, _, node in sorted((priority(n), n.id, n) for n in leaves)]
+
+    return (
+        extension.device_leaves.keys_only_grow
+        and extension.host_leaves.keys_only_grow
+        and list(device.candidates(device.priority))
+        == rebuilt(tree_core.evictable_device_leaves, device.priority)
+        and list(host.candidates(host_priority))
+        == rebuilt(tree_core.evictable_host_leaves, host_priority)
+    )
 
 
 def _extend(stack, pages: int, index: int = 99) -> Tuple[Tuple[int, ...], int]:
@@ -197,6 +223,7 @@ def _run(ctx: RankContext, name: str, cp_shared_kv: bool) -> Outcome:
             lane_pages_match_locs=lane_pages_ok,
             loaded=loaded,
             new_chain_bases=bases,
+            candidates_match_rebuild=_candidates_match_rebuild(stack) if cp_shared_kv else True,
         )
 
 
@@ -222,6 +249,10 @@ def test_fills_are_as_designed(outcomes) -> None:
 
 def test_lane_pages_come_from_the_rotation_phase_and_match_the_locs(outcomes) -> None:
     assert all(outcomes[(name, True)].lane_pages_match_locs for name in SCENARIOS)
+
+
+def test_the_persistent_candidate_heaps_keep_the_rebuilt_order(outcomes) -> None:
+    assert all(outcome.candidates_match_rebuild for outcome in outcomes.values())
 
 
 def test_an_extend_the_free_lanes_can_hold_evicts_nothing(outcomes) -> None:
