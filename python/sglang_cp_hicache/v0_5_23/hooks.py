@@ -92,6 +92,18 @@ HOOKS: Tuple[HookSpec, ...] = (
         f"{_LANE_EVICTION}:evict_for_alloc_around",
         "AROUND",
     ),
+    # A plan's victims are evicted by upstream's own device walk, which takes its nodes
+    # from the plan (and builds no heap of every leaf) while one is being evicted.
+    HookSpec(
+        "sglang.srt.mem_cache.unified_cache.components.full:FullComponent._evict_device_start",
+        f"{_LANE_EVICTION}:full_evict_device_start_around",
+        "AROUND",
+    ),
+    HookSpec(
+        "sglang.srt.mem_cache.unified_cache.components.full:FullComponent._evict_device_next_node",
+        f"{_LANE_EVICTION}:full_evict_device_next_node_around",
+        "AROUND",
+    ),
     HookSpec(
         "sglang.srt.mem_cache.common:_evict_until_allocatable",
         f"{_LANE_EVICTION}:evict_until_allocatable_around",

@@ -15,7 +15,8 @@ across plans, over the tree core's own leaf sets), the L3 prefetches' start owne
 entry dies with its operation, whichever way it ends) and the
 prefetches not issued under a pending backup, the per-layer backup and which pool feeds
 which of its stages, and the scope of the call running on the scheduler thread (the
-extend's resolved bases, the load-back's and the backup's per-lane room). Every hook finds
+extend's resolved bases, the load-back's and the backup's per-lane room, the device plan
+being evicted). Every hook finds
 it with :func:`extension_of` on the SGLang object it was handed (the cache, its tree core,
 its allocator, its KV pools), which is the one lookup table of the line: identity-keyed,
 weak (it dies with the cache), written only here.
@@ -136,6 +137,9 @@ class CpCacheExtension:
         self.extend_room: CallScope[List[int]] = CallScope()
         self.load_room: CallScope[Any] = CallScope()  # lane_eviction._LoadRoom
         self.backup_room: CallScope[Any] = CallScope()  # host_lane_eviction._BackupRoom
+        # The device plan being evicted (its victims left to walk), upstream's device walk
+        # taking its nodes from it (lane_eviction.full_evict_device_next_node_around).
+        self.device_plan: CallScope[Iterator[Any]] = CallScope()
 
     # ---------------------------------------------------------------- the layer backup
     def attach_layer_backup(self, backup: Any, listeners: Sequence[Tuple[Any, Any]]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import pytest
@@ -150,8 +151,6 @@ def _candidates_match_rebuild(stack) -> bool:
 def _extend(stack, pages: int, index: int = 99) -> Tuple[Tuple[int, ...], int]:
     """A new chain of ``pages`` pages (``_tokens(index, ...)``) through upstream's extend
     allocation, real Req and ScheduleBatch; its pages per lane and its first page's lane."""
-    from types import SimpleNamespace
-
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_extend
     from sglang.srt.sampling.sampling_params import SamplingParams
@@ -314,6 +313,9 @@ def test_flag_off_is_upstreams_function_unchanged(outcomes) -> None:
     assert outcomes[("extend_fits", False)].extend_lanes is not None
 
 
+_COMPONENT = SimpleNamespace(tree_core="a tree core without an extension")
+
+
 @pytest.mark.parametrize(
     "hook, args, kwargs",
     [
@@ -332,6 +334,12 @@ def test_flag_off_is_upstreams_function_unchanged(outcomes) -> None:
         ("load_back_transfers_around", ("cache",), {"node_id": 3, "req": None}),
         ("build_load_back_spec_around", ("core", 3), {"req": None}),
         ("component_available_size_around", ("cache", "FULL"), {}),
+        ("full_evict_device_start_around", (_COMPONENT, 64), {}),
+        (
+            "full_evict_device_next_node_around",
+            (_COMPONENT, "tracker", "device_frees", "host_frees"),
+            {"cache_actions": []},
+        ),
     ],
 )
 def test_outside_a_lane_aware_cache_each_hook_is_upstreams_call(hook, args, kwargs) -> None:
