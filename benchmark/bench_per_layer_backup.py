@@ -29,6 +29,10 @@ each layer moved by the store hook, the insert only claims). Post-forward = the 
 thread's time in ``_execute_kv_backup`` and ``start_writing`` (the backup part of the
 insert and the flush); printed as per-layer / all-layer (target <= 0.05), max over ranks.
 As on 0.5.12, CPU copies are synchronous, so the all-layer figure includes its copies.
+Both host layouts run, each with both modes: ``layer_first`` and ``page_first`` (0.5.23's
+default; kernel I/O). After each batch's acks every rank compares its owned host rows and
+indexer pages of every layer with the device's: the bytes mismatches (target 0) are summed
+over batches and ranks per mode.
 
     PYTHONPATH=python .venv/bin/python benchmark/bench_per_layer_backup.py
     PYTHONPATH=python .venv-sglang-0.5.23/bin/python benchmark/bench_per_layer_backup.py --cp-size 2
@@ -52,6 +56,8 @@ import torch  # noqa: E402
 from sglang_cp_hicache.core.releases import line_package  # noqa: E402
 
 logger = logging.getLogger("bench_per_layer_backup")
+#: The 0.5.23 line's host layouts, each measured with both modes.
+LAYOUTS_0_5_23 = ("layer_first", "page_first")
 
 
 @dataclass
@@ -201,28 +207,37 @@ def main_0_5_23(args) -> None:
     from sglang_cp_hicache.testing.dist import run_ranks
     from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import time_backups
 
-    bench = dict(layers=args.layers, batches=args.batches, nodes=args.nodes, pages=args.pages, seed=args.seed)
-    modes = {"all-layer": False, "per-layer": True}
-    results = {mode: run_ranks(args.cp_size, time_backups, per_layer, bench, timeout_s=1800) for mode, per_layer in modes.items()}
     logger.info(
-        "sglang 0.5.23 cp=%d layers=%d batches=%d nodes/batch=%d pages/node=%d (kernel I/O, layer_first)",
+        "sglang 0.5.23 cp=%d layers=%d batches=%d nodes/batch=%d pages/node=%d (kernel I/O)",
         args.cp_size, args.layers, args.batches, args.nodes, args.pages,
     )
-    worst = {}
-    for mode, ranks in results.items():
-        medians = [
-            {name: statistics.median(getattr(t, name)) for name in ("pre_forward_s", "in_forward_s", "post_forward_s")}
-            for t in ranks
-        ]
-        worst[mode] = {name: max(m[name] for m in medians) for name in medians[0]}
-        logger.info(
-            "%-9s scheduler ms/batch (max over ranks): pre-forward %.3f, in-forward hooks %.3f, post-forward %.3f",
-            mode, worst[mode]["pre_forward_s"] * 1e3, worst[mode]["in_forward_s"] * 1e3, worst[mode]["post_forward_s"] * 1e3,
+    modes = {"all-layer": False, "per-layer": True}
+    for layout in LAYOUTS_0_5_23:
+        bench = dict(
+            layers=args.layers, batches=args.batches, nodes=args.nodes, pages=args.pages, seed=args.seed, layout=layout
         )
-    ratio = worst["per-layer"]["post_forward_s"] / worst["all-layer"]["post_forward_s"]
-    logger.info("post-forward time per-layer / all-layer: %.2e (target <= 0.05)", ratio)
-    total = [sum(worst[mode].values()) for mode in modes]
-    logger.info("total scheduler-thread backup time per-layer / all-layer: %.2f", total[1] / total[0])
+        worst, mismatches = {}, {}
+        for mode, per_layer in modes.items():
+            ranks = run_ranks(args.cp_size, time_backups, per_layer, bench, timeout_s=1800)
+            medians = [
+                {name: statistics.median(getattr(t, name)) for name in ("pre_forward_s", "in_forward_s", "post_forward_s")}
+                for t in ranks
+            ]
+            worst[mode] = {name: max(m[name] for m in medians) for name in medians[0]}
+            mismatches[mode] = sum(sum(t.host_mismatches) for t in ranks)
+            logger.info(
+                "%-11s %-9s scheduler ms/batch (max over ranks): pre-forward %.3f, in-forward hooks %.3f, "
+                "post-forward %.3f; bytes mismatches %d",
+                layout, mode, worst[mode]["pre_forward_s"] * 1e3, worst[mode]["in_forward_s"] * 1e3,
+                worst[mode]["post_forward_s"] * 1e3, mismatches[mode],
+            )
+        ratio = worst["per-layer"]["post_forward_s"] / worst["all-layer"]["post_forward_s"]
+        total = [sum(worst[mode].values()) for mode in modes]
+        logger.info(
+            "%-11s post-forward time per-layer / all-layer: %.2e (target <= 0.05); total scheduler-thread backup "
+            "time per-layer / all-layer: %.2f; bytes mismatches per-layer %d, all-layer %d (target 0)",
+            layout, ratio, total[1] / total[0], mismatches["per-layer"], mismatches["all-layer"],
+        )
 
 
 if __name__ == "__main__":

@@ -107,9 +107,9 @@ PREFILL_CP_FLAGS = {
     "0.5.12": ["--enable-nsa-prefill-context-parallel", "--enable-nsa-prefill-cp-shared-kv"],
     "0.5.23": [
         "--enable-prefill-cp", "--cp-strategy", "interleave", "--enable-nsa-prefill-cp-shared-kv",
-        # layer_first: the host layout upstream's one-layer D2H ops serve, so the plugin backs
-        # up layer by layer during the forward (page_first keeps the all-layer path, warned).
-        "--page-size", "64", "--hicache-io-backend", "kernel", "--hicache-mem-layout", "layer_first",
+        # Kernel I/O: the plugin backs up layer by layer during the forward into 0.5.23's
+        # default host layout (page_first) through the JIT one-layer kernel.
+        "--page-size", "64", "--hicache-io-backend", "kernel",
     ],
 }
 

@@ -39,7 +39,7 @@ packed fp8), the same checks on both devices (CUDA: SGLang's kernels from the 0.
 bundle, loaded first; CPU: the torch stand-ins): the startup self-test (CUDA: per top-k
 path), the sharded-vs-replicated twins of the target and MTP draft extends
 (``testing/v0_5_23/device_twins.py``), the per-layer backup round trip on the real sharded
-stack (``testing/v0_5_23/layer_round_trip.py``; layer_first, page_first's slot refused),
+stack (``testing/v0_5_23/layer_round_trip.py``; layer_first and page_first, each planted),
 then sglang-kernel's kvcacheio MLA transfers and the owned-shard D2H/H2D against pinned
 peak (>= 80 % on CUDA) in the main process; and a planted fault per check, run here, that
 must be caught. See docs/gpu_checks.md.
@@ -409,34 +409,16 @@ def pipeline_rank(ctx: Any, options: dict) -> List[dict]:
     return entries
 
 
-class _EventWithoutWait:
-    """A layer-stored event whose ``wait`` does nothing: the planted fault."""
-
-    def __init__(self, event: Any) -> None:
-        self._event = event
-
-    def wait(self, stream: Any = None) -> None:
-        return None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._event, name)
-
-
-@contextlib.contextmanager
-def _layer_wait_removed() -> Iterator[None]:
+def _layer_wait_removed() -> Any:
     """The negative control: the write stream no longer waits for a layer's stores before
     copying it (``ControllerLayerTransfers.new_event`` patched for the run), the fault the
     forward's stall is there to expose; the load-back must show stale bytes."""
+    from sglang_cp_hicache.testing.planted import events_without_wait
     from sglang_cp_hicache.v0_5_12.mem_cache.hybrid_cache.cp_hybrid_cache_controller import (
         ControllerLayerTransfers,
     )
 
-    original = ControllerLayerTransfers.new_event
-    ControllerLayerTransfers.new_event = lambda self: _EventWithoutWait(original(self))
-    try:
-        yield
-    finally:
-        ControllerLayerTransfers.new_event = original
+    return events_without_wait(ControllerLayerTransfers)
 
 
 def per_layer_pipeline(options: CheckOptions, launch: Callable) -> dict:
@@ -750,18 +732,20 @@ _MODULE_NAME = "gpu_device_check"  # how the rank processes import this file
 TOPK_PATHS_0_5_23 = ("jit-v2", "sgl-kernel")
 #: The packages the 0.5.23 CUDA path loads first: (distribution, module).
 KERNEL_PACKAGES_0_5_23 = (("sglang-kernel", "sgl_kernel"), ("sgl-flash-mla", "flash_mla"))
-#: The per-layer round trip's host layouts (``layer_round_trip.LAYOUTS``) and the slot of
-#: the one that has no per-layer path yet (refused, with the reason, in the report).
-ROUND_TRIP_LAYOUTS_0_5_23 = ("layer_first",)
-ROUND_TRIP_PENDING_0_5_23 = ("page_first",)
-#: Planted faults per device (``layer_round_trip.PLANTS_*`` for the round trip), each run
-#: inside the check; every one must be caught or the check fails.
+#: The per-layer round trip's host layouts (``layer_round_trip.LAYOUTS``).
+ROUND_TRIP_LAYOUTS_0_5_23 = ("layer_first", "page_first")
+#: The round trip's planted faults per device (``layer_round_trip.plants_for``), run on
+#: every layout.
+ROUND_TRIP_PLANTS_0_5_23 = {"cpu": ("layer_copy_dropped",), "cuda": ("layer_copy_dropped", "missing_wait")}
+#: Planted faults per device, each run inside the check; every one must be caught or the
+#: check fails.
 PLANTED_0_5_23 = {
-    "cpu": ("self-test", "twin", "twin-mtp", "round-trip/layer_copy_dropped", "kvcacheio", "bandwidth-sanity"),
-    "cuda": (
-        "self-test", "twin", "twin-mtp", "round-trip/layer_copy_dropped", "round-trip/missing_wait",
+    device: (
+        "self-test", "twin", "twin-mtp",
+        *(f"round-trip/{layout}/{plant}" for layout in ROUND_TRIP_LAYOUTS_0_5_23 for plant in plants),
         "kvcacheio", "bandwidth-sanity",
-    ),
+    )
+    for device, plants in ROUND_TRIP_PLANTS_0_5_23.items()
 }  # fmt: skip
 #: On the GPU, the owned-shard D2H and H2D must reach this share of the pinned peak.
 BANDWIDTH_TARGET_OF_PEAK = 0.8
@@ -794,8 +778,8 @@ def describe_0_5_23(options: CheckOptions) -> str:
         f"{head}; per admitted format {list(FORMATS_0_5_23)}: the startup self-test through its hook "
         f"(gather, indexer, translation, attention) {selftest}, and the read-path twins sharded vs "
         "replicated (target extend and MTP draft extend: records bit for bit, owned rows, block table); "
-        f"the per-layer backup round trip on the real sharded stack ({list(ROUND_TRIP_LAYOUTS_0_5_23)}; "
-        f"{list(ROUND_TRIP_PENDING_0_5_23)} refused until it has a per-layer path): reservations before the "
+        f"the per-layer backup round trip on the real sharded stack per host layout {list(ROUND_TRIP_LAYOUTS_0_5_23)}: "
+        "reservations before the "
         "forward, per-layer stores then backups on the D2H stream, one ack per forward after the last layer on "
         "every rank (a zero-owned one too), device wipe, load-back byte-exact"
         + (", layer 0's copy overlapping the forward from CUDA events" if cuda else "")
@@ -883,9 +867,9 @@ def _rank_twins(group: Any, device: Any) -> tuple[List[dict], dict]:
 
 
 def _rank_round_trips(ctx: Any, group: Any) -> tuple[dict, dict]:
-    """The round trip per layout (page_first's slot refused with its reason), then each
-    planted fault of this device on layer_first. An error is recorded, not raised. On
-    CUDA the sharded pools gather over gloo, host-staged (the check's shim for NCCL)."""
+    """The round trip per layout, then each planted fault of this device on each layout.
+    An error is recorded, not raised. On CUDA the sharded pools gather over gloo,
+    host-staged (the check's shim for NCCL)."""
     from sglang_cp_hicache.testing.v0_5_23 import layer_round_trip as rt
     from sglang_cp_hicache.testing.v0_5_23.gpu_selftest import staged_gathers
 
@@ -899,13 +883,13 @@ def _rank_round_trips(ctx: Any, group: Any) -> tuple[dict, dict]:
                     ctx, device, layout, stall_cycles=STALL_CYCLES if device == "cuda" else 0,
                     keep_stacks=LIVE_HOST_POOLS,
                 )  # fmt: skip
-        except rt.PageFirstUnavailable as exc:
-            return {"refused": str(exc)}
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
 
-    layouts = {layout: run(layout) for layout in (*ROUND_TRIP_LAYOUTS_0_5_23, *ROUND_TRIP_PENDING_0_5_23)}
-    planted = {f"round-trip/{name}": run("layer_first", rt.planted(name)) for name in rt.plants_for(device)}
+    layouts = {layout: run(layout) for layout in rt.LAYOUTS}
+    planted = {
+        f"round-trip/{layout}/{name}": run(layout, rt.planted(name)) for layout in rt.LAYOUTS for name in rt.plants_for(device)
+    }
     return layouts, planted
 
 
@@ -1077,10 +1061,7 @@ def _round_trip_verdicts(per_rank: Sequence[dict], key: str) -> dict:
     verdicts = {}
     for name in names:
         entries = [report[key][name] for report in per_rank]
-        if all("refused" in e for e in entries):
-            verdicts[name] = {"refused": entries[0]["refused"], "problems": []}
-            continue
-        errors = [f"rank {r}: {e.get('error', 'refused: ' + str(e.get('refused')))}" for r, e in enumerate(entries) if "loaded" not in e]
+        errors = [f"rank {r}: {e['error']}" for r, e in enumerate(entries) if "loaded" not in e]
         verdicts[name] = {
             "problems": errors or round_trip_problems(entries),
             "raised": bool(errors),
@@ -1134,14 +1115,11 @@ def summarize_0_5_23(
     if failures:
         lines = [f"FAIL 0.5.23 sharded KV != replicated or the check cannot fail ({head}): {failures[0]} (+{len(failures) - 1} more)"]
     else:
-        ran = [layout for layout, v in trips.items() if "refused" not in v]
-        refused = [layout for layout, v in trips.items() if "refused" in v]
         paths = sorted({e["topk"] for e in per_rank[0]["selftests"]})
         lines = [
             f"PASS 0.5.23 sharded KV == replicated ({head}, {len(FORMATS_0_5_23)} formats x {options.cp_size} ranks: "
-            f"self-test x {len(paths)} top-k paths, twins target + MTP draft; per-layer round trip {ran}"
-            + (f" ({refused} refused: no per-layer path yet)" if refused else "")
-            + f"; kvcacheio {len(main['kvcacheio']['cases'])} cases byte-exact; {len(caught)} planted faults caught)"
+            f"self-test x {len(paths)} top-k paths, twins target + MTP draft; per-layer round trip {list(trips)}"
+            f"; kvcacheio {len(main['kvcacheio']['cases'])} cases byte-exact; {len(caught)} planted faults caught)"
         ]
     if per_rank:
         timings = []
@@ -1156,9 +1134,6 @@ def summarize_0_5_23(
             twins.append(f"{t['format']} target {target:.2f} s, MTP draft {draft:.2f} s")
         lines.append(f"twins (slowest rank): {'; '.join(twins)}")
         for layout, v in trips.items():
-            if "refused" in v:
-                lines.append(f"round trip {layout}: refused ({v['refused']})")
-                continue
             overlap = [o for o in v["overlap_ms"] if o is not None]
             lines.append(
                 f"round trip {layout}: {'ok' if not v['problems'] else 'FAILED'}"

@@ -207,7 +207,7 @@ class RankDriver(StepLoop):
         """The stack's per-layer D2H backup when the column runs it (the plugin's flag on a
         layer_first host layout attaches it at ``init_hicache``), observed and checked;
         (None, None) for upstream's all-layer path."""
-        from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of
+        from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of
 
         if not per_layer:
             return None, None
@@ -440,7 +440,7 @@ class RankDriver(StepLoop):
         from types import SimpleNamespace
 
         from sglang_cp_hicache.core.per_layer_backup import PerLayerBackupIncomplete
-        from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import model_forward_around, run_batch_around
+        from sglang_cp_hicache.v0_5_23.backup.layer_backup import model_forward_around, run_batch_around
 
         runner = SimpleNamespace(token_to_kv_pool=self.stack.kv_pool)  # the pool is the runner's
         new_kv: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []

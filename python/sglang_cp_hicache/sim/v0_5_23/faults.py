@@ -58,7 +58,7 @@ def _plant_in_layer_backup(name: str, stack: RankStack, last_rank: bool) -> None
     the forward's last-but-one layer and takes the last one for a forward with nothing held.
     ``skip_backup_layer``: the store hook's report of layer 0 is lost on every rank (so the
     ranks stop together), the next layer arrives first. The native column has no backup."""
-    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of
 
     backup = layer_backup_of(stack.cache)
     if backup is None:

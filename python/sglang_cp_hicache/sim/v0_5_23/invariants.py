@@ -159,7 +159,7 @@ class PoolLedger:
 
 
 class LayerBackupLedger:
-    """The per-layer D2H backup contract on one rank (``v0_5_23/mem_cache/layer_backup.py``),
+    """The per-layer D2H backup contract on one rank (``v0_5_23/backup/layer_backup.py``),
     observed at the backup's own seams (instance wrappers that count, never decide):
 
     * a forward that carries reserved backups reports every layer to the backup and appends

@@ -120,7 +120,7 @@ def open_storage(cfg: SimConfig) -> Iterator[Optional[StorageRun]]:
 def _anchor_skips(cache: Any) -> int:
     """The plugin's count of ``cache``'s prefetches not issued under a pending backup (0
     for a cache without the plugin's extension)."""
-    from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import extension_of
+    from sglang_cp_hicache.v0_5_23.cache.cache_extension import extension_of
 
     extension = extension_of(cache)
     return 0 if extension is None else extension.anchor_skips

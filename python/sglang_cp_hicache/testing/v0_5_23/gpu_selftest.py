@@ -161,7 +161,7 @@ def target_runner(pool: Any, model_config: Any, kv_format: Any, device: torch.de
     from sglang.srt.server_args import ServerArgs
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from sglang_cp_hicache.v0_5_23.server_args import set_cp_shared_kv_enabled
+    from sglang_cp_hicache.v0_5_23.launch.server_args import set_cp_shared_kv_enabled
 
     server_args = ServerArgs(model_path="dummy")
     set_cp_shared_kv_enabled(server_args, True)
@@ -187,7 +187,7 @@ def _barrier_timed(group: Any, fn: Callable[[], Any]) -> Tuple[Any, float]:
 
 def selftest_entry(runner: Any, group: Any) -> dict:
     """The hook's verdict on this rank: its stages and seconds, or the failing stage."""
-    from sglang_cp_hicache.v0_5_23.layers.attention import kv_shard_selftest as selftest
+    from sglang_cp_hicache.v0_5_23.selftest import kv_shard_selftest as selftest
 
     try:
         _, seconds = _barrier_timed(group, lambda: selftest.init_attention_backends_after(None, runner))

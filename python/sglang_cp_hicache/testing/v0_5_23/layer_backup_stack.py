@@ -56,6 +56,29 @@ def host_indexer_layer(indexer_host: Any, host_layer: int) -> torch.Tensor:
     return buffer[host_layer] if indexer_host.layout == "layer_first" else buffer[:, host_layer, 0]
 
 
+def host_mismatches(stack: Any, locs: torch.Tensor, host_locs: torch.Tensor, layers: Sequence[int]) -> List[str]:
+    """On a sharded stack, this rank's owned host rows (latent) and pages (indexer) of the
+    logical device slots ``locs``, backed up to the logical host slots ``host_locs``, that
+    differ from the device's, one line each over ``layers`` (none: the bytes came back)."""
+    page = stack.config.page_size
+    owned = stack.owned_mask(locs)
+    device_rows = stack.physical_rows(locs)
+    host_rows = stack.placement.local_index(host_locs[owned])
+    first = torch.arange(0, len(locs), page)
+    owned_pages = stack.owned_mask(locs[first])
+    device_pages = stack.physical_rows(locs[first]) // page
+    host_pages = stack.placement.local_index(host_locs[first][owned_pages]) // page
+    bad = []
+    for layer in layers:
+        device = stack.kv_pool.kv_buffer[layer][device_rows]
+        host = host_latent_layer(stack.kv_host_pool, layer)[host_rows].view(device.dtype).reshape(device.shape)
+        bad += [f"layer {layer} latent row {int(r)}" for r in device_rows[(host != device).flatten(1).any(1)]]
+        device_index = stack.kv_pool.index_k_with_scale_buffer[layer][device_pages]
+        host_index = host_indexer_layer(stack.indexer_host_pool, layer)[host_pages]
+        bad += [f"layer {layer} indexer page {int(p)}" for p in device_pages[(host_index != device_index).any(1)]]
+    return bad
+
+
 def fresh_write_plan(pool: Any) -> None:
     """A new extend batch for the sharded pool's write plan. Upstream caches a batch's
     owner filter keyed by the locs tensor's address and length and a per-batch epoch that
@@ -156,7 +179,7 @@ def forward_batch_of(stack: Any, batch: Any) -> Any:
 def forward(stack: Any, batch: Sequence[BatchItem], on_layer: Callable[[int], None] = lambda _: None) -> None:
     """Every layer's stores over ``batch`` (``on_layer`` after each), then the forward's
     end, as the model-forward hook reports it."""
-    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import notify_forward_end
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import notify_forward_end
 
     for layer in range(stack.config.layer_num):
         store_layer(stack, layer, batch)
@@ -169,11 +192,13 @@ def forward(stack: Any, batch: Sequence[BatchItem], on_layer: Callable[[int], No
 class BackupTimes:
     """Per batch, seconds on the scheduler thread: before the forward (reservations),
     inside it (the layer hooks' backup work) and after it (the backup part of the insert
-    plus the flush that submits writes)."""
+    plus the flush that submits writes); and per batch the owned host rows and indexer
+    pages, after the acks, whose bytes differ from the device's (:func:`host_mismatches`)."""
 
     pre_forward_s: List[float] = field(default_factory=list)
     in_forward_s: List[float] = field(default_factory=list)
     post_forward_s: List[float] = field(default_factory=list)
+    host_mismatches: List[int] = field(default_factory=list)
 
 
 class _Timer:
@@ -195,12 +220,13 @@ class _Timer:
         setattr(obj, name, timed)
 
 
-def time_backups(ctx: RankContext, per_layer: bool, bench: Dict[str, int]) -> BackupTimes:
-    """One mode over ``bench`` (layers, batches, nodes, pages, seed) on this rank."""
+def time_backups(ctx: RankContext, per_layer: bool, bench: Dict[str, Any]) -> BackupTimes:
+    """One mode over ``bench`` (layers, batches, nodes, pages, seed, host layout) on this rank."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
     from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_sharded_stack
-    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of
 
     apply_plugin_hooks()
     page = 64
@@ -209,6 +235,7 @@ def time_backups(ctx: RankContext, per_layer: bool, bench: Dict[str, int]) -> Ba
         layer_num=bench["layers"],
         device_pages_per_rank=bench["nodes"] * bench["pages"] // ctx.world_size + bench["pages"] + 2,
         cp_shared_kv=per_layer,
+        mem_layout=bench["layout"],
     )
     times = BackupTimes()
     empty = torch.empty((0,), dtype=torch.int64)
@@ -240,7 +267,14 @@ def time_backups(ctx: RankContext, per_layer: bool, bench: Dict[str, int]) -> Ba
                 stack.insert(node, locs, base)
             stack.cache.flush_pending_backups()
             times.post_forward_s.append(post.total)
-            stack.cache.writing_check()  # the acks, then constant occupancy for the next batch
+            stack.cache.writing_check()  # the acks, then the bytes, then constant occupancy
+            bad = 0
+            for node, (locs, _) in zip(tokens, allocs):
+                host_locs = stack.cache.tree_core.node_by_id(stack.match(node).last_device_node).component_data[
+                    ComponentType.FULL
+                ].host_value
+                bad += len(host_mismatches(stack, locs, host_locs, range(config.layer_num)))
+            times.host_mismatches.append(bad)
             stack.cache.evict(EvictParams(num_tokens=stack.allocator.size))
             stack.cache.evict_host(stack.kv_host_pool.logical_size)
     return times
@@ -256,6 +290,7 @@ __all__ = [
     "fresh_write_plan",
     "host_indexer_layer",
     "host_latent_layer",
+    "host_mismatches",
     "logical_kv",
     "store_layer",
     "time_backups",

@@ -14,20 +14,19 @@ one ack per forward, only after the last layer; the insert, the acks consumed by
 layer against the logical KV; the free counts back. On CUDA, events time the overlap:
 how long before the last layer's stores layer 0's copy was done.
 
-Planted faults (:data:`PLANTS`), each must break the contract: ``layer_copy_dropped``
-(layer 0's D2H skipped, its ack still sent) on every device; ``missing_wait`` (the D2H
-stream no longer waits for a layer's stores) on CUDA only: on CPU copies are synchronous
-and a missing wait races nothing.
+Host layouts (:data:`LAYOUTS`): ``layer_first`` (upstream's one-layer D2H ops) and
+``page_first`` (0.5.23's default: the JIT one-layer kernel over per-layer views of the
+latent and the DSA indexer host buffers; the CPU runtime's stand-ins on CPU).
 
-Host layouts: ``layer_first`` (the one with upstream one-layer D2H ops for the DSA
-indexer). ``page_first`` has no per-layer path yet (the plugin keeps upstream's
-all-layer backup there): :func:`page_first_round_trip` refuses with that reason.
+Planted faults (:func:`plants_for`), each run on every layout and each must break the
+contract: ``layer_copy_dropped`` (layer 0's D2H skipped, its ack still sent) on every
+device; ``missing_wait`` (the D2H stream no longer waits for a layer's stores) on CUDA
+only: on CPU copies are synchronous and a missing wait races nothing.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -36,27 +35,15 @@ LAYERS = 3
 SEED = 20261205
 #: Request -> (first token id, pages); rotation bases 0 and ``cp - 1``.
 REQUESTS = {"A": (1, 5), "C": (20_001, 1)}
-#: The per-layer backup's host layouts: only layer_first has a per-layer path today.
-LAYOUTS = ("layer_first",)
-PAGE_FIRST_REFUSAL = (
-    "page_first has no per-layer D2H path for the DSA indexer in 0.5.23 (the plugin keeps "
-    "upstream's all-layer backup there); its round trip runs once that path exists"
-)
-#: The planted faults per device (name -> context manager factory), see the module doc.
+#: The per-layer backup's host layouts, each with its own round trip and planted faults.
+LAYOUTS = ("layer_first", "page_first")
+#: The planted faults per device (names for :func:`planted`), see the module doc.
 PLANTS_CPU = ("layer_copy_dropped",)
 PLANTS_CUDA = ("layer_copy_dropped", "missing_wait")
 
 
 def plants_for(device: str) -> tuple:
     return PLANTS_CUDA if device == "cuda" else PLANTS_CPU
-
-
-class PageFirstUnavailable(RuntimeError):
-    """The page_first round trip's slot: refused until its per-layer path exists."""
-
-
-def page_first_round_trip(*_: Any, **__: Any) -> Dict[str, Any]:
-    raise PageFirstUnavailable(PAGE_FIRST_REFUSAL)
 
 
 class _Timing:
@@ -184,13 +171,11 @@ def round_trip(
     last layer and after the forward, pending flags after ``writing_check``, load-back
     mismatches, free counts, and ``overlap_ms`` (CUDA). ``keep_stacks`` receives the stack
     (SGLang pins host pools and never unregisters them: a GPU process keeps them alive)."""
-    if layout != "layer_first":
-        return page_first_round_trip()
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import logical_kv
     from sglang_cp_hicache.testing.v0_5_23.mtp_draft import device_layer_mismatches
-    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of, notify_forward_end
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of, notify_forward_end
 
     report: Dict[str, Any] = {"layout": layout}
     timing = _Timing(device)
@@ -296,42 +281,18 @@ def stale_loads(reports: List[Dict[str, Any]]) -> int:
 
 
 # ------------------------------------------------------------------ planted faults
-class _EventWithoutWait:
-    """A layer-stored event whose ``wait`` does nothing."""
-
-    def __init__(self, event: Any) -> None:
-        self._event = event
-
-    def wait(self, stream: Any = None) -> None:
-        return None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._event, name)
-
-
-@contextlib.contextmanager
-def _patched(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
-    original = owner.__dict__[name]
-    setattr(owner, name, make(original))
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
 def planted(name: str) -> Any:
     """The planted fault ``name`` as a context manager (see the module doc)."""
-    from sglang_cp_hicache.v0_5_23.mem_cache.l2_transfer import DeviceBackupStreams, L2LayerTransfers
+    from sglang_cp_hicache.testing.planted import events_without_wait, patched
+    from sglang_cp_hicache.v0_5_23.backup.l2_transfer import DeviceBackupStreams, L2LayerTransfers
 
     if name == "missing_wait":
-        return _patched(
-            DeviceBackupStreams, "new_event", lambda new_event: lambda self: _EventWithoutWait(new_event(self))
-        )
+        return events_without_wait(DeviceBackupStreams)
     if name == "layer_copy_dropped":
         def drop_layer0(copy_layer: Callable) -> Callable:
             return lambda self, merged, layer_id: None if layer_id == 0 else copy_layer(self, merged, layer_id)
 
-        return _patched(L2LayerTransfers, "copy_layer", drop_layer0)
+        return patched(L2LayerTransfers, "copy_layer", drop_layer0)
     raise ValueError(f"unknown planted fault {name!r}")
 
 
@@ -339,12 +300,9 @@ __all__ = [
     "LAYERS",
     "apply_check_hooks",
     "LAYOUTS",
-    "PAGE_FIRST_REFUSAL",
     "PLANTS_CPU",
     "PLANTS_CUDA",
-    "PageFirstUnavailable",
     "PreparedStores",
-    "page_first_round_trip",
     "plants_for",
     "planted",
     "round_trip",

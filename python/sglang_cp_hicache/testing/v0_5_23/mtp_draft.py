@@ -67,7 +67,7 @@ def store_draft_layer(stack: Any, layer_id: int, batch: Sequence[DraftItem]) -> 
 def draft_forward(stack: Any, batch: Sequence[DraftItem], store: bool = True) -> None:
     """The draft forward: every draft layer's stores (none when not ``store``: a forward
     that skips the draft layer), then its end as the model-forward hook reports it."""
-    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import notify_forward_end
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import notify_forward_end
 
     if store:
         for layer_id in range(stack.config.draft_layer_num):

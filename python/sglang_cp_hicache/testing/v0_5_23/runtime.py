@@ -362,7 +362,7 @@ def patches(plan: InstallPlan) -> Dict[str, Tuple[Callable[[ModuleType], None], 
     if plan.cpu_device_module:  # the startup self-test's kernel set for CPU devices
         from sglang_cp_hicache.testing.v0_5_23.selftest_kernels import register_cpu_kernels
 
-        add("sglang_cp_hicache.v0_5_23.layers.attention.kv_shard_selftest", register_cpu_kernels)
+        add("sglang_cp_hicache.v0_5_23.selftest.kv_shard_selftest", register_cpu_kernels)
     return {name: tuple(callbacks) for name, callbacks in wanted.items()}
 
 

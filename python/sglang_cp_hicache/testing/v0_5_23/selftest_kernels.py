@@ -1,7 +1,7 @@
 """The CPU runtime's side of the 0.5.23 startup self-test: its kernel set (the read path's
 torch stand-ins) and the model runner a CPU rank hands the hook.
 
-:class:`~sglang_cp_hicache.v0_5_23.layers.attention.kv_shard_selftest.SelfTestKernels` for
+:class:`~sglang_cp_hicache.v0_5_23.selftest.kv_shard_selftest.SelfTestKernels` for
 ``device.type == "cpu"``, registered by the CPU runtime right after the self-test module is
 imported (:func:`register_cpu_kernels`). While installed, upstream's read path finds the
 stand-ins of :class:`~sglang_cp_hicache.testing.v0_5_23.read_path.CpuKernelStandIns` (index-K
@@ -46,7 +46,7 @@ def selftest_runner(rank: Any, *, cp_shared_kv: bool = True) -> Any:
     from sglang.srt.server_args import ServerArgs
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from sglang_cp_hicache.v0_5_23.server_args import set_cp_shared_kv_enabled
+    from sglang_cp_hicache.v0_5_23.launch.server_args import set_cp_shared_kv_enabled
 
     server_args = ServerArgs(model_path="dummy")
     if cp_shared_kv:

@@ -225,7 +225,7 @@ def _gate() -> None:
 
 
 #: The plugin's lane planner, whose DEBUG lines name each eviction plan (victims per lane).
-LANE_EVICTION_LOGGER = "sglang_cp_hicache.v0_5_23.mem_cache.lane_eviction"
+LANE_EVICTION_LOGGER = "sglang_cp_hicache.v0_5_23.eviction.lane_eviction"
 
 
 def _lane_decisions_logged() -> None:

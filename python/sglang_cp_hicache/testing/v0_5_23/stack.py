@@ -86,6 +86,10 @@ class StackConfig:
     # Where the device pools, allocator and req_to_token live: "cpu" (the CPU runtime) or
     # "cuda" (the GPU check's round trip, scripts/gpu/device_check.py --sglang 0.5.23).
     device: str = "cpu"
+    # Per target layer: True where the layer reuses another layer's top-k and so holds no
+    # DSA indexer buffer (upstream's ``skip_topk_layers``: a 0-row placeholder on the
+    # device, no host layer); None: every layer has an indexer.
+    skip_topk_layers: Optional[Tuple[bool, ...]] = None
 
     def __post_init__(self) -> None:
         if self.chunk_tokens % self.page_size:
@@ -333,7 +337,7 @@ def publish_server_args(
                 "StackConfig.cp_shared_kv needs a sharded stack (unsharded: only with an L3 "
                 "backend, the flag on one prefill rank)"
             )
-        from sglang_cp_hicache.v0_5_23.server_args import set_cp_shared_kv_enabled
+        from sglang_cp_hicache.v0_5_23.launch.server_args import set_cp_shared_kv_enabled
 
         set_cp_shared_kv_enabled(server_args, True)  # publishing resolves the record
     set_global_server_args_for_scheduler(server_args)
@@ -342,7 +346,7 @@ def publish_server_args(
 
 def _dsa_pool_kwargs(config: StackConfig, layer_num: Optional[int] = None) -> dict:
     """A DSA device pool's geometry: the target's, or ``layer_num`` layers (the draft)."""
-    return dict(
+    kwargs = dict(
         page_size=config.page_size,
         kv_lora_rank=config.kv_lora_rank,
         dtype=config.dtype,
@@ -353,6 +357,9 @@ def _dsa_pool_kwargs(config: StackConfig, layer_num: Optional[int] = None) -> di
         enable_memory_saver=False,
         kv_cache_dim=config.kv_cache_dim,
     )
+    if layer_num is None and config.skip_topk_layers is not None:  # the draft's one layer has its own
+        kwargs["skip_topk_layers"] = list(config.skip_topk_layers)
+    return kwargs
 
 
 def _build_cache(

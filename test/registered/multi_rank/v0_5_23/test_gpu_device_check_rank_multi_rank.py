@@ -50,13 +50,14 @@ def test_the_twins_ran_target_and_mtp_draft_for_both_formats(driver, checked):
             assert twin["target"]["table_translated"] and twin["draft"]["table_translated"]
 
 
-def test_the_round_trip_acks_on_the_zero_owned_rank_and_page_first_is_refused(checked):
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_the_round_trip_acks_on_the_zero_owned_rank_on_each_layout(checked, layout):
     per_rank, _, _ = checked
-    first, last = per_rank[0]["round_trip"]["layer_first"], per_rank[1]["round_trip"]["layer_first"]
+    first, last = per_rank[0]["round_trip"][layout], per_rank[1]["round_trip"][layout]
     assert first["owned_pages"]["C"] == 0 and last["owned_pages"]["C"] == 1
-    assert [r["round_trip"]["layer_first"]["acks_after_forward"] for r in per_rank] == [1, 1]
-    assert all(r["round_trip"]["layer_first"]["acks_before_last_layer"] == 0 for r in per_rank)
-    assert all("no per-layer D2H path" in r["round_trip"]["page_first"]["refused"] for r in per_rank)
+    assert [r["round_trip"][layout]["acks_after_forward"] for r in per_rank] == [1, 1]
+    assert all(r["round_trip"][layout]["acks_before_last_layer"] == 0 for r in per_rank)
+    assert all(not any(r["round_trip"][layout]["loaded"].values()) for r in per_rank)
 
 
 def test_each_planted_fault_was_caught_by_the_checks_own_verdict(checked):
@@ -65,6 +66,7 @@ def test_each_planted_fault_was_caught_by_the_checks_own_verdict(checked):
         assert all(e["selftest"]["stage"] in ("gather", "indexer", "translation", "attention")
                    for e in report["planted"]["self-test"]["entries"])  # fmt: skip
         assert not report["planted"]["twin"]["identical"] and not report["planted"]["twin-mtp"]["identical"]
-        assert any(report["planted"]["round-trip/layer_copy_dropped"]["loaded"]["A"])
+        for layout in ("layer_first", "page_first"):
+            assert any(report["planted"][f"round-trip/{layout}/layer_copy_dropped"]["loaded"]["A"])
     assert any("per-layer load" in p for p in main["planted"]["kvcacheio"]["problems"])
     assert not (main["planted"]["bandwidth-sanity"]["d2h_exact"] or main["planted"]["bandwidth-sanity"]["h2d_exact"])

@@ -48,7 +48,7 @@ def _rank(ctx):
     from sglang_cp_hicache.testing.v0_5_23 import read_path
     from sglang_cp_hicache.testing.v0_5_23.selftest_kernels import selftest_runner
     from sglang_cp_hicache.testing.v0_5_23.shard_group import GlooShardGroup
-    from sglang_cp_hicache.v0_5_23.layers.attention import kv_shard_selftest
+    from sglang_cp_hicache.v0_5_23.selftest import kv_shard_selftest
 
     group = GlooShardGroup.from_rank_context(ctx)
     with read_path.read_path_session(group, kv_format=read_path.FLASHMLA_SPARSE_BF16) as rank:

@@ -109,7 +109,7 @@ def _row_dependent_kernel():
     """The CPU kernel set with a FlashMLA sparse kernel whose output depends on the row
     numbers it reads (right on the logical table, wrong on the translated one)."""
     from sglang_cp_hicache.testing.v0_5_23 import selftest_kernels
-    from sglang_cp_hicache.v0_5_23.layers.attention import kv_shard_selftest
+    from sglang_cp_hicache.v0_5_23.selftest import kv_shard_selftest
 
     class RowDependentKernels(selftest_kernels.CpuStandInKernels):
         name = "row-dependent-flashmla"
@@ -155,7 +155,7 @@ def _run_hook(runner):
     """The hook, timed from a barrier (so a rank's figure is its own work)."""
     import torch.distributed as dist
 
-    from sglang_cp_hicache.v0_5_23.layers.attention import kv_shard_selftest
+    from sglang_cp_hicache.v0_5_23.selftest import kv_shard_selftest
 
     dist.barrier()
     start = time.perf_counter()
@@ -198,7 +198,7 @@ def _rank(ctx):
     with read_path.read_path_session(group, kv_format=read_path.FLASHMLA_SPARSE_BF16) as rank:
         runner = selftest_runner(rank)
         lines = _Lines()
-        scratch_logger = logging.getLogger("sglang_cp_hicache.v0_5_23.mem_cache.kv_shard_scratch")
+        scratch_logger = logging.getLogger("sglang_cp_hicache.v0_5_23.selftest.kv_shard_scratch")
         scratch_logger.addHandler(lines)
         scratch_logger.setLevel(logging.INFO)
         try:

@@ -1,5 +1,5 @@
 """The plugin's ``Scheduler.run_batch`` and ``ModelRunner.forward`` hooks of per-layer D2H
-backup (``v0_5_23/mem_cache/layer_backup.py``), called with the real objects they receive,
+backup (``v0_5_23/backup/layer_backup.py``), called with the real objects they receive,
 on the REAL 0.5.23 sharded stack across gloo CP ranks.
 
 ``run_batch_around`` gets a real extend ``ScheduleBatch`` (real ``Req`` objects admitted by a
@@ -100,7 +100,7 @@ def flag_on(ctx: RankContext, layout: str) -> Dict[str, object]:
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
     from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import extend_batch, forward_batch_of
-    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import (
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import (
         layer_backup_of,
         model_forward_around,
         run_batch_around,
@@ -158,7 +158,7 @@ def _failure(stack, scheduler, how: str) -> str:
     """A forward through both hooks whose model skips layer 0, ends after it, or raises
     after it: the error the hooks raise (type, message, cause)."""
     from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import extend_batch, forward_batch_of
-    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import model_forward_around, run_batch_around
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import model_forward_around, run_batch_around
 
     first = 40_001 + 1_000 * FAILURES.index(how)
     batch = extend_batch(stack, [list(range(first, first + 2 * PAGE))], rid_prefix=how)
@@ -178,7 +178,7 @@ def _failure(stack, scheduler, how: str) -> str:
 
 def flag_off(ctx: RankContext, layout: str) -> Dict[str, object]:
     from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import extend_batch, forward_batch_of
-    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import (
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import (
         layer_backup_of,
         model_forward_around,
         run_batch_around,

@@ -76,7 +76,7 @@ def one_step(ctx: RankContext, cp_shared_kv: bool, layout: str) -> Dict[str, obj
 
     from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import store_layer
     from sglang_cp_hicache.testing.v0_5_23.mtp_draft import device_layer_mismatches, draft_forward
-    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of, notify_forward_end
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of, notify_forward_end
 
     report: Dict[str, object] = {}
     with _stack(ctx, cp_shared_kv, layout) as stack:
@@ -151,7 +151,7 @@ def _skipped_draft(stack, how: str) -> str:
     from sglang_cp_hicache.core.per_layer_backup import PerLayerBackupIncomplete
     from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import forward
     from sglang_cp_hicache.testing.v0_5_23.mtp_draft import draft_forward
-    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of
 
     first = 40_001 + 1_000 * SKIPS.index(how)
     tokens = list(range(first, first + 2 * PAGE))

@@ -57,26 +57,9 @@ def _forward(stack, batch) -> None:
 
 
 def _host_mismatches(stack, locs: torch.Tensor, host_locs: torch.Tensor, layers) -> List[str]:
-    """Owned host rows (latent) and pages (indexer) that differ from the device's."""
-    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import host_indexer_layer, host_latent_layer
+    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import host_mismatches
 
-    kv_host = stack.kv_host_pool
-    owned = stack.owned_mask(locs)
-    device_rows = stack.physical_rows(locs)
-    host_rows = stack.placement.local_index(host_locs[owned])
-    first = torch.arange(0, len(locs), PAGE)
-    owned_pages = stack.owned_mask(locs[first])
-    device_pages = stack.physical_rows(locs[first]) // PAGE
-    host_pages = stack.placement.local_index(host_locs[first][owned_pages]) // PAGE
-    bad = []
-    for layer in layers:
-        device = stack.kv_pool.kv_buffer[layer][device_rows]
-        host = host_latent_layer(kv_host, layer)[host_rows].view(device.dtype).reshape(device.shape)
-        bad += [f"layer {layer} latent row {int(r)}" for r in device_rows[(host != device).flatten(1).any(1)]]
-        device_index = stack.kv_pool.index_k_with_scale_buffer[layer][device_pages]
-        host_index = host_indexer_layer(stack.indexer_host_pool, layer)[host_pages]
-        bad += [f"layer {layer} indexer page {int(p)}" for p in device_pages[(host_index != device_index).any(1)]]
-    return bad
+    return host_mismatches(stack, locs, host_locs, layers)
 
 
 def _node_of(stack, tokens):
@@ -88,7 +71,7 @@ def happy_path(ctx: RankContext, cp_shared_kv: bool, layout: str) -> Dict[str, o
     """Reserve -> forward (layer by layer) -> insert -> ack -> evict -> load back."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of, notify_forward_end
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of, notify_forward_end
 
     report: Dict[str, object] = {}
     with _stack(ctx, cp_shared_kv, layout) as stack:
@@ -156,7 +139,7 @@ def _on_device(stack, tokens) -> bool:
 def zero_owned_and_rollback(ctx: RankContext, layout: str) -> Dict[str, object]:
     """A forward whose pages rank 0 owns none of, an aborted request's rollback, then two
     forwards that skip a layer."""
-    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of
 
     report: Dict[str, object] = {}
     with _stack(ctx, True, layout) as stack:
@@ -204,7 +187,7 @@ def _split_pending_node(stack) -> Dict[str, object]:
     ack then publishes both parts, and E reloaded from host reads back byte-exact."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of
 
     out: Dict[str, object] = {}
     tokens_e = list(range(60_001, 60_001 + 4 * PAGE))
@@ -260,7 +243,7 @@ def _skipped_layer(stack, how: str) -> str:
     """A forward that reports layer 1 first, ends after layer 0, or stores layer 0 in two
     parts: the error message."""
     from sglang_cp_hicache.core.per_layer_backup import PerLayerBackupIncomplete
-    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import layer_backup_of, notify_forward_end
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of, notify_forward_end
 
     first = 40_001 + 1_000 * SKIPS.index(how)
     tokens = list(range(first, first + 2 * PAGE))

@@ -56,7 +56,7 @@ def _rank(ctx: RankContext, layout: str) -> Dict[str, object]:
         extend_batch, forward, logical_kv,
     )  # fmt: skip
     from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
-    from sglang_cp_hicache.v0_5_23.mem_cache.layer_backup import reserve_batch
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import reserve_batch
 
     report: Dict[str, object] = {}
     with sharded_stack(ctx, StackConfig(layer_num=LAYERS, cp_shared_kv=True, mem_layout=layout)) as stack:

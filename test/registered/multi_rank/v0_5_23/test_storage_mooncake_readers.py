@@ -150,7 +150,7 @@ CP1_SCENARIOS = {
 def read_at_cp1(ctx: RankContext, config: dict) -> Dict[str, Dict[str, object]]:
     from sglang_cp_hicache.testing.v0_5_23 import storage
     from sglang_cp_hicache.testing.v0_5_23.stack import build_unsharded_stack
-    from sglang_cp_hicache.v0_5_23.cp_mode import cp_mode
+    from sglang_cp_hicache.v0_5_23.launch.cp_mode import cp_mode
 
     storage.apply_plugin_hooks()
     reports = {}

@@ -62,8 +62,8 @@ def _start_owner_rule(stack) -> Dict[str, object]:
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import PrefetchOperation
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import extension_of
-    from sglang_cp_hicache.v0_5_23.mem_cache.hybrid_cache.hybrid_cache_controller import (
+    from sglang_cp_hicache.v0_5_23.cache.cache_extension import extension_of
+    from sglang_cp_hicache.v0_5_23.storage.owner_io import (
         PrefetchStartOwnerMissing,
     )
 

@@ -61,7 +61,7 @@ def storage_hit(controller, cache, request: str, tokens: List[int], start_owner:
     from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import PrefetchOperation
 
-    from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import extension_of
+    from sglang_cp_hicache.v0_5_23.cache.cache_extension import extension_of
 
     start_owners = extension_of(cache).start_owners
     operation = PrefetchOperation(CacheRequestHandle(request, 0), array("q", tokens), None)
@@ -80,8 +80,8 @@ def room_run(ctx: RankContext, folder: str) -> Dict[str, object]:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     from sglang_cp_hicache.testing.v0_5_23 import storage
-    from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import extension_of
-    from sglang_cp_hicache.v0_5_23.mem_cache.host_lane_eviction import HostLaneEvictor
+    from sglang_cp_hicache.v0_5_23.cache.cache_extension import extension_of
+    from sglang_cp_hicache.v0_5_23.eviction.host_lane_eviction import HostLaneEvictor
 
     with file_storage_stack(ctx, folder) as stack:
         cache, controller = stack.cache, stack.controller
@@ -110,7 +110,7 @@ def room_run(ctx: RankContext, folder: str) -> Dict[str, object]:
 
 
 def root_read_run(ctx: RankContext, folder: str) -> Dict[str, object]:
-    from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import extension_of
+    from sglang_cp_hicache.v0_5_23.cache.cache_extension import extension_of
 
     with file_storage_stack(ctx, folder) as stack:
         cache, controller = stack.cache, stack.controller

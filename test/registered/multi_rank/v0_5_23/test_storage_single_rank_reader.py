@@ -64,7 +64,7 @@ def read_run(ctx: RankContext, folder: str, flag: bool, mtp_draft: bool) -> Dict
     from sglang_cp_hicache.testing.v0_5_23 import storage
     from sglang_cp_hicache.testing.v0_5_23.mtp_draft import device_layer_mismatches
     from sglang_cp_hicache.testing.v0_5_23.stack import build_unsharded_stack
-    from sglang_cp_hicache.v0_5_23.cp_mode import cp_mode
+    from sglang_cp_hicache.v0_5_23.launch.cp_mode import cp_mode
 
     storage.apply_plugin_hooks()
     report: Dict[str, object] = {}

@@ -24,14 +24,14 @@ from sglang.srt.arg_groups import resolution_hooks
 from sglang.srt.arg_groups.overrides import resolution_result, resolving_view
 from sglang.srt.server_args import ServerArgs, prepare_server_args
 
-from sglang_cp_hicache.v0_5_23.server_args import (
+from sglang_cp_hicache.v0_5_23.launch.server_args import (
     CLI_FLAG,
     DECLARATION_SOURCE,
     FLAG,
     CpSharedKVConfigError,
     set_cp_shared_kv_enabled,
 )
-from sglang_cp_hicache.v0_5_23.cp_mode import MODE_ATTR, CpMode, cp_mode
+from sglang_cp_hicache.v0_5_23.launch.cp_mode import MODE_ATTR, CpMode, cp_mode
 
 ROOT = Path(__file__).resolve().parents[4]
 # A PD prefill worker with interleave prefill CP: everything the flag needs.
@@ -329,7 +329,7 @@ def _glm5_pd():
 def deprecations(monkeypatch):
     """The plugin's deprecation warnings, on a fresh once-per-process memory (a handler on
     our logger: SGLang's parsing replaces the root logger's handlers)."""
-    from sglang_cp_hicache.v0_5_23 import server_args
+    from sglang_cp_hicache.v0_5_23.launch import server_args
 
     monkeypatch.setattr(server_args, "_warned_spellings", set())
     told = []

@@ -1,4 +1,4 @@
-"""``v0_5_23.disaggregation.common.conn``: the prefill's registration with its bootstrap
+"""``v0_5_23.launch.pd_bootstrap``: the prefill's registration with its bootstrap
 server, AROUND upstream's ``CommonKVManager._register_topology_row``.
 
 Flag off: upstream's method, called once with the same arguments, even for an address
@@ -18,7 +18,7 @@ import pytest
 
 from sglang_cp_hicache.core import bootstrap_probe
 from sglang_cp_hicache.core.bootstrap_probe import PDBootstrapUnreachable
-from sglang_cp_hicache.v0_5_23.disaggregation.common.conn import register_topology_row_around
+from sglang_cp_hicache.v0_5_23.launch.pd_bootstrap import register_topology_row_around
 
 
 # A prefill worker's arguments, the shape the plugin's flag accepts.
@@ -33,7 +33,7 @@ def publish(monkeypatch, plugins_loaded):
     from sglang.srt.runtime_context import restore_context, snapshot_context
     from sglang.srt.server_args import prepare_server_args, set_global_server_args_for_scheduler
 
-    from sglang_cp_hicache.v0_5_23.server_args import CLI_FLAG
+    from sglang_cp_hicache.v0_5_23.launch.server_args import CLI_FLAG
 
     monkeypatch.setattr(bootstrap_probe, "REGISTRATION_WAIT_S", 0.5)
     before = snapshot_context()

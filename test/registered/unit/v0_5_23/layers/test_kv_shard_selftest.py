@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_cp_hicache.v0_5_23.layers.attention import kv_shard_selftest
-from sglang_cp_hicache.v0_5_23.layers.attention.kv_shard_selftest_batch import (
+from sglang_cp_hicache.v0_5_23.selftest import kv_shard_selftest
+from sglang_cp_hicache.v0_5_23.selftest.kv_shard_selftest_batch import (
     SelfTestBatchSpec,
     build_selftest_batch,
 )
-from sglang_cp_hicache.v0_5_23.mem_cache import kv_shard_scratch
+from sglang_cp_hicache.v0_5_23.selftest import kv_shard_scratch
 
 PAGE = 64
 
@@ -25,7 +25,7 @@ def _runner(*, flag: bool, pool, is_draft_worker: bool = False, context_len: int
     from sglang.srt.server_args import ServerArgs
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from sglang_cp_hicache.v0_5_23.server_args import set_cp_shared_kv_enabled
+    from sglang_cp_hicache.v0_5_23.launch.server_args import set_cp_shared_kv_enabled
 
     server_args = ServerArgs(model_path="dummy")
     if flag:

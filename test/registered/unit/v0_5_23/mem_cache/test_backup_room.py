@@ -23,8 +23,8 @@ def _spec_in_scope(tree_core: _TreeCore, pages: int):
     """Run ``build_backup_spec_around`` inside a backup scope; return the scope's room."""
     from types import SimpleNamespace
 
-    from sglang_cp_hicache.v0_5_23.mem_cache import cache_extension
-    from sglang_cp_hicache.v0_5_23.mem_cache import host_lane_eviction as hle
+    from sglang_cp_hicache.v0_5_23.cache import cache_extension
+    from sglang_cp_hicache.v0_5_23.eviction import host_lane_eviction as hle
 
     extension = SimpleNamespace(backup_room=cache_extension.CallScope())
     cache_extension._register(tree_core, extension)
@@ -56,6 +56,6 @@ def test_a_node_without_a_rotation_base_has_no_owner() -> None:
 
 
 def test_a_room_opened_with_its_owner_reads_no_node() -> None:
-    from sglang_cp_hicache.v0_5_23.mem_cache.host_lane_eviction import _BackupRoom
+    from sglang_cp_hicache.v0_5_23.eviction.host_lane_eviction import _BackupRoom
 
     assert _BackupRoom(start_owner=1, pages=2).resolve_owner() == 1

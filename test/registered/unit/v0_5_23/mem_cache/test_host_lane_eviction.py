@@ -104,9 +104,9 @@ def _fill_host(stack, chains: Sequence[Chain]) -> None:
 def _lane_pages_match_slots(stack) -> bool:
     """The evictor's lane pages equal the owners the rotation phase gives each host node."""
     from sglang_cp_hicache.core.rotation import run_lane_counts
-    from sglang_cp_hicache.v0_5_23.cp_mode import CpMode
-    from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import CpCacheExtension, extension_of
-    from sglang_cp_hicache.v0_5_23.mem_cache.host_lane_eviction import HostLaneEvictor
+    from sglang_cp_hicache.v0_5_23.launch.cp_mode import CpMode
+    from sglang_cp_hicache.v0_5_23.cache.cache_extension import CpCacheExtension, extension_of
+    from sglang_cp_hicache.v0_5_23.eviction.host_lane_eviction import HostLaneEvictor
 
     extension = extension_of(stack.cache) or CpCacheExtension(
         stack.cache, stack.allocator, CpMode.SHARDED
@@ -121,7 +121,7 @@ def _lane_pages_match_slots(stack) -> bool:
 
 def _run(ctx: RankContext, name: str, cp_shared_kv: bool) -> Outcome:
     from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
-    from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import RoomStats, extension_of
+    from sglang_cp_hicache.v0_5_23.cache.cache_extension import RoomStats, extension_of
 
     chains, (base, pages) = SCENARIOS[name]
     config = StackConfig(device_pages_per_rank=4, host_to_device_ratio=1.0, cp_shared_kv=cp_shared_kv)
@@ -217,7 +217,7 @@ def test_flag_off_is_upstreams_function_unchanged(outcomes) -> None:
 def test_outside_a_lane_aware_backup_each_hook_is_upstreams_call(hook, args, kwargs) -> None:
     """Not a lane-aware cache, or no backup being made room for: upstream's function gets
     the very arguments and its result is returned, nothing else runs."""
-    from sglang_cp_hicache.v0_5_23.mem_cache import host_lane_eviction
+    from sglang_cp_hicache.v0_5_23.eviction import host_lane_eviction
 
     calls = []
 

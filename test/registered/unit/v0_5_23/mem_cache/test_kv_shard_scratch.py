@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_cp_hicache.v0_5_23.mem_cache.kv_shard_scratch import DsaScratchGeometry, dsa_scratch_figure
+from sglang_cp_hicache.v0_5_23.selftest.kv_shard_scratch import DsaScratchGeometry, dsa_scratch_figure
 
 
 @pytest.fixture(scope="module")

@@ -108,8 +108,8 @@ def _lane_pages_match_locs(stack) -> bool:
     """The evictor's phase-derived lane pages equal the owners of every node's locs."""
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
-    from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import extension_of
-    from sglang_cp_hicache.v0_5_23.mem_cache.lane_eviction import DeviceLaneEvictor
+    from sglang_cp_hicache.v0_5_23.cache.cache_extension import extension_of
+    from sglang_cp_hicache.v0_5_23.eviction.lane_eviction import DeviceLaneEvictor
 
     evictor = DeviceLaneEvictor(extension_of(stack.cache))
     nodes = list(stack.cache.tree_core.root_node.children.values())
@@ -126,9 +126,9 @@ def _lane_pages_match_locs(stack) -> bool:
 
 
 def _candidates_match_rebuild(stack) -> bool:
-    from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import extension_of
-    from sglang_cp_hicache.v0_5_23.mem_cache.host_lane_eviction import HostLaneEvictor
-    from sglang_cp_hicache.v0_5_23.mem_cache.lane_eviction import DeviceLaneEvictor
+    from sglang_cp_hicache.v0_5_23.cache.cache_extension import extension_of
+    from sglang_cp_hicache.v0_5_23.eviction.host_lane_eviction import HostLaneEvictor
+    from sglang_cp_hicache.v0_5_23.eviction.lane_eviction import DeviceLaneEvictor
 
     extension = extension_of(stack.cache)
     tree_core = stack.cache.tree_core
@@ -183,7 +183,7 @@ def _run(ctx: RankContext, name: str, cp_shared_kv: bool) -> Outcome:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
-    from sglang_cp_hicache.v0_5_23.mem_cache.cache_extension import LaneEvictionStats, extension_of
+    from sglang_cp_hicache.v0_5_23.cache.cache_extension import LaneEvictionStats, extension_of
 
     chains = SCENARIOS[name]
     config = StackConfig(device_pages_per_rank=4, host_to_device_ratio=4.0, cp_shared_kv=cp_shared_kv)
@@ -345,7 +345,7 @@ _COMPONENT = SimpleNamespace(tree_core="a tree core without an extension")
 def test_outside_a_lane_aware_cache_each_hook_is_upstreams_call(hook, args, kwargs) -> None:
     """Not a UnifiedRadixCache over the sharded allocator: upstream's function gets the
     very arguments and its result is returned, nothing else runs."""
-    from sglang_cp_hicache.v0_5_23.mem_cache import lane_eviction
+    from sglang_cp_hicache.v0_5_23.eviction import lane_eviction
 
     calls = []
 

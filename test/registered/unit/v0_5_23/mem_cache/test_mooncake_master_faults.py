@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda missing")
 
-from sglang_cp_hicache.v0_5_23.mem_cache.storage.mooncake_store import mooncake_store as ours  # noqa: E402
+from sglang_cp_hicache.v0_5_23.storage import mooncake_backend as ours  # noqa: E402
 
 
 def _closed_port() -> int:

@@ -1,5 +1,5 @@
-"""The owner-free file backend (``v0_5_23.mem_cache.hicache_storage``) and the backend
-choice under the flag (``v0_5_23.mem_cache.storage.backend_factory``), in one process."""
+"""The owner-free file backend (``v0_5_23.storage.file_backend``) and the backend
+choice under the flag (``v0_5_23.storage.backend_factory``), in one process."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def make_namespace(**changes) -> StorageNamespace:
 def make_backend(tmp_path):
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-    from sglang_cp_hicache.v0_5_23.mem_cache.hicache_storage import OwnerFreeHiCacheFile
+    from sglang_cp_hicache.v0_5_23.storage.file_backend import OwnerFreeHiCacheFile
 
     def build(rank: int = 0, cp: int = 2, **namespace):
         config = HiCacheStorageConfig(
@@ -74,11 +74,11 @@ def test_an_absent_page_is_a_plain_miss(make_backend):
 
 
 def test_other_backends_are_refused_with_the_flag_named():
-    from sglang_cp_hicache.v0_5_23.mem_cache.storage.backend_factory import (
+    from sglang_cp_hicache.v0_5_23.storage.backend_factory import (
         UnsupportedShardedStorageError,
         refuse_unless_owner_free,
     )
-    from sglang_cp_hicache.v0_5_23.server_args import CLI_FLAG
+    from sglang_cp_hicache.v0_5_23.launch.server_args import CLI_FLAG
 
     refuse_unless_owner_free("file")
     refuse_unless_owner_free("mooncake")
@@ -93,11 +93,11 @@ def test_the_factory_follows_the_flag_on_an_unsharded_host_pool(monkeypatch, fla
     from sglang.srt import runtime_context
     from sglang.srt.server_args import ServerArgs
 
-    from sglang_cp_hicache.v0_5_23.mem_cache.storage.backend_factory import (
+    from sglang_cp_hicache.v0_5_23.storage.backend_factory import (
         UnsupportedShardedStorageError,
         create_backend_around,
     )
-    from sglang_cp_hicache.v0_5_23.server_args import set_cp_shared_kv_enabled
+    from sglang_cp_hicache.v0_5_23.launch.server_args import set_cp_shared_kv_enabled
 
     record = ServerArgs(model_path="dummy")
     set_cp_shared_kv_enabled(record, flag)

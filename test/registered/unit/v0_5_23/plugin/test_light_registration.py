@@ -22,13 +22,22 @@ REGISTRATION_MODULES = {
     "sglang_cp_hicache.core.import_watcher",
     "sglang_cp_hicache.v0_5_23",
     "sglang_cp_hicache.v0_5_23.hooks",
+    "sglang_cp_hicache.v0_5_23.resolution_steps",
+    # the rooms' packages: hook specs by path, none of their modules
+    "sglang_cp_hicache.v0_5_23.launch",
+    "sglang_cp_hicache.v0_5_23.cache",
+    "sglang_cp_hicache.v0_5_23.eviction",
+    "sglang_cp_hicache.v0_5_23.selftest",
+    "sglang_cp_hicache.v0_5_23.storage",
+    "sglang_cp_hicache.v0_5_23.backup",
     "sglang.srt.arg_groups.resolution_hooks",
 }
 # The first call of a ServerArgs hook imports the flag's module.
 OURS_AFTER_PARSE = {m for m in REGISTRATION_MODULES if m.startswith("sglang_cp_hicache")} | {
-    "sglang_cp_hicache.v0_5_23.server_args",
-    "sglang_cp_hicache.v0_5_23.cp_mode",  # pure: the mode's enum and its reader
+    "sglang_cp_hicache.v0_5_23.launch.server_args",
+    "sglang_cp_hicache.v0_5_23.launch.cp_mode",  # pure: the mode's enum and its reader
     "sglang_cp_hicache.core.module_binding",  # pure, no import: the gate's binding swap
+    "sglang_cp_hicache.core.field_overlay",  # pure, no import: the gate's record views
 }
 # Cache, scheduler, model, attention, transfer and kernel code: none of it before a launch.
 HEAVY_PREFIXES = (
@@ -66,7 +75,7 @@ flag_parse = sorted(set(sys.modules) - parsed)
 
 from sglang_cp_hicache.core.import_watcher import installed_watcher
 from sglang_cp_hicache.v0_5_23 import hooks
-from sglang_cp_hicache.v0_5_23.cp_mode import cp_mode
+from sglang_cp_hicache.v0_5_23.launch.cp_mode import cp_mode
 
 print(json.dumps({
     "cost_s": cost_s,

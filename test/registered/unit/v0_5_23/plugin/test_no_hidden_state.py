@@ -18,16 +18,17 @@ LINE = Path(sglang_cp_hicache.__file__).parent / "v0_5_23"
 
 # (module path under v0_5_23/, what) -> why it stays
 KNOWN = {
-    ("server_args.py", "setattr"): "the mode's own field on the sealed ServerArgs record (the flag, resolution's decision)",
-    ("server_args.py", "vars"): "argparse's Namespace of from_cli_args, not an SGLang object",
-    ("server_args.py", "_warned_spellings"): "a 0.5.12 spelling is warned about once per process",
-    ("server_args.py", "LEGACY_CP_STRATEGIES"): "a constant table, never written",
-    ("arg_groups/kv_shard_hook.py", "ADMITTED"): "a constant table, never written",
-    ("layers/attention/kv_shard_selftest.py", "SELFTEST_KERNELS"): "a constant table, never written",
-    ("layers/attention/kv_shard_selftest.py", "setattr"): "the startup self-test's report on the model runner",
-    ("hooks.py", "_step_wrappers"): "registration is once per process: the wrappers SGLang holds",
-    ("hooks.py", "_step_errors"): "registration is once per process: why a step was refused",
-    ("mem_cache/cache_extension.py", "_EXTENSIONS"): "the one lookup from an SGLang object to its cache's extension (weak)",
+    ("launch/server_args.py", "setattr"): "the mode's own field on the sealed ServerArgs record (the flag, resolution's decision)",
+    ("launch/server_args.py", "vars"): "argparse's Namespace of from_cli_args, not an SGLang object",
+    ("launch/server_args.py", "_warned_spellings"): "a 0.5.12 spelling is warned about once per process",
+    ("launch/server_args.py", "LEGACY_CP_STRATEGIES"): "a constant table, never written",
+    ("launch/dsa_backend_rule.py", "ADMITTED"): "a constant table, never written",
+    ("launch/dsa_backend_rule.py", "_UPSTREAM_TRIPLE"): "a constant table, never written",
+    ("selftest/kv_shard_selftest.py", "SELFTEST_KERNELS"): "a constant table, never written",
+    ("selftest/kv_shard_selftest.py", "setattr"): "the startup self-test's report on the model runner",
+    ("resolution_steps.py", "_step_wrappers"): "registration is once per process: the wrappers SGLang holds",
+    ("resolution_steps.py", "_step_errors"): "registration is once per process: why a step was refused",
+    ("cache/cache_extension.py", "_EXTENSIONS"): "the one lookup from an SGLang object to its cache's extension (weak)",
 }
 
 _MUTABLE_CALLS = {

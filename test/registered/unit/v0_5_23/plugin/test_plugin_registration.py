@@ -11,14 +11,14 @@ from sglang.srt.arg_groups import resolution_hooks
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sglang_cp_hicache import plugin
-from sglang_cp_hicache.v0_5_23 import hooks
-from sglang_cp_hicache.v0_5_23.server_args import CLI_FLAG, set_cp_shared_kv_enabled
+from sglang_cp_hicache.v0_5_23 import hooks, resolution_steps
+from sglang_cp_hicache.v0_5_23.launch.server_args import CLI_FLAG, set_cp_shared_kv_enabled
 
-OURS_ARGS = "sglang_cp_hicache.v0_5_23.server_args"
+OURS_ARGS = "sglang_cp_hicache.v0_5_23.launch.server_args"
 
 
 def _wrappers_of(step: hooks.ResolutionStep) -> list:
-    return [fn for fn in resolution_hooks._HOOKS.get(step.step, ()) if fn is hooks._step_wrappers.get(step)]
+    return [fn for fn in resolution_hooks._HOOKS.get(step.step, ()) if fn is resolution_steps._step_wrappers.get(step)]
 
 
 def test_entry_point_loads_plugin_register():
@@ -73,8 +73,8 @@ def test_every_table_entry_resolves_and_every_step_runs_in_upstreams_pipeline():
 @pytest.fixture
 def scratch_registry(monkeypatch):
     """Planted steps register into copies: the real pipeline and table are left as they were."""
-    monkeypatch.setattr(hooks, "_step_wrappers", dict(hooks._step_wrappers))
-    monkeypatch.setattr(hooks, "_step_errors", dict(hooks._step_errors))
+    monkeypatch.setattr(resolution_steps, "_step_wrappers", dict(resolution_steps._step_wrappers))
+    monkeypatch.setattr(resolution_steps, "_step_errors", dict(resolution_steps._step_errors))
     monkeypatch.setattr(resolution_hooks, "_HOOKS", {k: list(v) for k, v in resolution_hooks._HOOKS.items()})
 
 

@@ -15,7 +15,7 @@ import torch
 from sglang.srt.arg_groups.overrides import resolution_result
 from sglang.srt.server_args import prepare_server_args
 
-from sglang_cp_hicache.v0_5_23.cp_mode import CpMode, cp_mode
+from sglang_cp_hicache.v0_5_23.launch.cp_mode import CpMode, cp_mode
 
 ROOT = Path(__file__).resolve().parents[5]
 SCRIPT = ROOT / "scripts" / "glm5" / "glm5_pd.py"
@@ -59,3 +59,8 @@ def test_the_0_5_23_prefill_command_resolves_on_h200(glm5_pd, plugins_loaded, tm
     assert cp_mode(record) is CpMode.SHARDED and resolution_result(record, "enable_kv_cache_sharding") is True
     resolved = tuple(resolution_result(record, f) for f in ("dsa_prefill_backend", "dsa_decode_backend", "kv_cache_dtype"))
     assert resolved == backends
+    # Per-layer backup on 0.5.23's default host layout: no layout asked for, kernel I/O.
+    assert "--hicache-mem-layout" not in command
+    assert (resolution_result(record, "hicache_mem_layout"), resolution_result(record, "hicache_io_backend")) == (
+        "page_first", "kernel",
+    )

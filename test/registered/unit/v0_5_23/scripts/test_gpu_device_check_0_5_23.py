@@ -84,11 +84,11 @@ def _twin(**overrides):
     return dict({"identical": True, "table_translated": True, "pool_problems": [], "block_table_problems": [], "seconds": 0.2}, **overrides)
 
 
-def _trip(rank, world, **overrides):
-    """One rank's passing layer_first round trip (C on the last rank only)."""
+def _trip(rank, world, layout="layer_first", **overrides):
+    """One rank's passing round trip on ``layout`` (C on the last rank only)."""
     return dict(
         {
-            "layout": "layer_first", "owned_pages": {"A": 3, "C": int(rank == world - 1)},
+            "layout": layout, "owned_pages": {"A": 3, "C": int(rank == world - 1)},
             "acks_before_last_layer": 0, "acks_after_forward": 1,
             "pending_after_ack": {"A": False, "C": False}, "backed_up": {"A": True, "C": True},
             "loaded": {"A": [], "C": []}, "free_counts": [[2048, 4096], [2048, 4096]], "overlap_ms": None,
@@ -105,7 +105,7 @@ def _rank_report(driver, rank, world, device="cpu", **overrides):
     report = {
         "selftests": [{"format": f, "topk": p, "selftest": dict(selftest)} for f in driver.FORMATS_0_5_23 for p in paths],
         "twins": [{"format": f, "target": _twin(), "draft": _twin(seconds=0.1)} for f in driver.FORMATS_0_5_23],
-        "round_trip": {"layer_first": _trip(rank, world), "page_first": {"refused": "no per-layer path"}},
+        "round_trip": {layout: _trip(rank, world, layout) for layout in driver.ROUND_TRIP_LAYOUTS_0_5_23},
         "planted": {
             "self-test": {"caught": True, "entries": [{"selftest": planted_selftest}]},
             "twin": dict(_twin(identical=False), caught=True),
@@ -143,11 +143,12 @@ def test_the_pass_line_counts_every_check_and_every_planted_fault_caught(driver,
     planted = len(driver.PLANTED_0_5_23[device])
     assert lines[0] == (
         f"PASS 0.5.23 sharded KV == replicated (cp=2 device={device} sglang=0.5.23, 2 formats x 2 ranks: self-test x "
-        f"{paths} top-k paths, twins target + MTP draft; per-layer round trip ['layer_first'] (['page_first'] refused: "
-        f"no per-layer path yet); kvcacheio 2 cases byte-exact; {planted} planted faults caught)"
+        f"{paths} top-k paths, twins target + MTP draft; per-layer round trip ['layer_first', 'page_first']; "
+        f"kvcacheio 2 cases byte-exact; {planted} planted faults caught)"
     )
     assert "flashmla_kv/fp8_e4m3 target 0.20 s, MTP draft 0.10 s" in lines[2]
-    assert "round trip page_first: refused (no per-layer path)" in lines
+    assert "round trip layer_first: ok" in lines and "round trip page_first: ok" in lines
+    assert planted == 3 + 2 * (2 if device == "cuda" else 1) + 2  # each round-trip plant on both layouts
     assert lines[-2] == "planted faults: " + ", ".join(f"{n} caught" for n in driver.PLANTED_0_5_23[device])
     assert ("missing_wait" in lines[-2]) == (device == "cuda")
 
@@ -187,15 +188,20 @@ def test_each_failure_is_the_one_fail_line_naming_rank_format_and_stage(driver):
 
     assert "round trip layer_first: rank 1 C: load-back not byte-exact" in first_line(stale_load)
 
+    def stale_page_first(ranks):
+        ranks[0]["round_trip"]["page_first"]["loaded"]["A"] = ["layer 1 indexer page 3"]
+
+    assert "round trip page_first: rank 0 A: load-back not byte-exact" in first_line(stale_page_first)
+
     def plant_missed(ranks):
         ranks[1]["planted"]["twin-mtp"]["caught"] = False
 
     assert "planted fault twin-mtp not caught" in first_line(plant_missed)
 
     def plant_crashed(ranks):  # a crash in the round trip is no catch
-        ranks[0]["planted"]["round-trip/layer_copy_dropped"] = {"error": "RuntimeError: boom"}
+        ranks[0]["planted"]["round-trip/page_first/layer_copy_dropped"] = {"error": "RuntimeError: boom"}
 
-    assert "planted fault round-trip/layer_copy_dropped not caught" in first_line(plant_crashed)
+    assert "planted fault round-trip/page_first/layer_copy_dropped not caught" in first_line(plant_crashed)
     main = _main()
     main["planted"]["kvcacheio"]["caught"] = False
     assert "planted fault kvcacheio not caught" in first_line(lambda ranks: None, main)
@@ -281,7 +287,7 @@ def test_cuda_runs_the_same_ranks_and_reports_versions(driver, cuda_host, capsys
     assert driver.main_0_5_23(["--device", "cuda"], launch=launch) == 0
     assert calls == [(2, "check_rank_0_5_23", "cuda")]
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("PASS 0.5.23 sharded KV == replicated (cp=2 device=cuda") and "7 planted faults caught" in out[0]
+    assert out[0].startswith("PASS 0.5.23 sharded KV == replicated (cp=2 device=cuda") and "9 planted faults caught" in out[0]
     report = cuda_host["report"]()
     assert report["ok"] is True and "sgl-flash-mla" in report["versions"] and report["versions"]["gpu"] == "fake H200"
 
@@ -300,7 +306,7 @@ def test_the_dry_runs_name_the_round_trip_the_twins_and_the_planted_faults():
         out = _sh(*args, "--sglang", "0.5.23", "--dry-run")
         assert out.returncode == 0, out.stderr
         assert "target extend and MTP draft extend" in out.stdout
-        assert "['layer_first']; ['page_first'] refused until it has a per-layer path" in out.stdout
+        assert "per host layout ['layer_first', 'page_first']" in out.stdout and "refused" not in out.stdout
         assert "a zero-owned one too" in out.stdout and "owned-shard D2H/H2D GB/s" in out.stdout
         assert ("missing_wait" in out.stdout) == (device == "cuda")
         assert (">= 80% of pinned peak" in out.stdout) == (device == "cuda")
@@ -361,6 +367,6 @@ def test_the_driver_names_the_round_trip_layouts_and_plants_the_ranks_run(driver
     assert driver.ROUND_TRIP_LAYOUTS_0_5_23 == layer_round_trip.LAYOUTS
     for device in ("cpu", "cuda"):
         named = [n for n in driver.PLANTED_0_5_23[device] if n.startswith("round-trip/")]
-        assert named == [f"round-trip/{p}" for p in layer_round_trip.plants_for(device)]
-    with pytest.raises(layer_round_trip.PageFirstUnavailable, match="no per-layer D2H path"):
-        layer_round_trip.round_trip(None, "cpu", "page_first")
+        plants = layer_round_trip.plants_for(device)
+        assert driver.ROUND_TRIP_PLANTS_0_5_23[device] == plants
+        assert named == [f"round-trip/{layout}/{p}" for layout in layer_round_trip.LAYOUTS for p in plants]

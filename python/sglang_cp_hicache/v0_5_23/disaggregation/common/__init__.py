@@ -1,1 +1,0 @@
-"""Around ``sglang.srt.disaggregation.common``."""

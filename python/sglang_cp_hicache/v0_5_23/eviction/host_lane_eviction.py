@@ -1,0 +1,258 @@
+"""Lane-aware host eviction for backups on SGLang 0.5.23's native KV sharding.
+
+Upstream's backup (``UnifiedRadixCache._execute_kv_backup``) gates on the host pool's
+min-class floor (``PageInterleaveHostPool.available_size``: the tightest owner lane x N)
+and, when the floor is below the backup's tokens, evicts host leaves by LRU until the
+missing *tokens* are freed, else skips the backup. The host slots it then takes are
+owner-matched (``alloc_cyclic`` from the node's rotation phase), so what the backup
+really needs is known per lane. Counting tokens evicts for room other lanes already
+have, and can skip a backup the lanes could hold once the right lane is freed.
+
+Under the plugin's flag, inside a backup, the host room is the backup's exact per-lane
+draws and is made by the shared planner
+(:func:`sglang_cp_hicache.core.lane_eviction.plan_lane_victims`): host leaves in (priority,
+node id) order that free pages on a short lane only (an inner host node is reached through
+its leaves in the LRU walk's own turn), stopping once every short lane is covered. A
+backup the free lanes hold evicts nothing; an uncoverable deficit evicts nothing and is a
+counted refusal, and the backup is skipped as upstream skips it.
+
+Three hooks (``v0_5_23.hooks``), each upstream's function unchanged for a cache without a
+``CpCacheExtension`` over a sharded host pool (flag off, not the sharded allocator:
+``cache_extension.py``), or when no backup is being made room for:
+
+* ``UnifiedRadixCache._execute_and_commit_kv_backup`` (AROUND): opens the backup scope
+  (every backup runs through it: insert write-through, write-back demotes);
+* ``UnifiedTreeCore.build_backup_spec`` (AROUND): records the node's draws per lane
+  (rotation phase, pages of the device value it backs up: the slots ``_execute_kv_backup``
+  will ask ``alloc_cyclic`` for);
+* ``UnifiedRadixCache.evict_host`` (AROUND): inside the scope, for FULL KV, the lane-aware
+  room; it answers upstream's ``evict_host(needed) < needed`` test with ``needed`` when the
+  lanes hold the backup (made or already there) and 0 when they cannot be made to.
+
+:func:`backup_room` opens the same scope for a caller that reserves host slots itself
+(the per-layer backup's reservation before the forward).
+
+Every decision reads replicated state only (the logical tree, node ids, rotation phases,
+the logical host slot allocator's per-lane free counts, identical on every rank since
+every rank makes the same allocations and frees): every rank evicts the same nodes, no
+collective. The counts and the backup scope are the cache's extension's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Set, Tuple
+
+from sglang_cp_hicache.core.lane_eviction import lane_deficit
+from sglang_cp_hicache.core.rotation import lane_page_counts, run_lane_counts
+from sglang_cp_hicache.v0_5_23.cache.cache_extension import (
+    CpCacheExtension,
+    extension_of,
+    host_extension_of,
+)
+from sglang_cp_hicache.v0_5_23.eviction.lane_tier import (
+    Priority,
+    full_type,
+    plan_tier_victims,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _BackupRoom:
+    """The backup being made room for on the scheduler thread: the owner lane of its
+    first host page and its pages, once known (None before its spec is built, or for a
+    node with nothing to copy)."""
+
+    start_owner: Optional[int] = None
+    pages: int = 0
+    # The backed-up node (tree core, node id) whose rotation phase is ``start_owner``,
+    # read only when the host is short: the phase walks the node's whole path, and most
+    # backups find room (no split runs between the spec and the host eviction).
+    node: Optional[Tuple[Any, Any]] = None
+
+    def resolve_owner(self) -> Optional[int]:
+        """``start_owner``, read off the recorded node on first use."""
+        if self.start_owner is None and self.node is not None:
+            tree_core, node_id = self.node
+            self.start_owner = tree_core.rotation_phase_of(node_id)
+            self.node = None
+        return self.start_owner
+
+    def demand(self, lanes: int) -> List[int]:
+        """Host pages per owner lane: a cyclic run from ``start_owner``."""
+        return run_lane_counts(self.start_owner, self.pages, lanes)
+
+
+@dataclass
+class HostLaneEvictor:
+    """Makes per-lane host room on one ``UnifiedRadixCache`` (Python tree core) whose KV
+    anchor host pool is a ``PageInterleaveHostPool``. Demands and free counts are pages per
+    owner lane of the logical host slot space (lane = logical host page % N). Its counts
+    are its cache's extension's."""
+
+    extension: CpCacheExtension
+
+    def __post_init__(self) -> None:
+        self.cache = self.extension.cache  # UnifiedRadixCache
+
+    @property
+    def host_pool(self) -> Any:  # PageInterleaveHostPool
+        return self.cache.cache_controller.mem_pool_host.anchor_entry.host_pool
+
+    @property
+    def lanes(self) -> int:
+        return self.host_pool.shard_size
+
+    @property
+    def page_size(self) -> int:
+        return self.host_pool.page_size
+
+    def free_pages(self) -> List[int]:
+        """Free host pages per owner lane: the logical slot allocator's, replicated."""
+        return self.host_pool._slots.class_free_page_counts()
+
+    # ----------------------------------------------------------------- the planner's view
+    def lane_pages(self, node: Any) -> List[int]:
+        """``node``'s host pages per owner lane, read off its logical host slots (CPU
+        indices: no device sync)."""
+        host_value = node.component_data[full_type()].host_value
+        logical_pages = (host_value[:: self.page_size] // self.page_size).tolist()
+        return lane_page_counts(logical_pages, self.lanes)
+
+    def _component(self) -> Any:
+        component = self.cache.tree_core.components_by_type[full_type()]
+        component._ensure_eviction_strategy()
+        return component
+
+    def candidates(self, priority: Priority) -> Iterator[Any]:
+        """The evictable host leaves in (priority, node id) order (the extension's
+        persistent heap over the tree core's leaf set)."""
+        return self.extension.host_leaves.candidates(
+            self.cache.tree_core.evictable_host_leaves, priority
+        )
+
+    def freed_parent(self, node: Any, planned: Set[Any]) -> Optional[Any]:
+        """``node``'s parent if evicting the planned set makes it a host leaf (upstream's
+        ``_is_host_leaf`` with the planned children gone)."""
+        parent = node.parent
+        if parent is None or parent is self.cache.tree_core.root_node:
+            return None
+        if not parent.evicted or not parent.backuped:
+            return None
+        if any(cd.host_lock_ref > 0 or cd.lock_ref > 0 for cd in parent.component_data):
+            return None
+        if any(child not in planned for child in parent.children.values()):
+            return None
+        return parent
+
+    # ------------------------------------------------------------------- making room
+    def make_room(self, demand: Sequence[int]) -> bool:
+        """Evict a plan covering ``demand`` (pages per lane) on every short lane; False
+        (nothing evicted, a counted refusal) when the short lanes cannot be covered."""
+        free, stats = self.free_pages(), self.extension.host_stats
+        stats.short += 1
+        deficit = lane_deficit(demand, free)
+        if max(deficit) <= 0:
+            stats.fit += 1
+            return True
+        priority = self._component().session_ref_eviction_strategy
+        victims = plan_tier_victims(self, deficit, priority)
+        if victims is None:
+            stats.refusals += 1
+            logger.debug(
+                "cp_hicache backup: host lanes %s cannot cover %s from evictable host "
+                "leaves; evicting nothing", free, list(demand),
+            )  # fmt: skip
+            return False
+        logger.debug(
+            "cp_hicache backup: host lanes %s, demand %s: victims %s",
+            free, list(demand), [n.id for n in victims],
+        )  # fmt: skip
+        self._evict(victims)
+        return True
+
+    def _evict(self, victims: List[Any]) -> None:
+        """Evict ``victims`` in plan order as upstream's host walk evicts a leaf."""
+        from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import (
+            DriveHostEvictionResult,
+        )
+
+        tree_core = self.cache.tree_core
+        result = DriveHostEvictionResult()
+        for node in victims:
+            tree_core._evict_host_leaf(
+                node, result.tracker, result.device_frees, result.host_frees,
+                cache_actions=result.cache_actions,
+            )  # fmt: skip
+        evicted = result.tracker.get(full_type(), 0)
+        self.cache._apply_eviction_result(result)
+        stats = self.extension.host_stats
+        stats.plans += 1
+        stats.victims += len(victims)
+        stats.evicted_tokens += evicted
+
+
+@contextlib.contextmanager
+def backup_room(cache: Any, start_owner: Optional[int], num_tokens: int) -> Iterator[None]:
+    """Within, ``cache.evict_host`` makes lane-aware room for a backup of ``num_tokens``
+    (page-aligned) logical tokens whose host slots start on owner lane ``start_owner``."""
+    extension = host_extension_of(cache)
+    if start_owner is None or not num_tokens or extension is None:
+        yield
+        return
+    with extension.backup_room.opened(_BackupRoom(start_owner, num_tokens // cache.page_size)):
+        yield
+
+
+# ------------------------------------------------------------------------- the hooks
+def execute_and_commit_kv_backup_around(original: Callable, cache: Any, *args: Any, **kwargs: Any):
+    """``UnifiedRadixCache._execute_and_commit_kv_backup``: the backup scope."""
+    extension = host_extension_of(cache)
+    if extension is None:
+        return original(cache, *args, **kwargs)
+    with extension.backup_room.opened(_BackupRoom()):
+        return original(cache, *args, **kwargs)
+
+
+def build_backup_spec_around(original: Callable, tree_core: Any, node_id: Any, *args: Any, **kwargs: Any):
+    """``UnifiedTreeCore.build_backup_spec``: inside the backup scope, record the node's
+    host draws per lane (its rotation phase is the ``start_owner`` of its host slots)."""
+    spec = original(tree_core, node_id, *args, **kwargs)
+    extension = extension_of(tree_core)
+    room = None if extension is None else extension.backup_room.value
+    if room is not None:
+        room.start_owner, room.node = None, (tree_core, node_id)
+        room.pages = len(spec[0]) // tree_core.page_size
+    return spec
+
+
+def evict_host_around(original: Callable, cache: Any, num_tokens: int, *args: Any, **kwargs: Any) -> int:
+    """``UnifiedRadixCache.evict_host``: inside a backup, for FULL KV, the backup's exact
+    per-lane room: ``num_tokens`` when the lanes hold it (made or already there), 0 when
+    they cannot be made to (nothing evicted). Anywhere else: upstream's walk."""
+    extension = extension_of(cache)
+    room = None if extension is None else extension.backup_room.value
+    component_type = args[0] if args else kwargs.get("component_type", full_type())
+    if (
+        room is None
+        or not room.pages
+        or room.resolve_owner() is None
+        or component_type != full_type()
+        or cache.host_memory_mode == "buffer_only"
+    ):
+        return original(cache, num_tokens, *args, **kwargs)
+    evictor = HostLaneEvictor(extension)
+    return num_tokens if evictor.make_room(room.demand(evictor.lanes)) else 0
+
+
+__all__ = [
+    "HostLaneEvictor",
+    "backup_room",
+    "build_backup_spec_around",
+    "evict_host_around",
+    "execute_and_commit_kv_backup_around",
+]

@@ -1,1 +1,0 @@
-"""The 0.5.23 line's layer extensions (mirrors ``sglang.srt.layers``)."""

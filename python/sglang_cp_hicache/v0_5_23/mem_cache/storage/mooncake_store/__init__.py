@@ -1,1 +1,0 @@
-"""The plugin's pieces around ``sglang.srt.mem_cache.storage.mooncake_store``."""
