@@ -10,11 +10,13 @@ hook asks, and the extension carries the mode it was built under. Its HiCache si
 (host lanes, the per-layer backup) is filled in once by ``init_hicache``'s AFTER hook.
 
 It owns: the chains started per rotation base (:class:`ChainStarts`), the device and host
-lane-eviction stats, the L3 prefetches' start owners (weakly keyed by operation: an
+lane-eviction stats and candidate heaps (``core.leaf_heap.LazyLeafHeap``: persistent
+across plans, over the tree core's own leaf sets), the L3 prefetches' start owners (weakly keyed by operation: an
 entry dies with its operation, whichever way it ends) and the
 prefetches not issued under a pending backup, the per-layer backup and which pool feeds
 which of its stages, and the scope of the call running on the scheduler thread (the
-extend's resolved bases, the load-back's and the backup's per-lane room). Every hook finds
+extend's resolved bases, the load-back's and the backup's per-lane room, the device plan
+being evicted). Every hook finds
 it with :func:`extension_of` on the SGLang object it was handed (the cache, its tree core,
 its allocator, its KV pools), which is the one lookup table of the line: identity-keyed,
 weak (it dies with the cache), written only here.
@@ -28,6 +30,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, Generic, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
+from sglang_cp_hicache.core.leaf_heap import LazyLeafHeap
 from sglang_cp_hicache.v0_5_23.launch.cp_mode import CpMode, cp_mode
 
 logger = logging.getLogger(__name__)
@@ -96,6 +99,21 @@ class CallScope(Generic[Value]):
             self.value = outer
 
 
+def keys_only_grow(tree_core: Any, session_refs: bool) -> bool:
+    """Whether a node's eviction key on ``tree_core`` can only grow while it is cached (a
+    persistent candidate heap is then exact, ``core.leaf_heap``): the tree's strategy is
+    one whose key is access times, hit counts or priorities, and (``session_refs``: the key
+    leads with the node's session refs, which drop) session radix caching is off."""
+    from sglang.srt.mem_cache.evict_policy import (
+        FIFOStrategy, LFUStrategy, LRUStrategy, PriorityStrategy, SLRUStrategy,
+    )  # fmt: skip
+
+    growing = (LRUStrategy, LFUStrategy, FIFOStrategy, PriorityStrategy, SLRUStrategy)
+    if type(tree_core.eviction_strategy) not in growing:
+        return False
+    return not (session_refs and tree_core.enable_session_radix_cache)
+
+
 class CpCacheExtension:
     """The plugin's state for one sharded ``UnifiedRadixCache`` (one per scheduler rank).
 
@@ -114,6 +132,10 @@ class CpCacheExtension:
         self.chain_starts = ChainStarts([0] * allocator.shard_size)
         self.device_stats = LaneEvictionStats()
         self.host_stats = RoomStats()  # backups' host room
+        # The lane planners' candidates, in (priority, node id) order: the device tier
+        # keys by the tree's strategy, the host tier by FULL's session-ref key.
+        self.device_leaves = LazyLeafHeap(keys_only_grow(cache.tree_core, session_refs=False))
+        self.host_leaves = LazyLeafHeap(keys_only_grow(cache.tree_core, session_refs=True))
         # HiCache (init_hicache's AFTER hook): the KV host pool is the sharded one.
         self.host_lanes = False
         self.layer_backup: Optional[Any] = None  # layer_backup.CacheLayerBackup
@@ -129,6 +151,9 @@ class CpCacheExtension:
         self.extend_room: CallScope[List[int]] = CallScope()
         self.load_room: CallScope[Any] = CallScope()  # lane_eviction._LoadRoom
         self.backup_room: CallScope[Any] = CallScope()  # host_lane_eviction._BackupRoom
+        # The device plan being evicted (its victims left to walk), upstream's device walk
+        # taking its nodes from it (lane_eviction.full_evict_device_next_node_around).
+        self.device_plan: CallScope[Iterator[Any]] = CallScope()
 
     # ---------------------------------------------------------------- the layer backup
     def attach_layer_backup(self, backup: Any, listeners: Sequence[Tuple[Any, Any]]) -> None:
@@ -216,4 +241,5 @@ __all__ = [
     "extension_of",
     "decide_host_side",
     "host_extension_of",
+    "keys_only_grow",
 ]

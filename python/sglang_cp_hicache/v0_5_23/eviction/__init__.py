@@ -14,6 +14,7 @@ _DEVICE = "sglang_cp_hicache.v0_5_23.eviction.lane_eviction"
 _HOST = "sglang_cp_hicache.v0_5_23.eviction.host_lane_eviction"
 _URC = "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"
 _TREE_CORE = "sglang.srt.mem_cache.unified_cache.unified_tree_core:UnifiedTreeCore"
+_FULL = "sglang.srt.mem_cache.unified_cache.components.full:FullComponent"
 
 HOOKS: Tuple[HookSpec, ...] = (
     # Device: the extend's exact draws first, then the load-back's (and any caller's)
@@ -29,6 +30,16 @@ HOOKS: Tuple[HookSpec, ...] = (
         "AROUND",
     ),
     HookSpec(f"{_URC}.evict_for_alloc", f"{_DEVICE}:evict_for_alloc_around", "AROUND"),
+    # A plan's victims are evicted by upstream's own device walk, which takes its nodes
+    # from the plan (and builds no heap of every leaf) while one is being evicted.
+    HookSpec(
+        f"{_FULL}._evict_device_start", f"{_DEVICE}:full_evict_device_start_around", "AROUND"
+    ),
+    HookSpec(
+        f"{_FULL}._evict_device_next_node",
+        f"{_DEVICE}:full_evict_device_next_node_around",
+        "AROUND",
+    ),
     HookSpec(
         "sglang.srt.mem_cache.common:_evict_until_allocatable",
         f"{_DEVICE}:evict_until_allocatable_around",

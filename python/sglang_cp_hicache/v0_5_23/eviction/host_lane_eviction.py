@@ -55,7 +55,6 @@ from sglang_cp_hicache.v0_5_23.cache.cache_extension import (
 from sglang_cp_hicache.v0_5_23.eviction.lane_tier import (
     Priority,
     full_type,
-    in_eviction_order,
     plan_tier_victims,
 )
 
@@ -130,8 +129,11 @@ class HostLaneEvictor:
         return component
 
     def candidates(self, priority: Priority) -> Iterator[Any]:
-        """The evictable host leaves in (priority, node id) order."""
-        return in_eviction_order(self.cache.tree_core.evictable_host_leaves, priority)
+        """The evictable host leaves in (priority, node id) order (the extension's
+        persistent heap over the tree core's leaf set)."""
+        return self.extension.host_leaves.candidates(
+            self.cache.tree_core.evictable_host_leaves, priority
+        )
 
     def freed_parent(self, node: Any, planned: Set[Any]) -> Optional[Any]:
         """``node``'s parent if evicting the planned set makes it a host leaf (upstream's

@@ -14,7 +14,7 @@ leaves alone would keep a dead chain's old ancestors and evict a younger leaf on
 lane instead, which in the simulator cost more device hits (hence more evictions) than
 upstream's lane-blind flushes saved.
 
-Seven hooks (``v0_5_23.hooks``), each upstream's function unchanged for a cache without a
+Nine hooks (``v0_5_23.hooks``), each upstream's function unchanged for a cache without a
 ``CpCacheExtension`` (flag off, or not the sharded allocator: ``cache_extension.py``):
 
 * ``allocation:alloc_paged_token_slots_extend`` (AROUND) with
@@ -47,6 +47,11 @@ Seven hooks (``v0_5_23.hooks``), each upstream's function unchanged for a cache 
 * ``UnifiedRadixCache.evict_for_alloc`` (AROUND): the load-back's exact room (above), or
   any other caller's room for upstream's own target, the min-class floor reaching
   ``available + num_tokens``.
+* ``FullComponent._evict_device_start`` and ``FullComponent._evict_device_next_node``
+  (AROUND): a plan is evicted by upstream's own device walk (``UnifiedRadixCache._evict``,
+  its step results, write-back backups, writing check and metrics), whose nodes are the
+  plan's victims in plan order while the plan is open (``CpCacheExtension.device_plan``);
+  the walk's heap of every evictable leaf is then not built.
 * ``common:_evict_until_allocatable`` (AROUND): its only caller
   (``BaseTokenToKVPoolAllocator.evict_to_free_tokens``) has just called the lane-aware
   ``evict_for_alloc`` for the same floor, so its extra plain-LRU passes are skipped.
@@ -59,7 +64,6 @@ counts, the chains started and the running call's room are the cache's extension
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Set
 
@@ -71,7 +75,6 @@ from sglang_cp_hicache.core.lane_eviction import (
 from sglang_cp_hicache.v0_5_23.eviction.lane_tier import (
     Priority,
     full_type,
-    in_eviction_order,
     plan_tier_victims,
 )
 from sglang_cp_hicache.core.rotation import lane_of, run_lane_counts
@@ -165,8 +168,11 @@ class DeviceLaneEvictor:
         return parent
 
     def candidates(self, priority: Priority) -> Iterator[Any]:
-        """The evictable device leaves in (priority, node id) order."""
-        return in_eviction_order(self.cache.tree_core.evictable_device_leaves, priority)
+        """The evictable device leaves in (priority, node id) order (the extension's
+        persistent heap over the tree core's leaf set)."""
+        return self.extension.device_leaves.candidates(
+            self.cache.tree_core.evictable_device_leaves, priority
+        )
 
     # ------------------------------------------------------------------- making room
     def plan(self, demand: Sequence[int]) -> Optional[List[Any]]:
@@ -233,28 +239,17 @@ class DeviceLaneEvictor:
         return victims
 
     def _evict(self, victims: List[Any], path: str) -> int:
-        """Evict ``victims`` in plan order as upstream's walk evicts a leaf (demote when
-        backed up, drop when not; write-back backs up first); the evicted token count."""
-        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+        """Evict ``victims`` in plan order through upstream's own device walk
+        (``UnifiedRadixCache._evict``: each leaf demoted when backed up, dropped when not,
+        write-back backing up first; its result objects, writing check and metrics), its
+        node source being the plan (:func:`full_evict_device_next_node_around`); the
+        evicted token count."""
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-        cache, start = self.cache, time.perf_counter()
-        tracker = {ct: 0 for ct in cache.tree_components}
-        for node in victims:
-            backup_kv = cache._evict_device_leaf(node.id, tracker)
-            if backup_kv is None:
-                continue
-            if cache._execute_and_commit_kv_backup(backup_kv, write_back=True) > 0:
-                cache.writing_check(write_back=True)
-                cache._demote(node.id, tracker)
-            elif not cache._drop_subtree_no_host(node.id, tracker):
-                logger.warning(
-                    "cp_hicache write_back: node %d stays on device (backup refused, subtree "
-                    "locked)", node.id,
-                )  # fmt: skip
-        if cache.is_write_back:
-            cache.writing_check(write_back=True)
-        evicted = tracker[ComponentType.FULL]
-        cache.update_eviction_metrics(evicted, start)
+        full = full_type()
+        tokens = sum(len(node.component_data[full].value) for node in victims)
+        with self.extension.device_plan.opened(iter(victims)):
+            evicted = self.cache._evict(EvictParams(num_tokens=tokens)).num_tokens_evicted
         stats = self.extension.device_stats.paths[path]
         stats.plans += 1
         stats.victims += len(victims)
@@ -396,6 +391,31 @@ def component_available_size_around(original: Callable, cache: Any, component_ty
     return max(available, room.tokens)
 
 
+def full_evict_device_start_around(original: Callable, component: Any, *args: Any, **kwargs: Any):
+    """``FullComponent._evict_device_start``: inside a plan's eviction the walk's nodes are
+    the plan's, so upstream's heap of every evictable leaf is not built."""
+    extension = extension_of(component.tree_core)
+    if extension is None or extension.device_plan.value is None:
+        return original(component, *args, **kwargs)
+    return None
+
+
+def full_evict_device_next_node_around(original: Callable, component: Any, *args: Any, **kwargs: Any):
+    """``FullComponent._evict_device_next_node``: inside a plan's eviction, the next
+    planned victim that is still a device leaf (upstream's walk skips a popped node that
+    is not one, e.g. a parent whose write-back child stayed), None when the plan is done:
+    upstream's loop then ends. Anywhere else: upstream's walk."""
+    extension = extension_of(component.tree_core)
+    plan = None if extension is None else extension.device_plan.value
+    if plan is None:
+        return original(component, *args, **kwargs)
+    leaves = component.tree_core.evictable_device_leaves
+    for node in plan:
+        if node in leaves:
+            return node.id
+    return None
+
+
 def evict_until_allocatable_around(
     original: Callable, tree_cache: Any, allocator: Any, num_tokens: int
 ):
@@ -414,6 +434,8 @@ __all__ = [
     "build_load_back_spec_around",
     "component_available_size_around",
     "evict_for_alloc_around",
+    "full_evict_device_next_node_around",
+    "full_evict_device_start_around",
     "kv_shard_rotation_bases_around",
     "load_back_transfers_around",
     "evict_until_allocatable_around",

@@ -3,8 +3,10 @@ is run over, and the planning itself (one rule for both tiers).
 
 A tier (``lane_eviction.DeviceLaneEvictor``, ``host_lane_eviction.HostLaneEvictor``)
 answers, from replicated state only: its free pages per owner lane, a node's pages per
-lane, its evictable leaves in (priority, node id) order, and the parent a planned set
-frees. :func:`plan_tier_victims` hands that to
+lane, its evictable leaves in (priority, node id) order (from the tier's persistent
+:class:`~sglang_cp_hicache.core.leaf_heap.LazyLeafHeap`, owned by the cache's extension,
+``cache_extension.keys_only_grow``),
+and the parent a planned set frees. :func:`plan_tier_victims` hands that to
 :func:`sglang_cp_hicache.core.lane_eviction.plan_lane_victims`; each tier evicts the plan
 its own way (upstream's device walk, upstream's host walk).
 """
@@ -12,8 +14,7 @@ its own way (upstream's device walk, upstream's host walk).
 from __future__ import annotations
 
 import functools
-import heapq
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Protocol, Sequence, Set
+from typing import Any, Callable, Iterator, List, Optional, Protocol, Sequence, Set
 
 from sglang_cp_hicache.core.lane_eviction import plan_lane_victims
 
@@ -41,14 +42,6 @@ def full_type() -> Any:
     return ComponentType.FULL
 
 
-def in_eviction_order(leaves: Iterable[Any], priority: Priority) -> Iterator[Any]:
-    """``leaves`` in (priority, node id) order."""
-    heap = [(priority(node), node.id, node) for node in leaves]
-    heapq.heapify(heap)
-    while heap:
-        yield heapq.heappop(heap)[2]
-
-
 def _parent_of(node: Any) -> Any:
     return node.parent
 
@@ -65,4 +58,4 @@ def plan_tier_victims(
     )  # fmt: skip
 
 
-__all__ = ["LaneTier", "Priority", "full_type", "in_eviction_order", "plan_tier_victims"]
+__all__ = ["LaneTier", "Priority", "full_type", "plan_tier_victims"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import pytest
@@ -63,6 +64,9 @@ class Outcome:
     lane_pages_match_locs: bool
     loaded: Optional[bool] = None  # the load-back's result (load_exact only)
     new_chain_bases: Optional[Tuple[int, ...]] = None  # the extends' bases (spread only)
+    # After the room was made: both tiers' persistent candidate heaps (LRU: kept across
+    # plans) give the order of a heap rebuilt over the tree core's leaf sets.
+    candidates_match_rebuild: bool = True
 
 
 def _tokens(index: int, pages: int) -> List[int]:
@@ -121,11 +125,32 @@ def _lane_pages_match_locs(stack) -> bool:
     return True
 
 
+def _candidates_match_rebuild(stack) -> bool:
+    from sglang_cp_hicache.v0_5_23.cache.cache_extension import extension_of
+    from sglang_cp_hicache.v0_5_23.eviction.host_lane_eviction import HostLaneEvictor
+    from sglang_cp_hicache.v0_5_23.eviction.lane_eviction import DeviceLaneEvictor
+
+    extension = extension_of(stack.cache)
+    tree_core = stack.cache.tree_core
+    device, host = DeviceLaneEvictor(extension), HostLaneEvictor(extension)
+    host_priority = host._component().session_ref_eviction_strategy
+
+    def rebuilt(leaves, priority):
+        return [node for _, _, node in sorted((priority(n), n.id, n) for n in leaves)]
+
+    return (
+        extension.device_leaves.keys_only_grow
+        and extension.host_leaves.keys_only_grow
+        and list(device.candidates(device.priority))
+        == rebuilt(tree_core.evictable_device_leaves, device.priority)
+        and list(host.candidates(host_priority))
+        == rebuilt(tree_core.evictable_host_leaves, host_priority)
+    )
+
+
 def _extend(stack, pages: int, index: int = 99) -> Tuple[Tuple[int, ...], int]:
     """A new chain of ``pages`` pages (``_tokens(index, ...)``) through upstream's extend
     allocation, real Req and ScheduleBatch; its pages per lane and its first page's lane."""
-    from types import SimpleNamespace
-
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_extend
     from sglang.srt.sampling.sampling_params import SamplingParams
@@ -197,6 +222,7 @@ def _run(ctx: RankContext, name: str, cp_shared_kv: bool) -> Outcome:
             lane_pages_match_locs=lane_pages_ok,
             loaded=loaded,
             new_chain_bases=bases,
+            candidates_match_rebuild=_candidates_match_rebuild(stack) if cp_shared_kv else True,
         )
 
 
@@ -222,6 +248,10 @@ def test_fills_are_as_designed(outcomes) -> None:
 
 def test_lane_pages_come_from_the_rotation_phase_and_match_the_locs(outcomes) -> None:
     assert all(outcomes[(name, True)].lane_pages_match_locs for name in SCENARIOS)
+
+
+def test_the_persistent_candidate_heaps_keep_the_rebuilt_order(outcomes) -> None:
+    assert all(outcome.candidates_match_rebuild for outcome in outcomes.values())
 
 
 def test_an_extend_the_free_lanes_can_hold_evicts_nothing(outcomes) -> None:
@@ -283,6 +313,9 @@ def test_flag_off_is_upstreams_function_unchanged(outcomes) -> None:
     assert outcomes[("extend_fits", False)].extend_lanes is not None
 
 
+_COMPONENT = SimpleNamespace(tree_core="a tree core without an extension")
+
+
 @pytest.mark.parametrize(
     "hook, args, kwargs",
     [
@@ -301,6 +334,12 @@ def test_flag_off_is_upstreams_function_unchanged(outcomes) -> None:
         ("load_back_transfers_around", ("cache",), {"node_id": 3, "req": None}),
         ("build_load_back_spec_around", ("core", 3), {"req": None}),
         ("component_available_size_around", ("cache", "FULL"), {}),
+        ("full_evict_device_start_around", (_COMPONENT, 64), {}),
+        (
+            "full_evict_device_next_node_around",
+            (_COMPONENT, "tracker", "device_frees", "host_frees"),
+            {"cache_actions": []},
+        ),
     ],
 )
 def test_outside_a_lane_aware_cache_each_hook_is_upstreams_call(hook, args, kwargs) -> None:
