@@ -265,6 +265,33 @@ __all__ = [
 
 
 # ------------------------------------------------------------ a local Mooncake master
+def _wait_listening(process: Any, port: int, name: str, timeout_s: float) -> None:
+    """Until ``process`` accepts connections on loopback ``port``; raises if it exits or
+    ``timeout_s`` passes first."""
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited with {process.returncode}")
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"{name} did not listen on 127.0.0.1:{port}")
+
+
+def _end(process: Any) -> None:
+    """Terminate ``process`` (killed if it outlives 5 s); nothing if it already exited."""
+    if process is not None and process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=5)
+        except Exception:
+            process.kill()
+            process.wait(timeout=5)
+
+
 @dataclass
 class MooncakeMaster:
     """``mooncake_master`` on loopback (TCP, no metadata server: clients use
@@ -294,7 +321,6 @@ class MooncakeMaster:
         }
 
     def start(self, timeout_s: float = 10.0) -> "MooncakeMaster":
-        import socket
         import subprocess
 
         from sglang_cp_hicache.testing.mooncake_master import master_argv
@@ -303,25 +329,15 @@ class MooncakeMaster:
             master_argv(self.rpc_port, self.metrics_port, self.lease_ttl_ms),
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"mooncake_master exited with {self.process.returncode}")
-            with socket.socket() as probe:
-                if probe.connect_ex(("127.0.0.1", self.rpc_port)) == 0:
-                    return self
-            time.sleep(0.05)
-        self.stop()
-        raise TimeoutError(f"mooncake_master did not listen on {self.address}")
+        try:
+            _wait_listening(self.process, self.rpc_port, "mooncake_master", timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except Exception:
-                self.process.kill()
-                self.process.wait(timeout=5)
+        _end(self.process)
         self.process = None
 
     def __enter__(self) -> "MooncakeMaster":
@@ -345,7 +361,6 @@ class MooncakeSegmentHolder:
     process: Any = None
 
     def start(self, timeout_s: float = 10.0) -> "MooncakeSegmentHolder":
-        import socket
         import subprocess
 
         binary = os.path.join(os.path.dirname(sys.executable), "mooncake_client")
@@ -353,25 +368,15 @@ class MooncakeSegmentHolder:
                 "--host=127.0.0.1", f"--port={self.port}", "--protocol=tcp",
                 f"--global_segment_size={self.segment_bytes >> 20}MB"]  # fmt: skip
         self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"mooncake_client exited with {self.process.returncode}")
-            with socket.socket() as probe:
-                if probe.connect_ex(("127.0.0.1", self.port)) == 0:  # listens once mounted
-                    return self
-            time.sleep(0.05)
-        self.stop()
-        raise TimeoutError(f"mooncake_client did not listen on 127.0.0.1:{self.port}")
+        try:  # the client listens once its segment is mounted
+            _wait_listening(self.process, self.port, "mooncake_client", timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except Exception:
-                self.process.kill()
-                self.process.wait(timeout=5)
+        _end(self.process)
         self.process = None
 
 
