@@ -16,7 +16,7 @@ its leaves in the LRU walk's own turn), stopping once every short lane is covere
 backup the free lanes hold evicts nothing; an uncoverable deficit evicts nothing and is a
 counted refusal, and the backup is skipped as upstream skips it.
 
-Three hooks (``v0_5_23.hooks``), each upstream's function unchanged for a cache without a
+Three hooks (the eviction room's ``HOOKS``), each upstream's function unchanged for a cache without a
 ``CpCacheExtension`` over a sharded host pool (flag off, not the sharded allocator:
 ``cache_extension.py``), or when no backup is being made room for:
 

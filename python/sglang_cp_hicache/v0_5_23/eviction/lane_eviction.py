@@ -14,7 +14,7 @@ leaves alone would keep a dead chain's old ancestors and evict a younger leaf on
 lane instead, which in the simulator cost more device hits (hence more evictions) than
 upstream's lane-blind flushes saved.
 
-Nine hooks (``v0_5_23.hooks``), each upstream's function unchanged for a cache without a
+Nine hooks (the eviction room's ``HOOKS``), each upstream's function unchanged for a cache without a
 ``CpCacheExtension`` (flag off, or not the sharded allocator: ``cache_extension.py``):
 
 * ``allocation:alloc_paged_token_slots_extend`` (AROUND) with
@@ -72,12 +72,12 @@ from sglang_cp_hicache.core.lane_eviction import (
     first_page_leaders,
     lane_deficit,
 )
+from sglang_cp_hicache.core.rotation import lane_of, run_lane_counts
 from sglang_cp_hicache.v0_5_23.eviction.lane_tier import (
     Priority,
     full_type,
     plan_tier_victims,
 )
-from sglang_cp_hicache.core.rotation import lane_of, run_lane_counts
 from sglang_cp_hicache.v0_5_23.cache.cache_extension import CpCacheExtension, extension_of
 
 logger = logging.getLogger(__name__)
