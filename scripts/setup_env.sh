@@ -62,9 +62,23 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
   exit 0
 fi
 
+require_free_disk() {
+  # A venv holds about 6.4 GiB (torch's CUDA build); a disk that fills mid-install fails with
+  # pages of pip warnings and a half-built venv, so say it first, in one line.
+  local need_gib=8 folder free_gib
+  folder="$(dirname "$VENV")"
+  free_gib=$(( $(df -Pk "$folder" | awk 'NR == 2 {print $4}') / 1024 / 1024 ))
+  if (( free_gib < need_gib )); then
+    echo "setup_env: $(basename "$VENV") needs about $need_gib GiB free in $folder;" \
+      "$free_gib GiB are free there" >&2
+    exit 1
+  fi
+}
+require_free_disk
+
 start=$(date +%s)
 "$PY" -m venv "$VENV"
-PIP=(install -q --disable-pip-version-check -c "$CONSTRAINTS")
+PIP=(install -q --disable-pip-version-check --no-cache-dir -c "$CONSTRAINTS")
 quiet_pip "${PIP[@]}" torch==2.14.1 torchvision==0.29.1
 quiet_pip "${PIP[@]}" --no-deps "sglang==$RELEASE"
 quiet_pip "${PIP[@]}" -r "$REQ" -r "$ROOT/scripts/requirements-test.txt"

@@ -19,7 +19,6 @@ import os
 import queue as queue_module
 import socket
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -100,10 +99,10 @@ def single_rank_world(timeout_s: float = 60.0) -> Any:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        store = os.path.join(tempfile.mkdtemp(prefix="gloo-"), "store")
+        # An in-memory store: no file or port to leave behind when the process ends.
         dist.init_process_group(
             "gloo",
-            init_method=f"file://{store}",
+            store=dist.HashStore(),
             rank=0,
             world_size=1,
             timeout=datetime.timedelta(seconds=timeout_s),

@@ -10,7 +10,6 @@ group is gone (:class:`~sglang_cp_hicache.testing.server.processes.ProcessLeak` 
 from __future__ import annotations
 
 import logging
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,7 +121,9 @@ class ServingCluster:
 
     def __post_init__(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.env = ServerEnv(write_site_folder(self.run_dir / "site"), pd_environment())
+        self.env = ServerEnv(
+            write_site_folder(self.run_dir / "site"), self.run_dir / "tmp", pd_environment()
+        )
 
     # ------------------------------------------------------------------ components
     def _managed(
@@ -156,7 +157,7 @@ class ServingCluster:
         endpoint = Endpoint(port)
         argv = launch.router_argv(endpoint, prometheus, prefill.endpoint, decode.endpoint)
         process = self._managed(
-            name, argv, dict(os.environ), router_ready(endpoint.url, 2), ROUTER_READY_S
+            name, argv, self.env.plain(), router_ready(endpoint.url, 2), ROUTER_READY_S
         )
         return Router(name, endpoint, process, prefill, decode)
 
@@ -164,7 +165,7 @@ class ServingCluster:
         """Start a Mooncake master on loopback (a ``mooncake`` L3 tier's store)."""
         rpc, metrics_port = free_ports(2)
         argv = master_argv(rpc, metrics_port)
-        process = self._managed(name, argv, dict(os.environ), port_listening(rpc), MASTER_READY_S)
+        process = self._managed(name, argv, self.env.plain(), port_listening(rpc), MASTER_READY_S)
         self.start(process)
         return MooncakeMaster(name, rpc, metrics_port, process)
 

@@ -120,14 +120,23 @@ SERVER_KEEP_ALIVE_S = 300
 
 @dataclass
 class ServerEnv:
-    """The environment of every server the harness starts: the CPU server runtime (its
-    ``sitecustomize`` folder first on ``PYTHONPATH``), PD over loopback TCP."""
+    """The environment of every process the harness starts: temporary files in the run's own
+    folder and, for servers, the CPU server runtime (its ``sitecustomize`` folder first on
+    ``PYTHONPATH``) and PD over loopback TCP."""
 
     site_folder: Path
+    #: ``TMPDIR`` of every process started: SGLang names its ZMQ sockets after temporary files
+    #: and keeps its Prometheus folder in one; a killed server leaves them behind.
+    temp_folder: Path
     pd: Dict[str, str] = field(default_factory=dict)
 
+    def plain(self) -> Dict[str, str]:
+        """This process's environment with temporary files in the run's folder."""
+        self.temp_folder.mkdir(parents=True, exist_ok=True)
+        return {**os.environ, "TMPDIR": str(self.temp_folder)}
+
     def for_tp(self, tp: int, extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-        env = dict(os.environ)
+        env = self.plain()
         paths = [str(self.site_folder)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env.update(self.pd)
         env.update(

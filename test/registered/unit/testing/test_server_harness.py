@@ -63,8 +63,22 @@ ROUTER_IDLE_TIMEOUT_S = 90
 def test_servers_keep_idle_connections_longer_than_the_router_does(tmp_path):
     """Else a server may close a connection as the router reuses it: a 502 for a good request
     and its prefill orphaned until the bootstrap timeout."""
-    env = ServerEnv(tmp_path).for_tp(2)
+    env = ServerEnv(tmp_path, tmp_path / "tmp").for_tp(2)
     assert int(env["SGLANG_TIMEOUT_KEEP_ALIVE"]) == SERVER_KEEP_ALIVE_S > ROUTER_IDLE_TIMEOUT_S
+
+
+def test_every_started_process_keeps_its_temporary_files_in_the_run_folder(tmp_path):
+    """SGLang names its ZMQ sockets after ``tempfile`` files and keeps Prometheus counters in a
+    temporary folder; a server ended by signal leaves them in the run's folder, not in /tmp."""
+    env = ServerEnv(tmp_path / "site", tmp_path / "tmp")
+    made = tmp_path / "made.txt"
+    body = f"import pathlib, tempfile, time; pathlib.Path({str(made)!r}).write_text(tempfile.mkstemp()[1]); time.sleep(60)"
+    for name, environment in (("plain", env.plain()), ("server", env.for_tp(1))):
+        process = ManagedProcess(name, [sys.executable, "-c", body], environment, tmp_path / f"{name}.log", made.exists, 30.0)
+        process.start().wait_ready()
+        process.stop(grace_s=1.0)
+        assert Path(made.read_text()).parent == tmp_path / "tmp", name
+        made.unlink()
 
 
 def _logged(tmp_path: Path, name: str, lines) -> ManagedProcess:
