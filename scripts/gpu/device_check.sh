@@ -58,11 +58,15 @@ fi
 start=$(date +%s)
 export PYTHONPATH="python${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$DEVICE" = cuda ]; then
-    # The install's temp dir only where something is installed (--cpu left one behind per run).
-    [ "$SITE" = "<temp dir>" ] && SITE="$(mktemp -d -t gpucheck-site.XXXXXX)" && INSTALL_CMD="${INSTALL_CMD//<temp dir>/$SITE}"
     if [ ! -d "$BUNDLE/wheels" ]; then
         echo "FAIL no bundle at $BUNDLE/wheels: run scripts/gpu/prepare_bundle.sh ${LINE_ARGS}on a machine with PyPI access"
         exit 1
+    fi
+    # The install's temp dir only where something is installed, and gone with the check.
+    if [ "$SITE" = "<temp dir>" ]; then
+        SITE="$(mktemp -d -t gpucheck-site.XXXXXX)"
+        trap 'rm -rf "$SITE"' EXIT
+        INSTALL_CMD="${INSTALL_CMD//<temp dir>/$SITE}"
     fi
     if ! timeout 180 bash -c "$INSTALL_CMD"; then
         echo "FAIL offline install of $BUNDLE into $SITE failed ($(( $(date +%s) - start )) s)"

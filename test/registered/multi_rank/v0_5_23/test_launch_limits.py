@@ -70,9 +70,11 @@ _HARNESS = textwrap.dedent(
 )
 
 
-def test_a_pd_role_ends_when_its_harness_is_killed():
+def test_a_pd_role_ends_when_its_harness_is_killed(tmp_path):
     script = _HARNESS.format(test_dir=os.path.dirname(__file__))
-    harness = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    # The killed harness cannot remove its multiprocessing folder: keep it out of /tmp.
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    harness = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
     forkserver = None
     try:
         role_pid = int(harness.stdout.readline())

@@ -58,11 +58,25 @@ def test_the_gpu_dry_run_installs_the_0_5_23_bundle_and_plans_load_selftest_and_
     assert driver.TOPK_PATHS_0_5_23 == tuple(CUDA_TOPK_PATHS)  # the dry run names what runs
 
 
+def _gpu_run(tmp_path: Path, bundle: Path) -> subprocess.CompletedProcess:
+    """The GPU run with its temporary files in ``tmp_path / "tmp"``."""
+    (tmp_path / "tmp").mkdir()
+    env = dict(ENV, GPUCHECK_BUNDLE=str(bundle), TMPDIR=str(tmp_path / "tmp"))
+    return subprocess.run(["bash", str(SCRIPT), "--sglang", "0.5.23"], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+
+
 def test_without_a_bundle_the_gpu_run_stops_with_one_line(tmp_path):
-    env = dict(ENV, GPUCHECK_BUNDLE=str(tmp_path / "none"))
-    out = subprocess.run(["bash", str(SCRIPT), "--sglang", "0.5.23"], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    out = _gpu_run(tmp_path, tmp_path / "none")
     assert out.returncode == 1
     assert out.stdout.startswith(f"FAIL no bundle at {tmp_path}/none/wheels: run scripts/gpu/prepare_bundle.sh --sglang 0.5.23")
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_a_failed_install_leaves_no_site_folder_behind(tmp_path):
+    (tmp_path / "bundle" / "wheels").mkdir(parents=True)
+    out = _gpu_run(tmp_path, tmp_path / "bundle")
+    assert out.returncode == 1 and out.stdout.startswith("FAIL offline install of"), out.stdout + out.stderr
+    assert list((tmp_path / "tmp").iterdir()) == []
 
 
 def test_the_default_stays_the_0_5_12_prepared_check():
