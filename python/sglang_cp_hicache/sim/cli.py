@@ -133,7 +133,8 @@ def _parser(d: SimConfig) -> argparse.ArgumentParser:
                        help="HiCache I/O backend (None: the line's, direct on 0.5.12.post1, "
                        "kernel on 0.5.23, which requires it)")  # fmt: skip
     stack.add_argument("--mem-layout", default=d.mem_layout,
-                       help="HiCache host memory layout (0.5.23: layer_first or page_first)")  # fmt: skip
+                       help="HiCache host memory layout (unset: upstream's default, layer_first on "
+                       "0.5.12.post1, page_first on 0.5.23; 0.5.23 runs layer_first or page_first)")  # fmt: skip
     stack.add_argument(
         "--draft",
         action="store_true",

@@ -124,7 +124,9 @@ class SimConfig:
     physical_tokens: int = 1024  # device KV pool per rank, in tokens
     hicache_ratio: float = 2.0  # host pool per rank = ratio x device pool per rank
     io_backend: Optional[str] = None  # None: the line's ("direct" on 0.5.12.post1, "kernel" on 0.5.23)
-    mem_layout: str = "layer_first"
+    # HiCache host layout; None: the line's, upstream's own default (layer_first on
+    # 0.5.12.post1, page_first on 0.5.23), so a run without it simulates a default launch.
+    mem_layout: Optional[str] = None
     # The MTP draft: a 1-layer NSA pool beside the target's (0.5.12.post1: CP ranks, not the
     # baseline, kept on host from the same budget; 0.5.23: every column, packed by upstream
     # as the host pools' tail layer in the same slots); every hit checks target and draft.

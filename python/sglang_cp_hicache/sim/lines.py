@@ -46,6 +46,7 @@ class LineSim:
     per_layer_backup: Optional[bool]  # the line's default; None: not on this line
     sharded_main: Callable
     upstream_main: Callable
+    mem_layout: str  # the line's HiCache host layout when unset: upstream's default
     # HiCache L3 backends the line attaches (SimConfig.storage_backend), and its run-scoped
     # set-up ``open_storage(cfg)``: a context manager yielding what the columns' ranks get
     # (folders, a local store), or None without storage. Empty: storage is refused.
@@ -84,6 +85,10 @@ class LineSim:
         if cfg.per_layer_backup is not None:
             return cfg.per_layer_backup
         return bool(self.per_layer_backup)
+
+    def resolved_mem_layout(self, cfg: SimConfig) -> str:
+        """``cfg.mem_layout``, or the line's default when unset."""
+        return cfg.mem_layout or self.mem_layout
 
     def storage(self, cfg: SimConfig) -> ContextManager[Any]:
         """The run's L3 set-up (yields None without ``cfg.storage_backend``)."""

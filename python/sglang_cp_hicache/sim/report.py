@@ -662,7 +662,8 @@ def build_report(
     if cfg.runs_native_column() and not line.native_sharding:
         native_note = f"SGLang {line.release} has no native KV sharding"
     return SimReport(
-        config=dataclasses.asdict(cfg),
+        # the layout that ran, also where the line's default chose it
+        config=dataclasses.asdict(dataclasses.replace(cfg, mem_layout=line.resolved_mem_layout(cfg))),
         requests=num_requests,
         steps=num_steps,
         prompt_tokens=c.prompt_tokens,
@@ -764,6 +765,7 @@ def _headline(report: SimReport) -> List[str]:
     ]
     return [
         f"CP HiCache simulator  SGLang {report.sglang_release}  cp_size={cfg['cp_size']}  "
+        f"mem_layout={cfg['mem_layout']}  "
         f"seed={cfg['seed']}  requests={report.requests}  batches={report.steps}  "
         f"wall={report.wall_s:.1f}s",
         f"result: {'PASS' if report.passed else 'FAIL'}  ({cfg['shard_impl']} column"

@@ -30,6 +30,7 @@ PLANTED_FAULTS = (
 RELEASE = "0.5.12.post1"
 PER_LAYER_BACKUP_DEFAULT = True
 IO_BACKEND = "direct"  # the line's default HiCache I/O backend
+MEM_LAYOUT = "layer_first"  # upstream's default HiCache host layout (server_args.py)
 
 
 def _apply_plugin_hooks() -> None:
@@ -59,7 +60,7 @@ def stack_config(cfg: SimConfig, context_len: int, shared_kv: bool = True):
         page_size=cfg.page_size,
         hicache_ratio=cfg.hicache_ratio,
         io_backend=cfg.io_backend or IO_BACKEND,
-        mem_layout=cfg.mem_layout,
+        mem_layout=LINE.resolved_mem_layout(cfg),
         req_pool_size=max(8, 2 * cfg.batch_size),
         max_context_len=context_len,
         draft=cfg.draft and shared_kv,
@@ -158,6 +159,7 @@ LINE = LineSim(
     release=RELEASE,
     native_sharding=False,
     per_layer_backup=PER_LAYER_BACKUP_DEFAULT,
+    mem_layout=MEM_LAYOUT,
     sharded_main=cp_rank_main,
     upstream_main=baseline_rank_main,
     faults=tuple(sorted(PLANTED_FAULTS)),

@@ -39,6 +39,7 @@ RELEASE = "0.5.23"
 # (arg_groups/kv_shard_hook.py:185-193); the DSA indexer needs 64-token pages.
 IO_BACKEND = "kernel"
 MEM_LAYOUTS = ("layer_first", "page_first")
+MEM_LAYOUT = "page_first"  # upstream's default (arg_groups/fields/memory.py)
 PAGE_SIZE = 64
 
 
@@ -72,7 +73,7 @@ def stack_config(cfg: SimConfig, steps: List[List[Request]]):
         device_pages_per_rank=cfg.physical_tokens // cfg.page_size,
         host_to_device_ratio=cfg.hicache_ratio,
         io_backend=cfg.io_backend or IO_BACKEND,
-        mem_layout=cfg.mem_layout,
+        mem_layout=LINE.resolved_mem_layout(cfg),
         context_len=context_len,
         chunk_tokens=-(-chunk // cfg.page_size) * cfg.page_size,
         max_num_reqs=max(8, 2 * cfg.batch_size),
@@ -202,13 +203,13 @@ class _Line023(LineSim):
             problems.append(f"page_size must be {PAGE_SIZE} (the DSA indexer's page)")
         if cfg.io_backend not in (None, IO_BACKEND):
             problems.append(f"io_backend must be {IO_BACKEND!r} (kv_shard_hook.py:185-193)")
-        if cfg.mem_layout not in MEM_LAYOUTS:
+        if self.resolved_mem_layout(cfg) not in MEM_LAYOUTS:
             layouts = list(MEM_LAYOUTS)
             problems.append(f"mem_layout must be one of {layouts} (kv_shard_hook.py:185-193)")
         if cfg.per_layer_backup and cfg.shard_impl == "native":
             problems.append("per_layer_backup=True: upstream's native sharding backs up all layers at once")
         if cfg.storage_backend is not None:
-            problems += _storage_problems(cfg)
+            problems += _storage_problems(cfg, self.resolved_mem_layout(cfg))
         if cfg.fault in PER_LAYER_FAULTS and (cfg.shard_impl != "plugin" or not self.resolved_per_layer_backup(cfg)):
             problems.append(f"fault {cfg.fault!r} needs the plugin column's per-layer backup")
         if cfg.fault == "early_layer_ack" and cfg.layer_num < 2:
@@ -217,15 +218,15 @@ class _Line023(LineSim):
             raise ValueError(f"SGLang {RELEASE} line: " + "; ".join(problems))
 
 
-def _storage_problems(cfg: SimConfig) -> List[str]:
-    """What this line's L3 set-up cannot run."""
+def _storage_problems(cfg: SimConfig, mem_layout: str) -> List[str]:
+    """What this line's L3 set-up cannot run on the host layout ``mem_layout``."""
     problems = []
     if cfg.shard_impl == "native":
         problems.append(
             "storage_backend with shard_impl='native': upstream refuses --hicache-storage-backend "
             "under --enable-kv-cache-sharding (kv_shard_hook.py:176-181)"
         )
-    if cfg.storage_backend == "mooncake" and cfg.mem_layout != "page_first":
+    if cfg.storage_backend == "mooncake" and mem_layout != "page_first":
         problems.append("storage_backend='mooncake' needs mem_layout='page_first' (its zero-copy I/O)")
     if cfg.pd:
         problems.append("storage_backend with pd=True: not combined in the simulator yet")
@@ -236,6 +237,7 @@ LINE = _Line023(
     release=RELEASE,
     native_sharding=True,
     per_layer_backup=True,  # the plugin column, either layout; native and upstream: all layers
+    mem_layout=MEM_LAYOUT,
     sharded_main=sharded_rank_main,
     upstream_main=upstream_rank_main,
     storage_backends=STORAGE_BACKENDS,

@@ -25,12 +25,13 @@ WORKLOAD = dict(
 
 @pytest.fixture(scope="module")
 def report() -> SimReport:
-    return run_simulation(SimConfig(**WORKLOAD))
+    return run_simulation(SimConfig(**{**WORKLOAD, "mem_layout": "layer_first"}))
 
 
 @pytest.fixture(scope="module")
 def page_first() -> SimReport:
-    return run_simulation(SimConfig(**{**WORKLOAD, "mem_layout": "page_first"}))
+    """The layout unset: upstream's default, as a launch without --hicache-mem-layout."""
+    return run_simulation(SimConfig(**WORKLOAD))
 
 
 def test_per_layer_backup_with_every_scheduler_feature_passes(report: SimReport) -> None:
@@ -53,6 +54,7 @@ def test_the_per_layer_path_ran_one_ack_per_forward_after_every_layer(report: Si
 
 
 def test_per_layer_backup_on_page_first_passes_with_byte_checked_host_hits(page_first: SimReport) -> None:
+    assert page_first.config["mem_layout"] == "page_first"  # what ran, though unset
     assert page_first.passed, page_first.invariant_violations[:5]
     assert page_first.kv_mismatches == 0
     assert page_first.kv_checked_tokens == page_first.device_hit_tokens + page_first.host_hit_tokens
@@ -165,6 +167,6 @@ def test_the_line_refuses_per_layer_where_it_cannot_run(overrides, message) -> N
 def test_unset_means_per_layer_on_either_layout() -> None:
     from sglang_cp_hicache.sim.v0_5_23.rank import LINE
 
-    assert LINE.resolved_per_layer_backup(SimConfig()) is True  # layer_first
-    assert LINE.resolved_per_layer_backup(SimConfig(mem_layout="page_first")) is True
+    assert LINE.resolved_per_layer_backup(SimConfig()) is True  # page_first
+    assert LINE.resolved_per_layer_backup(SimConfig(mem_layout="layer_first")) is True
     assert LINE.resolved_per_layer_backup(SimConfig(per_layer_backup=False)) is False

@@ -110,13 +110,14 @@ def test_a_storage_read_with_wrong_bytes_is_caught_as_a_mismatch(first, folder, 
 def test_the_line_refuses_storage_it_cannot_run_before_any_rank_starts():
     from sglang_cp_hicache.sim.v0_5_23.rank import LINE
 
-    without_storage = LineSim("0.5.12.post1", False, True, LINE.sharded_main, LINE.upstream_main)
+    without_storage = LineSim("0.5.12.post1", False, True, LINE.sharded_main, LINE.upstream_main, "layer_first")
     with pytest.raises(ValueError, match="runs no HiCache L3 storage"):
         without_storage.check(SimConfig(storage_backend="file"))
     with pytest.raises(ValueError, match="refuses --hicache-storage-backend"):
         LINE.check(SimConfig(storage_backend="file", shard_impl="native"))
     with pytest.raises(ValueError, match="page_first"):
-        LINE.check(SimConfig(storage_backend="mooncake"))
+        LINE.check(SimConfig(storage_backend="mooncake", mem_layout="layer_first"))
+    LINE.check(SimConfig(storage_backend="mooncake"))  # unset: upstream's page_first
     with pytest.raises(ValueError, match="storage_dir"):
         SimConfig(storage_dir="/tmp/x")
     with pytest.raises(ValueError, match="storage_mooncake_master is a Mooncake store"):

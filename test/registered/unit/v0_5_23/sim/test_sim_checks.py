@@ -8,6 +8,7 @@ import torch
 from sglang_cp_hicache.sim.config import SimConfig
 from sglang_cp_hicache.sim.lines import LineSim
 from sglang_cp_hicache.sim.v0_5_23.observed_cache import DeclinedInsert
+from sglang_cp_hicache.testing.server_defaults import upstream_default
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,9 @@ def test_declined_keys_price_page_aligned_shared_prefixes() -> None:
 
 
 def _line(native_sharding: bool, per_layer_backup) -> LineSim:
-    return LineSim("x.y", native_sharding, per_layer_backup, sharded_main=print, upstream_main=print)
+    return LineSim(
+        "x.y", native_sharding, per_layer_backup, sharded_main=print, upstream_main=print, mem_layout="layer_first"
+    )
 
 
 def test_columns_follow_the_config_and_the_line() -> None:
@@ -70,6 +73,8 @@ def test_each_line_refuses_what_it_lacks_and_resolves_its_defaults() -> None:
         no_per_layer.check(SimConfig(per_layer_backup=True))
     no_per_layer.check(SimConfig(per_layer_backup=False))
     assert no_per_layer.resolved_per_layer_backup(SimConfig()) is False
+    assert no_per_layer.resolved_mem_layout(SimConfig()) == "layer_first"
+    assert no_per_layer.resolved_mem_layout(SimConfig(mem_layout="page_first")) == "page_first"
     with pytest.raises(ValueError, match="shard_impl must be one of"):
         SimConfig(shard_impl="both")
 
@@ -80,5 +85,6 @@ def test_the_installed_line_is_0_5_23_and_checks_its_limits() -> None:
     line = installed_line()
     assert line.release == "0.5.23" and line.native_sharding
     line.check(SimConfig())
+    assert line.resolved_mem_layout(SimConfig()) == upstream_default("hicache_mem_layout") == "page_first"
     with pytest.raises(ValueError, match="page_size must be 64"):
         line.check(SimConfig(page_size=32, physical_tokens=1024))

@@ -13,7 +13,7 @@ from sglang_cp_hicache.sim.v0_5_23.storage import open_storage
 
 
 def _line() -> LineSim:
-    return LineSim("x.y", True, None, sharded_main=print, upstream_main=print)
+    return LineSim("x.y", True, None, sharded_main=print, upstream_main=print, mem_layout="page_first")
 
 
 def test_the_logical_baseline_is_a_fourth_column_on_one_rank_with_the_runs_storage() -> None:
