@@ -265,6 +265,20 @@ __all__ = [
 
 
 # ------------------------------------------------------------ a local Mooncake master
+def _start_listening(argv: List[str], port: int, name: str, timeout_s: float) -> Any:
+    """``argv`` started, once it accepts connections on loopback ``port``; ended, and the
+    error raised, if it exits or ``timeout_s`` passes first."""
+    import subprocess
+
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_listening(process, port, name, timeout_s)
+    except BaseException:
+        _end(process)
+        raise
+    return process
+
+
 def _wait_listening(process: Any, port: int, name: str, timeout_s: float) -> None:
     """Until ``process`` accepts connections on loopback ``port``; raises if it exits or
     ``timeout_s`` passes first."""
@@ -321,19 +335,10 @@ class MooncakeMaster:
         }
 
     def start(self, timeout_s: float = 10.0) -> "MooncakeMaster":
-        import subprocess
-
         from sglang_cp_hicache.testing.mooncake_master import master_argv
 
-        self.process = subprocess.Popen(
-            master_argv(self.rpc_port, self.metrics_port, self.lease_ttl_ms),
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        try:
-            _wait_listening(self.process, self.rpc_port, "mooncake_master", timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+        argv = master_argv(self.rpc_port, self.metrics_port, self.lease_ttl_ms)
+        self.process = _start_listening(argv, self.rpc_port, "mooncake_master", timeout_s)
         return self
 
     def stop(self) -> None:
@@ -361,18 +366,12 @@ class MooncakeSegmentHolder:
     process: Any = None
 
     def start(self, timeout_s: float = 10.0) -> "MooncakeSegmentHolder":
-        import subprocess
-
         binary = os.path.join(os.path.dirname(sys.executable), "mooncake_client")
         argv = [binary, f"--master_server_address={self.master}", "--metadata_server=P2PHANDSHAKE",
                 "--host=127.0.0.1", f"--port={self.port}", "--protocol=tcp",
                 f"--global_segment_size={self.segment_bytes >> 20}MB"]  # fmt: skip
-        self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:  # the client listens once its segment is mounted
-            _wait_listening(self.process, self.port, "mooncake_client", timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+        # the client listens once its segment is mounted
+        self.process = _start_listening(argv, self.port, "mooncake_client", timeout_s)
         return self
 
     def stop(self) -> None:
