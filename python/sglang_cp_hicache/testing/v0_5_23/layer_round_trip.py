@@ -1,7 +1,7 @@
 """One rank's per-layer HiCache backup round trip on SGLang 0.5.23's REAL sharded stack, on
 CPU or on the GPU check host (``scripts/gpu/device_check.py --sglang 0.5.23``).
 
-The scenario of ``multi_rank/v0_5_23/test_per_layer_backup_multi_rank.py`` with a device:
+The scenario of ``multi_rank/v0_5_23/backup/test_per_layer_backup_multi_rank.py`` with a device:
 the stack (``stack.build_sharded_stack``, the plugin's flag on, its hooks applied) holds
 host slots reserved before a forward for two requests, ``A`` (five pages, every rank owns
 some) and ``C`` (one page on the last rank: every other rank owns none and must still ack).

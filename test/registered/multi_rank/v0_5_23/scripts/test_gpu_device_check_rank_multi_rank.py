@@ -14,7 +14,7 @@ import torch
 
 from sglang_cp_hicache.testing.dist import run_ranks
 
-ROOT = Path(__file__).resolve().parents[4]
+ROOT = Path(__file__).resolve().parents[5]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ indexer object is evicted from the store (the KV object stays): the agreed hit e
 before that page on every rank. Then the master is killed (SIGKILL, by its pid): a new
 request's backup is still acked on every rank within a bound, its KV stays served from the
 device, a prefetch of the stored pages is a miss on every rank, and the failures are
-counted. (Unreachable at startup: ``unit/v0_5_23/mem_cache/test_mooncake_master_faults.py``.)
+counted. (Unreachable at startup: ``unit/v0_5_23/storage/test_mooncake_backend.py``.)
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ nobody serves. Flag on and the address unreachable: one error naming host:port, 
 registration never tried. Flag on and the address served: upstream's registration, called
 once with the same arguments (a prefill that skips it is never found by a decode, which
 only a long PD hang showed before). (The whole path, with the real KV manager in prefill rank
-processes: ``multi_rank/v0_5_23/test_pd_mooncake_transfer.py``.)
+processes: ``multi_rank/v0_5_23/native/test_pd_mooncake_transfer.py``.)
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from sglang_cp_hicache.v0_5_23.launch.server_args import (
 )
 from sglang_cp_hicache.v0_5_23.launch.cp_mode import MODE_ATTR, CpMode, cp_mode
 
-ROOT = Path(__file__).resolve().parents[4]
+ROOT = Path(__file__).resolve().parents[5]
 # A PD prefill worker with interleave prefill CP: everything the flag needs.
 VALID = ["--enable-prefill-cp", "--cp-strategy", "interleave", "--disaggregation-mode", "prefill"]
 DUMMY = ["--model-path", "dummy"]

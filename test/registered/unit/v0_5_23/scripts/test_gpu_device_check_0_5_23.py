@@ -4,7 +4,7 @@ CUDA (device, loader, ranks and kvcacheio faked), and its JSON report.
 
 The ranks' own work runs elsewhere, so this file spawns no ranks and stays fast: the CPU
 check's (``check_rank_0_5_23``: the self-test and the read-path twin per admitted format)
-inside ``test/registered/multi_rank/v0_5_23/test_kv_shard_selftest_multi_rank.py``, the CUDA
+inside ``test/registered/multi_rank/v0_5_23/selftest/test_kv_shard_selftest_multi_rank.py``, the CUDA
 check's (``gpu_selftest.run_selftests`` and ``kvcacheio_check``) on CPU ranks in
 ``test_gpu_selftest_0_5_23.py``.
 """

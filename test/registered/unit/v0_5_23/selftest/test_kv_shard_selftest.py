@@ -2,7 +2,7 @@
 line, in one process.
 
 The comparison itself runs across gloo ranks in
-``test/registered/multi_rank/v0_5_23/test_kv_shard_selftest_multi_rank.py``.
+``test/registered/multi_rank/v0_5_23/selftest/test_kv_shard_selftest_multi_rank.py``.
 """
 
 import logging

@@ -1,7 +1,7 @@
 """``--pd --draft`` on the 0.5.23 simulator, in one process: the line runs it (no refusal),
 the decode's reference for the draft is what the simulator's draft forward stores, and the
 planted ``pd_drop_draft`` drops exactly the draft pool's transfer blocks. The run itself
-(ranks, Mooncake, decode) is ``multi_rank/v0_5_23/test_simulator_pd.py``'s."""
+(ranks, Mooncake, decode) is ``multi_rank/v0_5_23/sim/test_simulator_pd.py``'s."""
 
 from types import SimpleNamespace
 

@@ -4,7 +4,7 @@ answered as failed without the client while it is down, counted (issue 24).
 The store is the plugin's real ``OwnerFreeMooncakeStore`` on a real ``HiCacheStorageConfig``
 (the probe runs before upstream's setup, so no Mooncake client is built); the master is a
 closed or listening loopback port. The mid-run rule with a real master killed after a write
-is ``test/registered/multi_rank/v0_5_23/test_storage_mooncake_faults_multi_rank.py``.
+is ``test/registered/multi_rank/v0_5_23/storage/test_storage_mooncake_multi_rank.py``.
 """
 
 import socket

@@ -1,7 +1,7 @@
 """Runtime attach of an L3 backend (the admin API's path, upstream's
 ``StorageAttachment.attach``) on a sharded 0.5.23 HiCache stack started without storage:
 the verdicts (cp 2, two gloo ranks; the byte path is
-``test/registered/multi_rank/v0_5_23/test_storage_attach_multi_rank.py``).
+``test/registered/multi_rank/v0_5_23/storage/test_storage_attach_multi_rank.py``).
 
 With the plugin's flag, a backend other than file / mooncake is refused with the startup
 refusal's message (naming the flag and the admitted backends), and nothing changes; so is
