@@ -2,7 +2,7 @@
 contract, whatever rotation bases a placement rule picks?
 
 Under ``--enable-kv-cache-sharding`` the page at position ``p`` of a chain with rotation
-base ``b`` lives on rank ``(b + p) % cp``, and a cached path is one rotation run
+base ``b`` lives on rank ``owner_of(b, p, cp)`` (``core.rotation``), and a cached path is one rotation run
 (``unified_tree_core._rotation_conflict``): every request that continues a system prompt
 continues that prompt's rotation. While the system prompts stay cached, their bases are the
 only choice a placement rule has. This model takes the simulator's own trace
@@ -30,6 +30,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
+from sglang_cp_hicache.core.rotation import owner_of
 from sglang_cp_hicache.sim.config import SimConfig
 from sglang_cp_hicache.sim.workload import generate_workload
 
@@ -79,7 +80,7 @@ def lane_loads(per_position: List[List[int]], bases: Sequence[int], cp: int) -> 
     loads = [0] * cp
     for prompt, base in enumerate(bases):
         for position, amount in enumerate(per_position[prompt]):
-            loads[(base + position) % cp] += amount
+            loads[owner_of(base, position, cp)] += amount
     return loads
 
 

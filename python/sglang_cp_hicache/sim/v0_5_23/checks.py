@@ -15,6 +15,7 @@ from typing import Any, List, Tuple
 import numpy as np
 import torch
 
+from sglang_cp_hicache.core.rotation import lane_of, owner_of
 from sglang_cp_hicache.sim.engine import TreeSummary
 from sglang_cp_hicache.testing.v0_5_23.stack import RankStack
 
@@ -264,7 +265,7 @@ def tree_summary(cache: Any) -> TreeSummary:
 
 def rotation_problems(cache: Any, shard_size: int, page_size: int) -> List[str]:
     """Sharded trees: every device node's page owners continue its chain's rotation,
-    owner(position-page P) == (rotation_base + P) % N, the contract the prefix gather and
+    ``owner_of(rotation_base, P)`` for position-page P (``core.rotation``), the contract the prefix gather and
     the scratch translation rely on (``allocator/page_interleave.py``)."""
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
@@ -277,9 +278,9 @@ def rotation_problems(cache: Any, shard_size: int, page_size: int) -> List[str]:
         if node.rotation_base is None:
             problems.append(f"node {node.id}: device KV without a rotation base")
             continue
-        owners = (value[::page_size].to(torch.int64) // page_size) % shard_size
+        owners = lane_of(value[::page_size].to(torch.int64) // page_size, shard_size)
         first = depth // page_size
-        expected = (node.rotation_base + first + torch.arange(len(owners))) % shard_size
+        expected = owner_of(node.rotation_base, first + torch.arange(len(owners)), shard_size)
         if not torch.equal(owners, expected):
             problems.append(
                 f"node {node.id}: page owners {owners.tolist()} break rotation base "

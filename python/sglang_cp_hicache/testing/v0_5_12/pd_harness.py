@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
+from sglang_cp_hicache.core.rotation import lane_of
 from sglang_cp_hicache.testing.pd import (
     LOOPBACK,
     SENTINEL_BYTE,
@@ -458,7 +459,7 @@ class PrefillRank(PrefillSteps):
     def _owned_pages(self, req: Any) -> int:
         row = self.stack.req_to_token_pool.req_to_token[req.req_pool_idx, : len(req.origin_input_ids)]
         logical_pages = row[::PAGE_SIZE] // PAGE_SIZE
-        return int((logical_pages % self.scenario.cp_size == self.ctx.rank).sum())
+        return int((lane_of(logical_pages, self.scenario.cp_size) == self.ctx.rank).sum())
 
     def _new_req(self, spec: PDRequest) -> Any:
         """SGLang's ``Req`` of ``spec`` as the prefill server receives it."""

@@ -27,6 +27,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from sglang_cp_hicache.core.rotation import owner_of
+
 PAGE_SIZE = 64
 LAYERS = 3
 PER_LAYER_NODES = (11, 12)
@@ -37,7 +39,7 @@ def node_owners(cp_size: int) -> Dict[int, List[int]]:
     """Node id -> the owner of each of its pages (identical on every rank)."""
     last = cp_size - 1
     return {
-        11: [p % cp_size for p in range(5)],
+        11: [owner_of(0, p, cp_size) for p in range(5)],  # a chain from lane 0
         12: [last, last],  # every other rank owns nothing of it
         13: [0, last, 0],
     }

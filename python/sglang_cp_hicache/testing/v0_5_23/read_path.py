@@ -54,6 +54,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 
+from sglang_cp_hicache.core.rotation import lane_of, owner_of
 from sglang_cp_hicache.testing.reference_sparse_mla import (
     LayerWeights,
     SparseMLAConfig,
@@ -184,7 +185,7 @@ def _cyclic_pages(
     (logical page = local page * cp_size + owner; local page 0 is the reserved trash)."""
     pages = []
     for k in range(count):
-        owner = (owners_base + k) % cp_size
+        owner = owner_of(owners_base, k, cp_size)
         pages.append(free_local[owner].pop() * cp_size + owner)
     return pages
 
@@ -205,7 +206,7 @@ def build_batch(config: SparseMLAConfig, spec: ReadPathBatchSpec, cp_size: int) 
     row_pages: List[List[int]] = []
     for i, seq_len in enumerate(seq_lens):
         shared = row_pages[0][: spec.shared_prefix_pages] if i == 1 else []
-        base = shared[0] % cp_size if shared else int(torch.randint(cp_size, (1,), generator=gen))
+        base = lane_of(shared[0], cp_size) if shared else int(torch.randint(cp_size, (1,), generator=gen))
         need = math.ceil(seq_len / ps) - len(shared)
         pages = shared + _cyclic_pages(base + len(shared), need, cp_size, free_local)
         row_pages.append(pages)

@@ -13,6 +13,7 @@ import hashlib
 import pytest
 import torch
 
+from sglang_cp_hicache.core.rotation import owner_of
 from sglang_cp_hicache.testing.dist import run_ranks
 
 PS = 64
@@ -83,7 +84,7 @@ def _draft_round_trip(ctx):
 
     # 2) Per-layer backups of one forward: target layers, the target forward's end, then the
     # draft forward's layer; the ack comes after the draft's layer only.
-    per_layer = {21: [p % ctx.world_size for p in range(4)], 22: [last, last]}
+    per_layer = {21: [owner_of(0, p, ctx.world_size) for p in range(4)], 22: [last, last]}
     written = {}
     for node_id, owners in per_layer.items():
         locs = stack.allocator.alloc_pages_with_owners(torch.tensor(owners))

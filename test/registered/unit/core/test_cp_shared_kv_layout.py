@@ -1,4 +1,7 @@
-"""Property tests of CpSharedKVLayout: logical <-> physical page ownership."""
+"""Property tests of CpSharedKVLayout: logical <-> physical page ownership.
+
+The owner rule is written out here (``page % cp_size``) instead of calling
+``core.rotation.lane_of``: an independent oracle of the layout on purpose."""
 
 import numpy as np
 import pytest

@@ -1,6 +1,9 @@
 """The owner rule (core.rotation, no SGLang): a logical page's lane, a chain's owner of a
 position page from its rotation base, the base for an owner, and the lanes of a run,
-checked against the rule written out page by page."""
+checked against the rule written out page by page.
+
+The only tests that write the rule out (``(start + k) % lanes``) instead of calling it: an
+independent oracle on purpose, for the one place every other site calls."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 
+from sglang_cp_hicache.core.rotation import owner_of
 from sglang_cp_hicache.core.storage_keys import (
     COMPONENTS,
     StorageNamespace,
@@ -79,7 +80,7 @@ def test_pool_names_map_to_components():
 def test_min_over_ranks_is_the_prefix_every_owner_read(pages, cp):
     """Exhaustive over one failing page per rank (or none): the MIN of every rank's report
     is the first page whose owner failed to read it."""
-    owners = [(3 + p) % cp for p in range(pages)]
+    owners = [owner_of(3, p, cp) for p in range(pages)]
     for failures in itertools.product(*[range(-1, pages) for _ in range(cp)]):
         reports, truth = [], pages
         for rank, fail_at in enumerate(failures):

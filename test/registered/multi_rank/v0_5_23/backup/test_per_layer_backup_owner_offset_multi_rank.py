@@ -19,6 +19,7 @@ from typing import Dict, List
 import pytest
 import torch
 
+from sglang_cp_hicache.core.rotation import lane_of
 from sglang_cp_hicache.testing.dist import RankContext, run_ranks
 
 PAGE = 64
@@ -78,8 +79,8 @@ def _rank(ctx: RankContext, layout: str) -> Dict[str, object]:
         leaf = stack.cache.tree_core.node_by_id(stack.match(REQUEST).last_device_node)
         host = leaf.component_data[ComponentType.FULL].host_value
         report["leaf_pages"] = len(host) // PAGE
-        report["device_lanes"] = (new_locs[::PAGE] // PAGE % LANES).tolist()
-        report["host_lanes"] = (host[::PAGE] // PAGE % LANES).tolist()
+        report["device_lanes"] = lane_of(new_locs[::PAGE] // PAGE, LANES).tolist()
+        report["host_lanes"] = lane_of(host[::PAGE] // PAGE, LANES).tolist()
         stack.cache.evict(EvictParams(num_tokens=stack.allocator.size))
         for layer in range(LAYERS):  # the reload must write every byte it is checked on
             stack.kv_pool.kv_buffer[layer].zero_()

@@ -55,13 +55,14 @@ def write_run(ctx: RankContext, folder: str) -> Dict[str, object]:
 
 def _start_owner_rule(stack) -> Dict[str, object]:
     """Allocate a 2-page prefetch's host slots with no, a root (None) and each recorded
-    start owner; the owners of the logical host pages it got (page ``h``: rank ``h % N``)."""
+    start owner; the owners of the logical host pages it got (``core.rotation.lane_of`` of each)."""
     from array import array
 
     from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import PrefetchOperation
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
+    from sglang_cp_hicache.core.rotation import lane_of
     from sglang_cp_hicache.v0_5_23.cache.cache_extension import extension_of
     from sglang_cp_hicache.v0_5_23.storage.owner_io import (
         PrefetchStartOwnerMissing,
@@ -79,7 +80,7 @@ def _start_owner_rule(stack) -> Dict[str, object]:
     for recorded in (None, 0, 1):
         extension_of(stack.cache).start_owners[operation] = recorded
         slots = controller.alloc_prefetch_host_buffers(operation, size)
-        owners[recorded] = [int(h) % stack.shard_size for h in slots[::PAGE] // PAGE]
+        owners[recorded] = lane_of(slots[::PAGE] // PAGE, stack.shard_size).tolist()
         controller.mem_pool_host.free(slots)
     return {
         "unrecorded": unrecorded,

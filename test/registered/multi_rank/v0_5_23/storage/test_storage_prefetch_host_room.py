@@ -25,6 +25,7 @@ from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 
+from sglang_cp_hicache.core.rotation import lane_of
 from sglang_cp_hicache.testing.dist import RankContext, run_ranks
 
 PAGE = 64
@@ -73,7 +74,7 @@ def storage_hit(controller, cache, request: str, tokens: List[int], start_owner:
 
 
 def slot_lanes(stack, slots: Optional[torch.Tensor]) -> Optional[List[int]]:
-    return None if slots is None else [int(p) % stack.shard_size for p in slots[::PAGE] // PAGE]
+    return None if slots is None else lane_of(slots[::PAGE] // PAGE, stack.shard_size).tolist()
 
 
 def room_run(ctx: RankContext, folder: str) -> Dict[str, object]:

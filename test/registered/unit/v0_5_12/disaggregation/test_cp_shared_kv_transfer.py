@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from sglang_cp_hicache.core.rotation import lane_of
 from sglang_cp_hicache.v0_5_12.disaggregation.mooncake.conn import (
     filter_nsa_state_indices,
     maybe_send_extra_around,
@@ -56,7 +57,7 @@ def test_every_page_sent_exactly_once_by_its_owner_to_its_slot(cp_size, chunk_si
     assert len(received) == len(logical)
     for position, logical_page in enumerate(logical.tolist()):
         rank, source_logical = received[int(decode_pages[position])]
-        assert rank == logical_page % cp_size and source_logical == logical_page
+        assert rank == lane_of(logical_page, cp_size) and source_logical == logical_page
 
 
 def test_positions_are_absolute_in_the_request_and_index_the_decode_list():
@@ -97,7 +98,7 @@ def test_upstream_filter_would_send_pages_a_rank_does_not_hold():
 
     pages = np.arange(8, 16, dtype=np.int32)
     upstream_pages, _ = filter_kv_indices_for_cp_rank(_kv_mgr(False, cp_rank=0), pages, slice(0, 8))
-    assert any(int(p) % 2 != 0 for p in upstream_pages)
+    assert any(lane_of(int(p), 2) != 0 for p in upstream_pages)
 
 
 def test_nsa_state_pairs_are_filtered_to_owned_pages_other_states_untouched():

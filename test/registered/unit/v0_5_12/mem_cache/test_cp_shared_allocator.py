@@ -15,6 +15,7 @@ from sglang.srt.mem_cache.allocator import (
     alloc_extend_naive,
 )
 
+from sglang_cp_hicache.core.rotation import lane_of
 from sglang_cp_hicache.v0_5_12.mem_cache.cp_shared_allocator import (
     CPSharedPagedTokenToKVPoolAllocator,
     balanced_lane_counts,
@@ -288,7 +289,7 @@ def test_alloc_decode_continues_pages_and_balances_new_pages(page_size):
     assert torch.equal(locs[~starts_page], last_loc[~starts_page] + 1)
     new_pages = locs[starts_page] // page_size
     assert torch.equal(locs[starts_page] % page_size, torch.zeros_like(new_pages))
-    lane_counts = torch.bincount(new_pages % cp_size, minlength=cp_size)
+    lane_counts = torch.bincount(lane_of(new_pages, cp_size), minlength=cp_size)
     assert int(lane_counts.max() - lane_counts.min()) <= 1
 
 
@@ -347,7 +348,7 @@ def test_taking_part_by_part_gives_the_pages_of_one_joined_take(need_sort, pages
         pages = [by_part.take_logical_pages(part, by_part.lane_demand(part)) for part in parts]
 
         assert np.concatenate(pages).tolist() == expected.tolist()
-        assert (np.concatenate(pages) % 4).tolist() == owners.tolist()
+        assert lane_of(np.concatenate(pages), 4).tolist() == owners.tolist()
         assert lane_lists(by_part) == lane_lists(joined)
     assert merged or not need_sort or pages_per_lane > 8  # the short case was reached
 
@@ -414,7 +415,7 @@ def test_free_returns_each_page_to_its_owner_lane():
 
     assert allocator.lane_available_pages().tolist() == [3, 3, 3, 2]
     for lane, pages in enumerate(allocator.lanes.free_pages):
-        assert bool((pages % 4 == lane).all())
+        assert bool((lane_of(pages, 4) == lane).all())
 
 
 # ------------------------------------------------------ random call sequences
@@ -459,7 +460,7 @@ class Driver:
         assert len(torch.unique(all_pages)) == len(all_pages), "page handed out twice"
         assert bool((all_pages >= cp).all()), "padding page handed out"
         assert bool((all_pages // cp <= allocator.lanes.num_physical_pages).all())
-        held_per_lane = torch.bincount(all_pages % cp, minlength=cp)
+        held_per_lane = torch.bincount(lane_of(all_pages, cp), minlength=cp)
         for a in self.allocators:
             assert torch.equal(
                 a.lane_available_pages() + held_per_lane,

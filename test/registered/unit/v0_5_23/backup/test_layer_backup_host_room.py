@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import pytest
 import torch
 
+from sglang_cp_hicache.core.rotation import owner_of
 from sglang_cp_hicache.testing.dist import RankContext, run_ranks
 
 PAGE = 64
@@ -97,7 +98,7 @@ def test_the_fill_leaves_the_tightest_host_lane_partly_full_and_the_floor_short(
 
 def test_the_reservation_makes_room_for_its_whole_draw_and_is_per_layer(per_rank) -> None:
     report = per_rank[0]
-    short_lane = report["base"] % LANES  # the run's first lane draws two pages
+    short_lane = owner_of(report["base"], 0, LANES)  # the run's first lane draws two pages
     assert report["per_layer"], f"the reservation was refused: {report}"
     assert report["refused"] == 0
     # Only the one-page chain on the short lane is evicted (a or c), never d.

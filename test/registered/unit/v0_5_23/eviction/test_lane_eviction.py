@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import pytest
 import torch
 
+from sglang_cp_hicache.core.rotation import lane_of, lane_page_counts
 from sglang_cp_hicache.testing.dist import RankContext, run_ranks
 
 PAGE = 64
@@ -119,8 +120,7 @@ def _lane_pages_match_locs(stack) -> bool:
         value = node.component_data[ComponentType.FULL].value
         if value is None:
             continue
-        owners = (value[::PAGE] // PAGE % LANES).tolist()
-        if evictor.lane_pages(node) != [owners.count(lane) for lane in range(LANES)]:
+        if evictor.lane_pages(node) != lane_page_counts((value[::PAGE] // PAGE).tolist(), LANES):
             return False
     return True
 
@@ -175,8 +175,8 @@ def _extend(stack, pages: int, index: int = 99) -> Tuple[Tuple[int, ...], int]:
         seq_lens_cpu=seq, last_loc=torch.tensor([-1]), extend_num_tokens=pages * PAGE,
         batch=batch,
     )  # fmt: skip
-    owners = (locs[::PAGE] // PAGE % LANES).tolist()
-    return tuple(owners.count(lane) for lane in range(LANES)), owners[0]
+    logical_pages = (locs[::PAGE] // PAGE).tolist()
+    return tuple(lane_page_counts(logical_pages, LANES)), lane_of(logical_pages[0], LANES)
 
 
 def _run(ctx: RankContext, name: str, cp_shared_kv: bool) -> Outcome:

@@ -17,6 +17,7 @@ from typing import Dict, List
 import pytest
 import torch
 
+from sglang_cp_hicache.core.rotation import lane_of, lane_page_counts
 from sglang_cp_hicache.testing.dist import RankContext, run_ranks
 
 PAGE = 64
@@ -35,8 +36,7 @@ def _insert(stack, index: int, base: int, pages: int) -> List[int]:
 
 
 def _lane_counts(locs: torch.Tensor, lanes: int) -> List[int]:
-    owners = (locs[::PAGE] // PAGE % lanes).tolist()
-    return [owners.count(lane) for lane in range(lanes)]
+    return lane_page_counts((locs[::PAGE] // PAGE).tolist(), lanes)
 
 
 def _rank(ctx: RankContext) -> Dict[str, object]:
@@ -77,7 +77,7 @@ def _rank(ctx: RankContext) -> Dict[str, object]:
 def _first_host_lane(node, lanes: int) -> int:
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
-    return int(node.component_data[ComponentType.FULL].host_value[0]) // PAGE % lanes
+    return lane_of(int(node.component_data[ComponentType.FULL].host_value[0]) // PAGE, lanes)
 
 
 @pytest.mark.parametrize("cp_size", [2, 4, 8])

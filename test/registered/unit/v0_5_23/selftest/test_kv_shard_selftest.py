@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sglang_cp_hicache.core.rotation import lane_of, owner_of
 from sglang_cp_hicache.v0_5_23.selftest import kv_shard_selftest
 from sglang_cp_hicache.v0_5_23.selftest.kv_shard_selftest_batch import (
     SelfTestBatchSpec,
@@ -108,8 +109,8 @@ def test_the_batch_has_the_shapes_the_sharded_read_path_must_handle(cp_size):
     all_pages = set()
     for i, seq_len in enumerate(batch.seq_lens):
         pages = rows[i, :seq_len:PAGE] // PAGE
-        owners = pages % cp_size
-        assert torch.equal(owners, (owners[0] + torch.arange(len(pages))) % cp_size)  # cyclic
+        owners = lane_of(pages, cp_size)
+        assert torch.equal(owners, owner_of(int(owners[0]), torch.arange(len(pages)), cp_size))  # one run
         assert int((pages // cp_size).min()) >= 1  # local page 0 is every rank's trash page
         assert int((pages // cp_size).max()) <= batch.pages_per_rank
         assert torch.equal(rows[i, :seq_len] % PAGE, torch.arange(seq_len) % PAGE)

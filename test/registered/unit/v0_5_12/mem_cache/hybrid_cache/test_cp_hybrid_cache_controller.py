@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from sglang_cp_hicache.core.rotation import lane_of
 from sglang_cp_hicache.v0_5_12.mem_cache.cp_hicache_metadata import (
     CpHiCacheMetadataError,
     JoinedHostLoadPlan,
@@ -273,7 +274,7 @@ def test_joined_load_queues_one_op_of_each_parts_owned_pages_in_part_order(gloo_
         assert layout.owner_for_logical_pages(new_pages).tolist() == owners
         owned_host_pages = meta.host_indices[meta.owned_positions % PS == 0] // PS
         expected_host.append(page_token_locs(owned_host_pages, PS))
-        physical_pages = layout.logical_pages_to_physical(new_pages[new_pages % cp_size == cp_rank])
+        physical_pages = layout.logical_pages_to_physical(new_pages[lane_of(new_pages, cp_size) == cp_rank])
         expected_device.append(torch.from_numpy(page_token_locs(physical_pages, PS)))
     assert torch.equal(op.host_indices, torch.cat(expected_host))
     assert torch.equal(op.device_indices, torch.cat(expected_device))
