@@ -68,7 +68,7 @@ def test_the_pd_summary_fails_on_each_decode_side_problem() -> None:
     each decode-side problem, a lost transfer and a page sent twice are violations."""
     from types import SimpleNamespace
 
-    from sglang_cp_hicache.sim.report import _pd_summary
+    from sglang_cp_hicache.sim.report.pd import pd_summary
     from sglang_cp_hicache.sim.results import PDDecodeStats, PDRankStats, RankCounters
 
     def ranks(sent=(300, 100), requests=2):
@@ -78,7 +78,7 @@ def test_the_pd_summary_fails_on_each_decode_side_problem() -> None:
     def decode(**changes):
         return PDDecodeStats(**{**dict(requests=2, tokens=200, transfer_s=[0.01, 0.02]), **changes})
 
-    clean = _pd_summary(ranks(), decode())
+    clean = pd_summary(ranks(), decode())
     assert clean.problems == [] and clean.logical_bytes == 400 and clean.sent_bytes_vs_logical == 1.5
     for changes, message in (
         (dict(kv_mismatches=3), "decode holds wrong bytes"),
@@ -89,6 +89,6 @@ def test_the_pd_summary_fails_on_each_decode_side_problem() -> None:
         (dict(requests=1), "do not match the finished prefills"),
         (dict(failures=["r: Failed"]), "PD transfer failed"),
     ):
-        problems = _pd_summary(ranks(), decode(**changes)).problems
+        problems = pd_summary(ranks(), decode(**changes)).problems
         assert any(message in p for p in problems), (changes, problems)
-    assert any("!= logical" in p for p in _pd_summary(ranks(sent=(300, 200)), decode()).problems)
+    assert any("!= logical" in p for p in pd_summary(ranks(sent=(300, 200)), decode()).problems)

@@ -4,7 +4,7 @@ section names what moved between those two columns."""
 
 from types import SimpleNamespace
 
-from sglang_cp_hicache.sim.report import _delta_rows, _op_rows
+from sglang_cp_hicache.sim.report.table import delta_rows, op_rows
 
 
 def _stats(p50: float, p99: float, count: int = 4) -> dict:
@@ -23,7 +23,7 @@ def test_each_ratio_divides_by_its_own_columns_p50() -> None:
         native_op_time_us={"insert": _stats(20.0, 40.0), "evict": _stats(4.0, 5.0)},
         baseline_op_time_us={"insert": _stats(10.0, 11.0), "evict": _stats(2.0, 3.0)},
     )
-    table = _op_rows(report)
+    table = op_rows(report)
     assert table[1].split() == [
         "op", "n", "plugin", "p50", "p99", "native", "p50", "p99", "plugin/native",
         "upstream", "p50", "p99", "plugin/upstream",
@@ -40,7 +40,7 @@ def test_a_native_main_column_is_compared_with_upstream_only() -> None:
         native_op_time_us=None,
         baseline_op_time_us={"insert": _stats(10.0, 11.0)},
     )
-    table = _op_rows(report)
+    table = op_rows(report)
     assert "native/upstream" in table[1] and "plugin" not in table[1]
     assert _cells(table, "insert") == ["insert", "4", "30.0", "90.0", "10.0", "11.0", "3.00x"]
 
@@ -65,7 +65,7 @@ def test_the_section_names_the_run_and_what_moved_between_plugin_and_native() ->
         native_op_time_us={"insert": _stats(40.0, 50.0), "alloc": _stats(5.0, 6.0), "evict": _stats(10.0, 99.0)},
         per_layer_forwards=0,
     )
-    lines = _delta_rows(report)
+    lines = delta_rows(report)
     assert "workload long, cp 4, batch size 1, seed 3" in lines[0]
     text = "\n".join(lines)
     assert "hit tokens 1264 vs 1200 (+64, +5.3 %)" in text
