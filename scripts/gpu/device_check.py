@@ -726,7 +726,7 @@ def write_json(report: dict) -> Optional[str]:
 # ----------------------------------------------------------------- the 0.5.23 line
 LINE_0_5_12 = "0.5.12.post1"
 LINE_0_5_23 = "0.5.23"
-#: What the Hopper admission admits (``testing/v0_5_23/read_path.py`` ``KV_FORMATS``).
+#: What the Hopper admission admits (``testing/v0_5_23/read_path/formats.py`` ``KV_FORMATS``).
 FORMATS_0_5_23 = ("flashmla_sparse/bfloat16", "flashmla_kv/fp8_e4m3")
 _MODULE_NAME = "gpu_device_check"  # how the rank processes import this file
 #: The top-k paths the CUDA self-test runs (``gpu_selftest.CUDA_TOPK_PATHS``; named here so a

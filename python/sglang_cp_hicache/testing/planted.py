@@ -1,10 +1,11 @@
-"""Planted faults shared by both lines' prepared checks (``scripts/gpu/device_check.py``):
-each must make its check fail, or the check cannot fail."""
+"""Planted faults shared by both lines' prepared checks (``scripts/gpu/device_check.py``)
+and tests: each must make its check fail, or the check cannot fail. Also the call counter
+a test uses to show the path it checks really ran."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Dict, Iterator, Sequence
 
 
 class EventWithoutWait:
@@ -38,4 +39,26 @@ def events_without_wait(owner: type, method: str = "new_event") -> Any:
     return patched(owner, method, lambda new_event: lambda self: EventWithoutWait(new_event(self)))
 
 
-__all__ = ["EventWithoutWait", "events_without_wait", "patched"]
+@contextlib.contextmanager
+def counted_calls(module: Any, names: Sequence[str], counts: Dict[str, int]) -> Iterator[None]:
+    """For the block, every call of ``module``'s ``names`` adds one to ``counts[name]``
+    and runs the original; restored after it."""
+    originals = {name: getattr(module, name) for name in names}
+
+    def counted(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] = counts.get(name, 0) + 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(module, name, counted(name))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(module, name, original)
+
+
+__all__ = ["EventWithoutWait", "counted_calls", "events_without_wait", "patched"]

@@ -1,14 +1,14 @@
-"""The sharded-vs-replicated prefill twins of ``read_path.py`` on any device, target and MTP
+"""The sharded-vs-replicated prefill twins of ``read_path/`` on any device, target and MTP
 draft, for the GPU check (``scripts/gpu/device_check.py --sglang 0.5.23``).
 
-:class:`DeviceReadPathRank` is :class:`~sglang_cp_hicache.testing.v0_5_23.read_path.ReadPathRank`
+:class:`DeviceReadPathRank` is :class:`~sglang_cp_hicache.testing.v0_5_23.read_path.rank.ReadPathRank`
 with its pools, backend, batch and forward on ``device``; every record comes back to the
 CPU for the comparison (bit for bit, owned rows, block table), so the verdicts are the CPU
 twin's. Its :meth:`~DeviceReadPathRank.draft` is the EAGLE MTP draft's extend (one NextN
 layer over its own sharded pool, the prefill kernel of the format).
 
 :func:`twin_session` publishes the rank's context with the device's kernels: on CPU the
-read path's torch stand-ins (:class:`read_path.CpuKernelStandIns`); on CUDA upstream's own
+read path's torch stand-ins (:class:`read_path.kernels.CpuKernelStandIns`); on CUDA upstream's own
 (Triton index-K reads and stores, the page-table transform and CP split, FlashMLA from
 sgl-flash-mla, the torch top-k backend) with the GPU check's shim for NCCL on one GPU
 (``gpu_selftest.staged_gathers``: the pool's prefix all-gather and the attention-CP
@@ -25,21 +25,24 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional
+from typing import Any, ContextManager, Iterator, List, Optional
 
 import torch
 
-from sglang_cp_hicache.testing.v0_5_23 import read_path
-from sglang_cp_hicache.testing.v0_5_23.read_path import (
+from sglang_cp_hicache.testing.v0_5_23.read_path import faults
+from sglang_cp_hicache.testing.v0_5_23.read_path.batch import ReadPathBatch, ReadPathBatchSpec
+from sglang_cp_hicache.testing.v0_5_23.read_path.context import publish_runtime_context
+from sglang_cp_hicache.testing.v0_5_23.read_path.formats import KV_FORMATS
+from sglang_cp_hicache.testing.v0_5_23.read_path.kernels import CpuKernelStandIns
+from sglang_cp_hicache.testing.v0_5_23.read_path.model import (
     ForwardRecord,
     IndexRead,
-    ReadPathBatch,
-    ReadPathBatchSpec,
     ReadPathModel,
-    ReadPathPools,
-    ReadPathRank,
     StandInIndexer,
+    extend_forward_batch,
 )
+from sglang_cp_hicache.testing.v0_5_23.read_path.pools import ReadPathPools, build_backend
+from sglang_cp_hicache.testing.v0_5_23.read_path.rank import ReadPathRank
 
 
 def _to(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
@@ -77,7 +80,7 @@ def record_on_cpu(record: ForwardRecord) -> ForwardRecord:
 def forward_batch_on(batch: ReadPathBatch, device: torch.device) -> Any:
     """The scheduler's ``ForwardBatch`` of the EXTEND with its device tensors on ``device``
     (the ``*_cpu`` fields stay on the host, as upstream keeps them)."""
-    forward_batch = read_path._forward_batch(batch)
+    forward_batch = extend_forward_batch(batch)
     for name in ("input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "extend_seq_lens",
                  "extend_prefix_lens", "positions"):  # fmt: skip
         setattr(forward_batch, name, getattr(forward_batch, name).to(device))
@@ -119,7 +122,7 @@ class DeviceReadPathModel(ReadPathModel):
 
 
 def build_backend_on(pool: Any, batch: ReadPathBatch, model_config: Any, rank: "DeviceReadPathRank") -> Any:
-    """``read_path.build_backend`` with the runner and ``req_to_token`` on the rank's device
+    """``read_path.pools.build_backend`` with the runner and ``req_to_token`` on the rank's device
     (an H200's capability is only faked on CPU; on CUDA the device is one)."""
     from types import SimpleNamespace
 
@@ -128,7 +131,7 @@ def build_backend_on(pool: Any, batch: ReadPathBatch, model_config: Any, rank: "
 
     device, num_reqs = rank.device, len(batch.seq_lens)
     if device.type == "cpu":
-        return read_path.build_backend(pool, batch, model_config, rank.config, rank.kv_format, rank.draft_worker)
+        return build_backend(pool, batch, model_config, rank.config, rank.kv_format, rank.draft_worker)
     req_to_token_pool = ReqToTokenPool(
         size=num_reqs, max_context_len=batch.req_to_token.shape[1], device=str(device), enable_memory_saver=False
     )
@@ -169,15 +172,8 @@ class DeviceReadPathRank(ReadPathRank):
             self.kv_format, draft_worker=True, device=self.device,
         )  # fmt: skip
 
-    def store_prefix(self, pool: Any) -> None:
-        from sglang_cp_hicache.testing.reference_sparse_mla import quantize_index_k
-
-        b, r = self.device_batch, self.config.kv_lora_rank
-        for layer_id, layer in enumerate(self.layers):
-            kv = b.prefix_kv[layer_id][:, None, :]
-            pool.set_mla_kv_buffer(layer, b.prefix_locs, kv[..., :r], kv[..., r:])
-            index_k, scale = quantize_index_k(b.prefix_index_key[layer_id])
-            pool.set_index_k_scale_buffer(layer_id, b.prefix_locs, index_k, scale)
+    def _stored_batch(self) -> ReadPathBatch:
+        return self.device_batch
 
     def run(self, pool: Any) -> ForwardRecord:
         self.store_prefix(pool)
@@ -196,12 +192,12 @@ def twin_session(shard_group: Any, kv_format: Any, device: torch.device) -> Iter
     with envs.SGLANG_DEBUG_MEMORY_POOL.override(True), envs.SGLANG_DSA_FUSE_TOPK.override(False):
         with contextlib.ExitStack() as stack:
             if device.type == "cpu":
-                stack.enter_context(read_path.CpuKernelStandIns(shard_group.cpu_group))
+                stack.enter_context(CpuKernelStandIns(shard_group.cpu_group))
             else:
                 from sglang_cp_hicache.testing.v0_5_23.gpu_selftest import staged_gathers
 
                 stack.enter_context(staged_gathers(shard_group))
-            model_config = read_path.publish_runtime_context(kv_format.config, spec, shard_group, kv_format)
+            model_config = publish_runtime_context(kv_format.config, spec, shard_group, kv_format)
             yield DeviceReadPathRank(
                 shard_group, model_config, spec, kv_format.config, kv_format, device=device
             )
@@ -210,40 +206,17 @@ def twin_session(shard_group: Any, kv_format: Any, device: torch.device) -> Iter
 def twin_formats(device: torch.device) -> List[Any]:
     """The admitted formats at the device's twin geometry (tiny on CPU, GLM-5's on CUDA)."""
     if device.type == "cpu":
-        return list(read_path.KV_FORMATS)
+        return list(KV_FORMATS)
     from sglang_cp_hicache.testing.v0_5_23.gpu_selftest import gpu_kv_formats
 
     return gpu_kv_formats()
 
 
-@contextlib.contextmanager
-def misread_prefix_page() -> Iterator[None]:
+def misread_prefix_page() -> ContextManager[None]:
     """The planted fault: while a backend builds its metadata, the sharded pool's scratch
     translation points prefix rows one page further (the chunk stage and the indexer keep
     the real translation), so attention reads another page's KV."""
-    from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
-    from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
-
-    init = DeepseekSparseAttnBackend.__dict__["init_forward_metadata"]
-    translate = PageInterleaveKVPoolMixin.__dict__["translate_loc_to_scratch"]
-
-    def shifted(pool: Any, loc: torch.Tensor) -> torch.Tensor:
-        rows = translate(pool, loc)
-        prefix_rows = pool.shard_size * pool._block_pages * pool.page_size
-        return torch.where(rows < prefix_rows, rows + pool.page_size, rows)
-
-    def init_with_faulty_table(backend: Any, forward_batch: Any) -> Any:
-        PageInterleaveKVPoolMixin.translate_loc_to_scratch = shifted
-        try:
-            return init(backend, forward_batch)
-        finally:
-            PageInterleaveKVPoolMixin.translate_loc_to_scratch = translate
-
-    DeepseekSparseAttnBackend.init_forward_metadata = init_with_faulty_table
-    try:
-        yield
-    finally:
-        DeepseekSparseAttnBackend.init_forward_metadata = init
+    return faults.scratch_table_rewritten(faults.prefix_rows_one_page_on)
 
 
 __all__ = [

@@ -61,9 +61,9 @@ def topk_paths(device: torch.device) -> Dict[str, Tuple[str, Dict[str, bool]]]:
 
 
 def gpu_kv_formats() -> List[Any]:
-    """The admitted formats (``read_path.KV_FORMATS``: names, backends, pool dtypes) at
+    """The admitted formats (``read_path.formats.KV_FORMATS``: names, backends, pool dtypes) at
     :data:`GPU_CHECK_CONFIG`'s geometry."""
-    from sglang_cp_hicache.testing.v0_5_23.read_path import KV_FORMATS
+    from sglang_cp_hicache.testing.v0_5_23.read_path.formats import KV_FORMATS
 
     return [dataclasses.replace(f, config=GPU_CHECK_CONFIG) for f in KV_FORMATS]
 
@@ -204,7 +204,8 @@ def run_selftests(shard_group: GlooShardGroup) -> List[dict]:
     rank (the self-test's gathers and verdicts are collectives)."""
     from sglang.srt.runtime_context import get_context
 
-    from sglang_cp_hicache.testing.v0_5_23.read_path import ReadPathBatchSpec, publish_runtime_context
+    from sglang_cp_hicache.testing.v0_5_23.read_path.batch import ReadPathBatchSpec
+    from sglang_cp_hicache.testing.v0_5_23.read_path.context import publish_runtime_context
 
     device = shard_group.device
     entries = []

@@ -39,6 +39,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from sglang_cp_hicache.testing.forward_timing import ForwardTiming
+
 PAGE = 64
 LAYERS = 3
 SEED = 20261205
@@ -53,37 +55,6 @@ PLANTS_CUDA = ("layer_copy_dropped", "missing_wait")
 
 def plants_for(device: str) -> tuple:
     return PLANTS_CUDA if device == "cuda" else PLANTS_CPU
-
-
-class _Timing:
-    """CUDA events around the forward (nothing on CPU, where copies are synchronous)."""
-
-    def __init__(self, device: str) -> None:
-        self.cuda = device == "cuda"
-        self._layer0_copied: Optional[Any] = None
-        self._last_stored: Optional[Any] = None
-
-    def stall(self, cycles: int) -> None:
-        if self.cuda and cycles:
-            torch.cuda._sleep(cycles)
-
-    def layer0_copied(self, d2h_stream: Any) -> None:
-        if self.cuda:
-            self._layer0_copied = torch.cuda.Event(enable_timing=True)
-            self._layer0_copied.record(d2h_stream)
-
-    def last_layer_stored(self) -> None:
-        if self.cuda:
-            self._last_stored = torch.cuda.Event(enable_timing=True)
-            self._last_stored.record()
-
-    def overlap_ms(self) -> Optional[float]:
-        """Milliseconds from layer 0's copy done to the last layer's stores done (> 0: the
-        copy finished while the forward still ran)."""
-        if self._layer0_copied is None or self._last_stored is None:
-            return None
-        torch.cuda.synchronize()
-        return float(self._layer0_copied.elapsed_time(self._last_stored))
 
 
 #: The hook targets the round trip runs through; the others (scheduler, model runner,
@@ -188,66 +159,21 @@ def round_trip(
     (SGLang pins host pools and never unregisters them: a GPU process keeps them alive)."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import logical_kv
-    from sglang_cp_hicache.testing.v0_5_23.mtp_draft import device_layer_mismatches
-    from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of, notify_forward_end
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of
 
     report: Dict[str, Any] = {"layout": layout}
-    timing = _Timing(device)
+    timing = ForwardTiming(device)
     stack = _stack(ctx, device, layout)
     try:
         backup = layer_backup_of(stack.cache)
         if backup is None:
             raise RuntimeError(f"no per-layer backup attached ({layout})")
         start = (stack.device_available(), stack.host_available())
-        empty = torch.empty((0,), dtype=torch.int64, device=device)
-        plan = []
-        for index, (rid, (first, pages)) in enumerate(REQUESTS.items()):
-            tokens = list(range(first, first + pages * PAGE))
-            base = 0 if index == 0 else ctx.world_size - 1
-            locs, base = stack.alloc_extend(empty, len(tokens), rotation_base=base)
-            backup.reserve(rid, locs, base)  # before the forward
-            kv = _on_device(logical_kv(stack, len(tokens), LAYERS, SEED + first), device)
-            plan.append((rid, tokens, locs, base, kv))
+        plan = _reserve(ctx, stack, backup, device)
         report["owned_pages"] = {rid: int(stack.owned_mask(locs[::PAGE]).sum()) for rid, _, locs, _, _ in plan}
-        queue = stack.controller.ack_write_queue
-        before = len(queue)
-        stores = PreparedStores(stack, [(locs, kv) for _, _, locs, _, kv in plan])
-        d2h = stack.controller.l2_transfer_engine.device_to_host_stream
-        for layer in range(LAYERS):
-            timing.stall(stall_cycles)  # the layer's compute, before its stores
-            if layer == LAYERS - 1:
-                report["acks_before_last_layer"] = len(queue) - before
-            stores.store(layer)  # the store hook copies it on the D2H stream
-            if layer == 0:
-                timing.layer0_copied(d2h)
-            if layer == LAYERS - 1:
-                timing.last_layer_stored()
-        notify_forward_end(stack.kv_pool)
-        report["acks_after_forward"] = len(queue) - before
-        for _, tokens, locs, base, _ in plan:
-            stack.insert(tokens, locs, base)
-        stack.cache.flush_pending_backups()
-        _settle(device)  # the scheduler polls until the copies end; the check waits once
-        stack.cache.writing_check()  # MIN all-reduce: every rank's ack, a zero-owned one too
-        nodes = {rid: stack.cache.tree_core.node_by_id(stack.match(tokens).last_device_node) for rid, tokens, *_ in plan}
-        report["pending_after_ack"] = {rid: n.write_through_pending_id is not None for rid, n in nodes.items()}
-        report["backed_up"] = {rid: bool(n.backuped) for rid, n in nodes.items()}
-        stack.cache.evict(EvictParams(num_tokens=stack.allocator.size))
-        for layer in range(LAYERS):  # the load-back must write every byte it is checked on
-            stack.kv_pool.kv_buffer[layer].zero_()
-            stack.kv_pool.index_k_with_scale_buffer[layer].zero_()
-        report["loaded"] = {}
-        for rid, tokens, _, _, kv in plan:
-            match = stack.match(tokens)
-            if not stack.cache.load_back(match.best_match_node):
-                report["loaded"][rid] = [f"load_back refused ({match.host_hit_length} host tokens)"]
-                continue
-            stack.cache.ready_to_load_host_cache()
-            _settle(device)
-            stack.cache.loading_check()
-            reloaded = stack.cache.path_device_indices(stack.match(tokens).last_device_node)
-            report["loaded"][rid] = device_layer_mismatches(stack, stack.kv_pool, reloaded, kv, range(LAYERS))
+        report.update(_forward(stack, plan, timing, stall_cycles))
+        report.update(_back_up(stack, plan, device))
+        report["loaded"] = _load_back(stack, plan, device)
         stack.cache.evict(EvictParams(num_tokens=stack.allocator.size))
         stack.cache.evict_host(stack.kv_host_pool.logical_size)
         report["free_counts"] = [list(start), [stack.device_available(), stack.host_available()]]
@@ -257,6 +183,88 @@ def round_trip(
         if keep_stacks is not None:
             keep_stacks.append(stack)
     return report
+
+
+#: One request of the round trip: (rid, tokens, logical locs, rotation base, logical KV).
+Planned = Tuple[str, List[int], torch.Tensor, int, Any]
+
+
+def _reserve(ctx: Any, stack: Any, backup: Any, device: str) -> List[Planned]:
+    """Each request's slots allocated and its host slots reserved, before the forward."""
+    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import logical_kv
+
+    empty = torch.empty((0,), dtype=torch.int64, device=device)
+    plan = []
+    for index, (rid, (first, pages)) in enumerate(REQUESTS.items()):
+        tokens = list(range(first, first + pages * PAGE))
+        base = 0 if index == 0 else ctx.world_size - 1
+        locs, base = stack.alloc_extend(empty, len(tokens), rotation_base=base)
+        backup.reserve(rid, locs, base)
+        kv = _on_device(logical_kv(stack, len(tokens), LAYERS, SEED + first), device)
+        plan.append((rid, tokens, locs, base, kv))
+    return plan
+
+
+def _forward(stack: Any, plan: List[Planned], timing: ForwardTiming, stall_cycles: int) -> Dict[str, Any]:
+    """The forward's stores layer by layer (each layer's compute stalled first), the acks
+    counted before the last layer and after the forward's end."""
+    from sglang_cp_hicache.v0_5_23.backup.layer_backup import notify_forward_end
+
+    queue = stack.controller.ack_write_queue
+    before = len(queue)
+    report: Dict[str, Any] = {}
+    stores = PreparedStores(stack, [(locs, kv) for _, _, locs, _, kv in plan])
+    d2h = stack.controller.l2_transfer_engine.device_to_host_stream
+    for layer in range(LAYERS):
+        timing.stall(stall_cycles)  # the layer's compute, before its stores
+        if layer == LAYERS - 1:
+            report["acks_before_last_layer"] = len(queue) - before
+        stores.store(layer)  # the store hook copies it on the D2H stream
+        if layer == 0:
+            timing.layer0_copied(d2h)
+        if layer == LAYERS - 1:
+            timing.last_layer_stored()
+    notify_forward_end(stack.kv_pool)
+    report["acks_after_forward"] = len(queue) - before
+    return report
+
+
+def _back_up(stack: Any, plan: List[Planned], device: str) -> Dict[str, Any]:
+    """The inserts claim the reservations; the ack settles them on every rank."""
+    for _, tokens, locs, base, _ in plan:
+        stack.insert(tokens, locs, base)
+    stack.cache.flush_pending_backups()
+    _settle(device)  # the scheduler polls until the copies end; the check waits once
+    stack.cache.writing_check()  # MIN all-reduce: every rank's ack, a zero-owned one too
+    nodes = {rid: stack.cache.tree_core.node_by_id(stack.match(tokens).last_device_node) for rid, tokens, *_ in plan}
+    return {
+        "pending_after_ack": {rid: n.write_through_pending_id is not None for rid, n in nodes.items()},
+        "backed_up": {rid: bool(n.backuped) for rid, n in nodes.items()},
+    }
+
+
+def _load_back(stack: Any, plan: List[Planned], device: str) -> Dict[str, Any]:
+    """Device evicted and wiped, then each request loaded back and compared layer by layer."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    from sglang_cp_hicache.testing.v0_5_23.mtp_draft import device_layer_mismatches
+
+    stack.cache.evict(EvictParams(num_tokens=stack.allocator.size))
+    for layer in range(LAYERS):  # the load-back must write every byte it is checked on
+        stack.kv_pool.kv_buffer[layer].zero_()
+        stack.kv_pool.index_k_with_scale_buffer[layer].zero_()
+    loaded: Dict[str, Any] = {}
+    for rid, tokens, _, _, kv in plan:
+        match = stack.match(tokens)
+        if not stack.cache.load_back(match.best_match_node):
+            loaded[rid] = [f"load_back refused ({match.host_hit_length} host tokens)"]
+            continue
+        stack.cache.ready_to_load_host_cache()
+        _settle(device)
+        stack.cache.loading_check()
+        reloaded = stack.cache.path_device_indices(stack.match(tokens).last_device_node)
+        loaded[rid] = device_layer_mismatches(stack, stack.kv_pool, reloaded, kv, range(LAYERS))
+    return loaded
 
 
 def round_trip_problems(reports: List[Dict[str, Any]]) -> List[str]:

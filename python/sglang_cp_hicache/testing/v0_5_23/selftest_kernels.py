@@ -4,13 +4,13 @@ torch stand-ins) and the model runner a CPU rank hands the hook.
 :class:`~sglang_cp_hicache.v0_5_23.selftest.kv_shard_selftest.SelfTestKernels` for
 ``device.type == "cpu"``, registered by the CPU runtime right after the self-test module is
 imported (:func:`register_cpu_kernels`). While installed, upstream's read path finds the
-stand-ins of :class:`~sglang_cp_hicache.testing.v0_5_23.read_path.CpuKernelStandIns` (index-K
+stand-ins of :class:`~sglang_cp_hicache.testing.v0_5_23.read_path.kernels.CpuKernelStandIns` (index-K
 read, top-k page-table transform, CP query split, FlashMLA sparse, the attention-CP gather
 over the gloo group, an H200's capability while a backend is built), and fused top-k is off
 (upstream's torch top-k backend has no fused transform, ``dsa_topk_backend.py:269``).
 :func:`selftest_runner` is the bundle of model-runner attributes the hook and the backend
 read on a sharded target rank (a real ``ModelRunner`` loads a model onto a GPU), over a
-:class:`~sglang_cp_hicache.testing.v0_5_23.read_path.ReadPathRank`'s published context.
+:class:`~sglang_cp_hicache.testing.v0_5_23.read_path.rank.ReadPathRank`'s published context.
 Imports nothing heavy at module level: the runtime imports it while installing.
 """
 
@@ -30,7 +30,7 @@ class CpuStandInKernels:
     def installed(self, cp_group: Any) -> Iterator[None]:
         from sglang.srt.environ import envs
 
-        from sglang_cp_hicache.testing.v0_5_23.read_path import CpuKernelStandIns
+        from sglang_cp_hicache.testing.v0_5_23.read_path.kernels import CpuKernelStandIns
 
         with envs.SGLANG_DSA_FUSE_TOPK.override(False), CpuKernelStandIns(cp_group):
             with CpuKernelStandIns.hopper_capability():

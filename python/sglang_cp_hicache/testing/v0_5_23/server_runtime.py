@@ -61,27 +61,28 @@ def _project_runtime() -> None:
 
 
 def _read_path() -> None:
-    from sglang_cp_hicache.testing.v0_5_23 import read_path
+    from sglang_cp_hicache.testing.v0_5_23.flashmla_kv_reference import quantize_k_cache_separate_reference
+    from sglang_cp_hicache.testing.v0_5_23.read_path import kernels
 
     watcher = process_watcher()
 
     def dsa_backend(module: Any) -> None:
-        module.transform_index_page_table_prefill = read_path.transform_index_page_table_prefill_reference
+        module.transform_index_page_table_prefill = kernels.transform_index_page_table_prefill_reference
         module.transform_index_page_table_decode = dsa_kernels.transform_index_page_table_decode
 
     def get_k_and_s(module: Any) -> None:
-        module.GetKAndS.triton = classmethod(read_path.get_k_and_s_reference)
+        module.GetKAndS.triton = classmethod(kernels.get_k_and_s_reference)
 
     def quantize(module: Any) -> None:
-        module.quantize_k_cache_separate = read_path.quantize_k_cache_separate_reference
+        module.quantize_k_cache_separate = quantize_k_cache_separate_reference
 
     def cp_split(module: Any) -> None:
-        module.dsa_cp_interleave_q_seqs = read_path.dsa_cp_interleave_q_seqs_reference
+        module.dsa_cp_interleave_q_seqs = kernels.dsa_cp_interleave_q_seqs_reference
 
     # The interface module imports the CUDA-only flash_mla package: it cannot import on a
     # CPU, so a module holding only the stand-ins takes its name.
-    flash_mla = types.ModuleType(read_path.CpuKernelStandIns.FLASH_MLA_INTERFACE)
-    for name, stand_in in read_path.CpuKernelStandIns.FLASH_MLA_STAND_INS.items():
+    flash_mla = types.ModuleType(kernels.CpuKernelStandIns.FLASH_MLA_INTERFACE)
+    for name, stand_in in kernels.CpuKernelStandIns.FLASH_MLA_STAND_INS.items():
         setattr(flash_mla, name, stand_in)
     sys.modules[flash_mla.__name__] = flash_mla
     watcher.when_imported(DSA_BACKEND, dsa_backend)

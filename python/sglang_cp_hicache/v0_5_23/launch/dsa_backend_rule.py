@@ -14,8 +14,8 @@ both are refused there, although the shard-aware parts of ``DeepseekSparseAttnBa
 calls it by its module-global name). With the plugin's flag on a DSA model it admits, beside
 upstream's own triple, the :data:`ADMITTED` Hopper ones: only formats whose scratch-translated
 tables a CPU twin checks against the replicated pool, bit for bit, at cp 2, 3 and 8 with planted
-mistranslations (``testing/v0_5_23/read_path.py``; tests under
-``test/registered/multi_rank/v0_5_23/``: ``test_native_read_path_multi_rank.py``,
+mistranslations (``testing/v0_5_23/read_path/``; tests under
+``test/registered/multi_rank/v0_5_23/native/``: ``test_native_read_path_multi_rank.py``,
 ``test_read_path_cp8_multi_rank.py``, ``test_read_path_fp8_multi_rank.py``):
 
 * ``flashmla_sparse`` over bf16 rows (token-level ``page_table_1``), decode ``fa3``;

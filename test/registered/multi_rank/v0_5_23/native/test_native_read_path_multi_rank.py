@@ -31,34 +31,6 @@ MID_PAGE_PREFIX_LENS = (150, 192, 0)  # request 0's prefix ends 22 tokens into a
 
 
 @contextlib.contextmanager
-def _translated_table_rewritten(rewrite):
-    """``rewrite(pool, loc, rows)`` applied to ``translate_loc_to_scratch`` while the
-    backend builds its metadata only: the chunk staging and index-K writes keep the real
-    translation, so only the table the attention kernel reads is wrong."""
-    from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
-    from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
-
-    init = DeepseekSparseAttnBackend.__dict__["init_forward_metadata"]
-    translate = PageInterleaveKVPoolMixin.__dict__["translate_loc_to_scratch"]
-
-    def faulty_translate(pool, loc):
-        return rewrite(pool, loc, translate(pool, loc))
-
-    def init_with_faulty_table(backend, forward_batch):
-        PageInterleaveKVPoolMixin.translate_loc_to_scratch = faulty_translate
-        try:
-            return init(backend, forward_batch)
-        finally:
-            PageInterleaveKVPoolMixin.translate_loc_to_scratch = translate
-
-    DeepseekSparseAttnBackend.init_forward_metadata = init_with_faulty_table
-    try:
-        yield
-    finally:
-        DeepseekSparseAttnBackend.init_forward_metadata = init
-
-
-@contextlib.contextmanager
 def _indexer_pages_rewritten(rewrite):
     """``rewrite(pages, logical_pages)`` applied to the scratch pages the indexer's
     ``get_index_k_scale_buffer`` maps its logical page table to."""
@@ -76,26 +48,9 @@ def _indexer_pages_rewritten(rewrite):
         _PageInterleaveIndexKeyCache._scratch_pages = scratch_pages
 
 
-@contextlib.contextmanager
-def _prefetch_skipped(layer):
-    """``_prefetch_layer(layer)`` marks the slot resident without gathering into it."""
-    from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
-
-    prefetch = PageInterleaveKVPoolMixin.__dict__["_prefetch_layer"]
-
-    def skipping(pool, layer_id):
-        if layer_id != layer:
-            return prefetch(pool, layer_id)
-        pool._slots[layer_id % 2].resident_key = (layer_id, pool._epoch)
-
-    PageInterleaveKVPoolMixin._prefetch_layer = skipping
-    try:
-        yield
-    finally:
-        PageInterleaveKVPoolMixin._prefetch_layer = prefetch
-
-
 def _planted(fault, rank):
+    from sglang_cp_hicache.testing.v0_5_23.read_path import faults
+
     ps = rank.config.page_size
     shared_page = int(rank.batch.req_to_token[0, 0]) // ps  # both requests' first page
     if fault == "off_by_one_page":  # the attention table sends it to its neighbour
@@ -103,7 +58,7 @@ def _planted(fault, rank):
         def rewrite(pool, loc, rows):
             return torch.where(loc.long() // ps == shared_page, rows + ps, rows)
 
-        return _translated_table_rewritten(rewrite)
+        return faults.scratch_table_rewritten(rewrite)
     if fault == "indexer_off_by_one_page":  # the indexer's index-K read does
 
         def rewrite(pages, logical_pages):
@@ -111,22 +66,14 @@ def _planted(fault, rank):
 
         return _indexer_pages_rewritten(rewrite)
     if fault == "wrong_owner":  # each prefix page read from the next rank's gathered block
-
-        def rewrite(pool, loc, rows):
-            block, size = pool._block_pages, pool.shard_size
-            if not block:
-                return rows
-            page = rows // ps
-            moved = (page // block + 1) % size * block + page % block
-            return torch.where(page < size * block, moved * ps + rows % ps, rows)
-
-        return _translated_table_rewritten(rewrite)
+        return faults.scratch_table_rewritten(faults.wrong_owner)
     assert fault == "stale_layer"
-    return _prefetch_skipped(STALE_LAYER)
+    return faults.prefetch_skipped(lambda pool, layer_id: layer_id == STALE_LAYER)
 
 
 def _rank(ctx, kv_format_name):
-    from sglang_cp_hicache.testing.v0_5_23.read_path import KV_FORMATS, read_path_session
+    from sglang_cp_hicache.testing.v0_5_23.read_path.formats import KV_FORMATS
+    from sglang_cp_hicache.testing.v0_5_23.read_path.rank import read_path_session
     from sglang_cp_hicache.testing.v0_5_23.shard_group import GlooShardGroup
 
     (kv_format,) = [f for f in KV_FORMATS if f.name == kv_format_name]

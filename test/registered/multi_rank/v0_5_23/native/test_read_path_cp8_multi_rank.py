@@ -9,50 +9,23 @@ shared page-aligned prefix and chunks ending mid-page, as there.
 """
 
 import pytest
-import torch
 
 from sglang_cp_hicache.testing.dist import run_ranks
 
 CP_SIZE = 8
 
 
-def _wrong_owner(pool, loc, rows):
-    """The scratch row of the same page in the next owner's gathered block."""
-    ps, block, size = pool.page_size, pool._block_pages, pool.shard_size
-    if not block:
-        return rows
-    page = rows // ps
-    moved = (page // block + 1) % size * block + page % block
-    return torch.where(page < size * block, moved * ps + rows % ps, rows)
-
-
 def _rank(ctx, kv_format_name):
-    from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
-    from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
-
-    from sglang_cp_hicache.testing.v0_5_23.read_path import KV_FORMATS, read_path_session
+    from sglang_cp_hicache.testing.v0_5_23.read_path import faults
+    from sglang_cp_hicache.testing.v0_5_23.read_path.formats import KV_FORMATS
+    from sglang_cp_hicache.testing.v0_5_23.read_path.rank import read_path_session
     from sglang_cp_hicache.testing.v0_5_23.shard_group import GlooShardGroup
 
     (kv_format,) = [f for f in KV_FORMATS if f.name == kv_format_name]
     with read_path_session(GlooShardGroup.from_rank_context(ctx), kv_format=kv_format) as rank:
         results = {"real": rank.compare_sharded_to_replicated()}
-        init = DeepseekSparseAttnBackend.__dict__["init_forward_metadata"]
-        translate = PageInterleaveKVPoolMixin.__dict__["translate_loc_to_scratch"]
-
-        def init_with_wrong_owner(backend, forward_batch):
-            PageInterleaveKVPoolMixin.translate_loc_to_scratch = (
-                lambda pool, loc: _wrong_owner(pool, loc, translate(pool, loc))
-            )
-            try:
-                return init(backend, forward_batch)
-            finally:
-                PageInterleaveKVPoolMixin.translate_loc_to_scratch = translate
-
-        DeepseekSparseAttnBackend.init_forward_metadata = init_with_wrong_owner
-        try:
+        with faults.scratch_table_rewritten(faults.wrong_owner):
             results["wrong_owner"] = rank.compare_sharded_to_replicated()
-        finally:
-            DeepseekSparseAttnBackend.init_forward_metadata = init
     return results
 
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from sglang_cp_hicache.testing.dist import run_ranks
+from sglang_cp_hicache.testing.planted import counted_calls
 from sglang_cp_hicache.testing.v0_5_23.flashmla_kv_reference import (
     dequantize_packed_rows,
     flash_mla_with_kvcache_reference,
@@ -31,27 +32,6 @@ from sglang_cp_hicache.testing.v0_5_23.flashmla_kv_reference import (
 FIRST_CHUNK_LENS = (64, 64, 64)  # prefixes 192, 192, 0: every first chunk ends on a page
 CHUNKED_EXTEND_LENS = (109, 134, 84)  # second chunks 45, 70, 20: they end mid-page
 FP8_KERNELS = ("flash_mla_with_kvcache", "get_mla_metadata")
-
-
-@contextlib.contextmanager
-def _counting(module, names, counts):
-    """Count the calls of ``module``'s ``names`` (the installed stand-ins)."""
-    originals = {name: getattr(module, name) for name in names}
-
-    def counted(name):
-        def call(*args, **kwargs):
-            counts[name] = counts.get(name, 0) + 1
-            return originals[name](*args, **kwargs)
-
-        return call
-
-    for name in names:
-        setattr(module, name, counted(name))
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(module, name, original)
 
 
 @contextlib.contextmanager
@@ -80,12 +60,10 @@ def _rank(ctx, kv_format_name):
 
     from sglang.srt.mem_cache import memory_pool
 
-    from sglang_cp_hicache.testing.v0_5_23.read_path import (
-        KV_FORMATS,
-        CpuKernelStandIns,
-        ReadPathBatchSpec,
-        read_path_session,
-    )
+    from sglang_cp_hicache.testing.v0_5_23.read_path.batch import ReadPathBatchSpec
+    from sglang_cp_hicache.testing.v0_5_23.read_path.formats import KV_FORMATS
+    from sglang_cp_hicache.testing.v0_5_23.read_path.kernels import CpuKernelStandIns
+    from sglang_cp_hicache.testing.v0_5_23.read_path.rank import read_path_session
     from sglang_cp_hicache.testing.v0_5_23.shard_group import GlooShardGroup
 
     (kv_format,) = [f for f in KV_FORMATS if f.name == kv_format_name]
@@ -93,7 +71,7 @@ def _rank(ctx, kv_format_name):
     results, counts = {}, {}
     with read_path_session(GlooShardGroup.from_rank_context(ctx), spec, kv_format) as rank:
         flash_mla = sys.modules[CpuKernelStandIns.FLASH_MLA_INTERFACE]
-        with _counting(flash_mla, FP8_KERNELS, counts), _counting(
+        with counted_calls(flash_mla, FP8_KERNELS, counts), counted_calls(
             memory_pool, ["quantize_k_cache_separate"], counts
         ):
             results["chunked"] = rank.compare_chunked_to_replicated(FIRST_CHUNK_LENS)

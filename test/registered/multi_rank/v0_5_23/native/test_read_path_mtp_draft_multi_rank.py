@@ -17,108 +17,29 @@ a planted off-by-one page or wrong owner in the draft's translated table, or a d
 whose prefix gather never ran, breaks the comparison.
 """
 
-import contextlib
 
 import pytest
 import torch
 
 from sglang_cp_hicache.testing.dist import run_ranks
+from sglang_cp_hicache.testing.planted import counted_calls
+from sglang_cp_hicache.testing.v0_5_23.read_path import faults
 
 KERNELS = ("flash_mla_sparse_fwd", "flash_mla_with_kvcache")
 
-
-@contextlib.contextmanager
-def _counting(module, counts):
-    originals = {name: getattr(module, name) for name in KERNELS}
-
-    def counted(name):
-        def call(*args, **kwargs):
-            counts[name] = counts.get(name, 0) + 1
-            return originals[name](*args, **kwargs)
-
-        return call
-
-    for name in KERNELS:
-        setattr(module, name, counted(name))
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(module, name, original)
-
-
-@contextlib.contextmanager
-def _draft_table_rewritten(rewrite):
-    """``rewrite(pool, rows)`` on ``translate_loc_to_scratch`` while a backend builds its
-    metadata (the chunk stage and indexer keep the real translation)."""
-    from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
-    from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
-
-    init = DeepseekSparseAttnBackend.__dict__["init_forward_metadata"]
-    translate = PageInterleaveKVPoolMixin.__dict__["translate_loc_to_scratch"]
-
-    def init_with_faulty_table(backend, forward_batch):
-        PageInterleaveKVPoolMixin.translate_loc_to_scratch = lambda pool, loc: rewrite(
-            pool, translate(pool, loc)
-        )
-        try:
-            return init(backend, forward_batch)
-        finally:
-            PageInterleaveKVPoolMixin.translate_loc_to_scratch = translate
-
-    DeepseekSparseAttnBackend.init_forward_metadata = init_with_faulty_table
-    try:
-        yield
-    finally:
-        DeepseekSparseAttnBackend.init_forward_metadata = init
-
-
-def _off_by_one_page(pool, rows):
-    prefix_rows = pool.shard_size * pool._block_pages * pool.page_size
-    return torch.where(rows < prefix_rows, rows + pool.page_size, rows)
-
-
-def _wrong_owner(pool, rows):
-    ps, block, size = pool.page_size, pool._block_pages, pool.shard_size
-    page = rows // ps
-    moved = (page // max(block, 1) + 1) % size * block + page % max(block, 1)
-    return torch.where(page < size * block, moved * ps + rows % ps, rows)
-
-
-@contextlib.contextmanager
-def _draft_gather_skipped():
-    """The draft's only layer is marked resident without its prefix all-gather."""
-    from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
-
-    prefetch = PageInterleaveKVPoolMixin.__dict__["_prefetch_layer"]
-
-    def skipping(pool, layer_id):
-        if pool.layer_num != 1:
-            return prefetch(pool, layer_id)
-        pool._slots[layer_id % 2].resident_key = (layer_id, pool._epoch)
-
-    PageInterleaveKVPoolMixin._prefetch_layer = skipping
-    try:
-        yield
-    finally:
-        PageInterleaveKVPoolMixin._prefetch_layer = prefetch
-
-
-FAULTS = {
-    "off_by_one_page": lambda: _draft_table_rewritten(_off_by_one_page),
-    "wrong_owner": lambda: _draft_table_rewritten(_wrong_owner),
-    "gather_skipped": _draft_gather_skipped,
+FAULTS = {  # planted while the draft compares: its table, or its one layer's prefix gather
+    "off_by_one_page": lambda: faults.scratch_table_rewritten(faults.prefix_rows_one_page_on),
+    "wrong_owner": lambda: faults.scratch_table_rewritten(faults.wrong_owner),
+    "gather_skipped": lambda: faults.prefetch_skipped(lambda pool, layer_id: pool.layer_num == 1),
 }
 
 
 def _rank(ctx, kv_format_name):
     import sys
 
-    from sglang_cp_hicache.testing.v0_5_23.read_path import (
-        KV_FORMATS,
-        CpuKernelStandIns,
-        read_path_session,
-    )
+    from sglang_cp_hicache.testing.v0_5_23.read_path.formats import KV_FORMATS
+    from sglang_cp_hicache.testing.v0_5_23.read_path.kernels import CpuKernelStandIns
+    from sglang_cp_hicache.testing.v0_5_23.read_path.rank import read_path_session
     from sglang_cp_hicache.testing.v0_5_23.shard_group import GlooShardGroup
 
     (kv_format,) = [f for f in KV_FORMATS if f.name == kv_format_name]
@@ -126,7 +47,7 @@ def _rank(ctx, kv_format_name):
     with read_path_session(GlooShardGroup.from_rank_context(ctx), kv_format=kv_format) as target:
         results["target"] = target.compare_sharded_to_replicated()
         draft = target.draft()
-        with _counting(sys.modules[CpuKernelStandIns.FLASH_MLA_INTERFACE], counts):
+        with counted_calls(sys.modules[CpuKernelStandIns.FLASH_MLA_INTERFACE], KERNELS, counts):
             results["draft"] = draft.compare_sharded_to_replicated()
         same_batch = torch.equal(draft.batch.req_to_token, target.batch.req_to_token)
         results["draft_pool"] = (draft.pools.sharded().layer_num, same_batch)

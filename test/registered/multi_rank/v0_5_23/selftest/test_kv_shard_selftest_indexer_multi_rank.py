@@ -45,13 +45,14 @@ def _first_page_scales_from_the_next_owner():
 
 
 def _rank(ctx):
-    from sglang_cp_hicache.testing.v0_5_23 import read_path
+    from sglang_cp_hicache.testing.v0_5_23.read_path.formats import FLASHMLA_SPARSE_BF16
+    from sglang_cp_hicache.testing.v0_5_23.read_path.rank import read_path_session
     from sglang_cp_hicache.testing.v0_5_23.selftest_kernels import selftest_runner
     from sglang_cp_hicache.testing.v0_5_23.shard_group import GlooShardGroup
     from sglang_cp_hicache.v0_5_23.selftest import kv_shard_selftest
 
     group = GlooShardGroup.from_rank_context(ctx)
-    with read_path.read_path_session(group, kv_format=read_path.FLASHMLA_SPARSE_BF16) as rank:
+    with read_path_session(group, kv_format=FLASHMLA_SPARSE_BF16) as rank:
         with _first_page_scales_from_the_next_owner():
             try:
                 kv_shard_selftest.init_attention_backends_after(None, selftest_runner(rank))

@@ -2,7 +2,7 @@
 
 Each rank builds the server side as a sharded prefill rank has it (a real
 ``PageInterleaveDSATokenToKVPool`` over the gloo shard group, the published DSA model config
-and runtime context of :func:`~sglang_cp_hicache.testing.v0_5_23.read_path.read_path_session`,
+and runtime context of :func:`~sglang_cp_hicache.testing.v0_5_23.read_path.rank.read_path_session`,
 the plugin's flag on the record) and calls the hook AFTER ``ModelRunner.init_attention_backends``
 with a model runner carrying those attributes (``selftest_runner``: a real ``ModelRunner``
 loads a model onto a GPU). The self-test then runs upstream's real pools, gather, translation, backend and
@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from sglang_cp_hicache.testing.dist import run_ranks
+from sglang_cp_hicache.testing.v0_5_23.read_path import faults
 
 CP_SIZE = 2
 STALE_LAYER = 2  # the last of three: its slot still holds layer 0's prefix
@@ -36,72 +37,6 @@ EXPECTED_STAGE = {
     "stale_layer": "gather",
     "wrong_kernel": "attention",
 }
-
-
-@contextlib.contextmanager
-def _patched(target, name, make):
-    original = target.__dict__[name]
-    setattr(target, name, make(original))
-    try:
-        yield
-    finally:
-        setattr(target, name, original)
-
-
-@contextlib.contextmanager
-def _table_rewritten(rewrite):
-    """``rewrite(pool, rows)`` on ``translate_loc_to_scratch`` while the backend builds its
-    metadata only: the attention table is wrong, the pool's own staging stays right."""
-    from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
-    from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
-
-    translate = PageInterleaveKVPoolMixin.__dict__["translate_loc_to_scratch"]
-
-    def make(init):
-        def init_with_faulty_table(backend, forward_batch):
-            PageInterleaveKVPoolMixin.translate_loc_to_scratch = (
-                lambda pool, loc: rewrite(pool, loc, translate(pool, loc))
-            )
-            try:
-                return init(backend, forward_batch)
-            finally:
-                PageInterleaveKVPoolMixin.translate_loc_to_scratch = translate
-
-        return init_with_faulty_table
-
-    with _patched(DeepseekSparseAttnBackend, "init_forward_metadata", make):
-        yield
-
-
-def _wrong_owner(pool, loc, rows):
-    """Each prefix row read from the next rank's gathered block."""
-    ps, block, size = pool.page_size, pool._block_pages, pool.shard_size
-    page = rows // ps
-    moved = (page // block + 1) % size * block + page % block
-    return torch.where(page < size * block, moved * ps + rows % ps, rows)
-
-
-def _off_by_one_page(pool, loc, rows):
-    """The first prefix page's rows point at its scratch neighbour."""
-    first = int(loc.flatten()[0]) // pool.page_size
-    return torch.where(loc.long() // pool.page_size == first, rows + pool.page_size, rows)
-
-
-@contextlib.contextmanager
-def _prefetch_skipped(layer):
-    """``_prefetch_layer(layer)`` marks the slot resident without gathering into it."""
-    from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
-
-    def make(prefetch):
-        def skipping(pool, layer_id):
-            if layer_id != layer:
-                return prefetch(pool, layer_id)
-            pool._slots[layer_id % 2].resident_key = (layer_id, pool._epoch)
-
-        return skipping
-
-    with _patched(PageInterleaveKVPoolMixin, "_prefetch_layer", make):
-        yield
 
 
 @contextlib.contextmanager
@@ -140,13 +75,19 @@ def _row_dependent_kernel():
         registry["cpu"] = selftest_kernels.CpuStandInKernels
 
 
+def _first_prefix_page_one_page_on(pool, loc, rows):
+    """The first prefix page's rows point at its scratch neighbour."""
+    first = int(loc.flatten()[0]) // pool.page_size
+    return torch.where(loc.long() // pool.page_size == first, rows + pool.page_size, rows)
+
+
 def _planted(fault):
     if fault == "wrong_owner":
-        return _table_rewritten(_wrong_owner)
+        return faults.scratch_table_rewritten(faults.wrong_owner)
     if fault == "off_by_one_page":
-        return _table_rewritten(_off_by_one_page)
+        return faults.scratch_table_rewritten(_first_prefix_page_one_page_on)
     if fault == "stale_layer":
-        return _prefetch_skipped(STALE_LAYER)
+        return faults.prefetch_skipped(lambda pool, layer_id: layer_id == STALE_LAYER)
     assert fault == "wrong_kernel"
     return _row_dependent_kernel()
 
@@ -189,13 +130,14 @@ def _scratch_charge(runner, pool):
 
 
 def _rank(ctx):
-    from sglang_cp_hicache.testing.v0_5_23 import read_path
+    from sglang_cp_hicache.testing.v0_5_23.read_path.formats import FLASHMLA_SPARSE_BF16
+    from sglang_cp_hicache.testing.v0_5_23.read_path.rank import read_path_session
     from sglang_cp_hicache.testing.v0_5_23.selftest_kernels import selftest_runner
     from sglang_cp_hicache.testing.v0_5_23.shard_group import GlooShardGroup
 
     group = GlooShardGroup.from_rank_context(ctx)
     results = {}
-    with read_path.read_path_session(group, kv_format=read_path.FLASHMLA_SPARSE_BF16) as rank:
+    with read_path_session(group, kv_format=FLASHMLA_SPARSE_BF16) as rank:
         runner = selftest_runner(rank)
         lines = _Lines()
         scratch_logger = logging.getLogger("sglang_cp_hicache.v0_5_23.selftest.kv_shard_scratch")
