@@ -1,5 +1,5 @@
 """The command line of a ``mooncake_master`` on loopback, for every harness that starts one
-(the cache-stack tests' ``testing/v0_5_23/storage.MooncakeMaster``, the serving harness)."""
+(the cache-stack tests' ``testing/v0_5_23/mooncake_store.MooncakeMaster``, the serving harness)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ size (``SimConfig.storage_mooncake_master``, ``--storage-mooncake-master``)::
     python -m sglang_cp_hicache.sim --workload l3 --cp-size 4 ... (the same master)
 
 A ``mooncake_master`` on loopback and a ``mooncake_client`` holding one segment
-(``testing/v0_5_23/storage.held_mooncake_store``); prints the master's address, runs until
+(``testing/v0_5_23/mooncake_store.held_mooncake_store``); prints the master's address, runs until
 SIGTERM or SIGINT, then stops both by their pids.
 """
 
@@ -21,7 +21,7 @@ from typing import List, Optional
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from sglang_cp_hicache.testing.v0_5_23.storage import held_mooncake_store
+    from sglang_cp_hicache.testing.v0_5_23.mooncake_store import held_mooncake_store
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--segment-mb", type=int, default=1024, help="the held segment's size")

@@ -4,25 +4,29 @@ the logical KV the tests write and check (fixtures for ``test_storage_*``).
 Every function that drives the cache runs on every rank of the shard group in the same
 order (the cache's own collectives pair up across ranks); the extra MIN in
 :func:`_all_ranks` is the test's barrier, never product code.
+
+The Mooncake store processes (master, held segment, held writer ranks, free ports) live in
+:mod:`~sglang_cp_hicache.testing.v0_5_23.mooncake_store` and are importable from here too.
 """
 
 from __future__ import annotations
 
-
-import contextlib
-import logging
-import os
-import sys
 import time
 from array import array
 from dataclasses import dataclass, replace
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
+from sglang_cp_hicache.testing.v0_5_23.mooncake_store import (
+    HeldRanks,
+    MooncakeMaster,
+    MooncakeSegmentHolder,
+    free_ports,
+    held_mooncake_store,
+    hold_until_released,
+)
 from sglang_cp_hicache.testing.v0_5_23.stack import apply_plugin_hooks
-
-logger = logging.getLogger(__name__)
 
 #: Bounded waits: a hang fails the test instead of stalling CI.
 WAIT_STEPS = 400
@@ -244,168 +248,6 @@ def load_back(stack: Any, token_ids: Sequence[int]) -> torch.Tensor:
     return stack.cache.path_device_indices(match.last_device_node)
 
 
-__all__ = [
-    "LogicalKV",
-    "apply_plugin_hooks",
-    "attach_at_runtime",
-    "attach_storage",
-    "detach_storage",
-    "evict_everything",
-    "held_mooncake_store",
-    "load_back",
-    "logical_kv",
-    "owned_row_mismatches",
-    "prefetch",
-    "publish_prefill_cp_topology",
-    "publish_single_rank_flag_record",
-    "store_request",
-    "wait_backups_stored",
-    "write_owned_rows",
-]
-
-
-# ------------------------------------------------------------ a local Mooncake master
-def _start_listening(argv: List[str], port: int, name: str, timeout_s: float) -> Any:
-    """``argv`` started, once it accepts connections on loopback ``port``; ended, and the
-    error raised, if it exits or ``timeout_s`` passes first."""
-    import subprocess
-
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_listening(process, port, name, timeout_s)
-    except BaseException:
-        _end(process)
-        raise
-    return process
-
-
-def _wait_listening(process: Any, port: int, name: str, timeout_s: float) -> None:
-    """Until ``process`` accepts connections on loopback ``port``; raises if it exits or
-    ``timeout_s`` passes first."""
-    import socket
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{name} exited with {process.returncode}")
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"{name} did not listen on 127.0.0.1:{port}")
-
-
-def _end(process: Any) -> None:
-    """Terminate ``process`` (killed if it outlives 5 s); nothing if it already exited."""
-    if process is not None and process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=5)
-        except Exception:
-            process.kill()
-            process.wait(timeout=5)
-
-
-@dataclass
-class MooncakeMaster:
-    """``mooncake_master`` on loopback (TCP, no metadata server: clients use
-    P2PHANDSHAKE), started by :meth:`start`, always stopped by :meth:`stop` (by its pid)."""
-
-    rpc_port: int
-    metrics_port: int
-    # How long a read object stays leased (unevictable). The eviction tests want it short;
-    # the simulator's masters a longer one: at load 40+ upstream's startup warm-up outlived
-    # 50 ms and failed with LEASE_EXPIRED.
-    lease_ttl_ms: int = 50
-    process: Any = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.rpc_port}"
-
-    def client_config(self, segment_bytes: int = 32 << 20) -> dict:
-        """The store backend's extra config for a client of this master."""
-        return {
-            "master_server_address": self.address,
-            "protocol": "tcp",
-            "metadata_server": "P2PHANDSHAKE",
-            "local_hostname": "127.0.0.1",
-            "global_segment_size": segment_bytes,
-            "check_server": False,
-        }
-
-    def start(self, timeout_s: float = 10.0) -> "MooncakeMaster":
-        from sglang_cp_hicache.testing.mooncake_master import master_argv
-
-        argv = master_argv(self.rpc_port, self.metrics_port, self.lease_ttl_ms)
-        self.process = _start_listening(argv, self.rpc_port, "mooncake_master", timeout_s)
-        return self
-
-    def stop(self) -> None:
-        _end(self.process)
-        self.process = None
-
-    def __enter__(self) -> "MooncakeMaster":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-@dataclass
-class MooncakeSegmentHolder:
-    """A ``mooncake_client`` on loopback that mounts one segment of ``segment_bytes`` on
-    ``master`` and holds it until :meth:`stop` (by its pid): objects placed there outlive
-    the clients that put them, so a later run, at another cp size, reads them (clients
-    that mount no segment of their own, ``global_segment_size`` 0, place every object
-    in the held one)."""
-
-    master: str  # the master's host:port
-    port: int
-    segment_bytes: int = 1 << 30
-    process: Any = None
-
-    def start(self, timeout_s: float = 10.0) -> "MooncakeSegmentHolder":
-        binary = os.path.join(os.path.dirname(sys.executable), "mooncake_client")
-        argv = [binary, f"--master_server_address={self.master}", "--metadata_server=P2PHANDSHAKE",
-                "--host=127.0.0.1", f"--port={self.port}", "--protocol=tcp",
-                f"--global_segment_size={self.segment_bytes >> 20}MB"]  # fmt: skip
-        # the client listens once its segment is mounted
-        self.process = _start_listening(argv, self.port, "mooncake_client", timeout_s)
-        return self
-
-    def stop(self) -> None:
-        _end(self.process)
-        self.process = None
-
-
-@contextlib.contextmanager
-def held_mooncake_store(segment_bytes: int = 1 << 30, lease_ttl_ms: int = 5000) -> Iterator[str]:
-    """A Mooncake store that outlives its clients: a master on loopback and one held
-    segment; yields the master's address. Both stopped (by pid) on exit."""
-    with MooncakeMaster(*free_ports(2), lease_ttl_ms=lease_ttl_ms) as master:
-        holder = MooncakeSegmentHolder(master.address, free_ports(1)[0], segment_bytes).start()
-        try:
-            yield master.address
-        finally:
-            holder.stop()
-
-
-def free_ports(count: int) -> List[int]:
-    """``count`` free loopback TCP ports (bound and released; the OS does not reuse
-    them at once)."""
-    import socket
-
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
 # ------------------------------------------------- timed waits (store faults, issue 24)
 def wait_backups_acked_within(stack: Any, timeout_s: float) -> float:
     """Drain until every rank's L3 backup ops are acked; the seconds it took. Raises
@@ -443,99 +285,28 @@ def prefetch_within(stack: Any, rid: str, token_ids: Sequence[int], timeout_s: f
         time.sleep(WAIT_STEP_S)
 
 
-# ------------------------------------ writers held alive for later readers (Mooncake)
-#: A held rank's poll of its release file.
-HOLD_POLL_S = 0.05
-
-
-def _ready_path(flag_dir: str, rank: int) -> str:
-    return os.path.join(flag_dir, f"ready.{rank}")
-
-
-def _release_path(flag_dir: str) -> str:
-    return os.path.join(flag_dir, "release")
-
-
-def hold_until_released(rank: int, flag_dir: str, timeout_s: float) -> float:
-    """Rank side of :class:`HeldRanks`: announce this rank's work done, then wait until the
-    test releases the ranks (a file, no collective: held ranks make no cache calls); the
-    seconds held. Raises ``TimeoutError`` after ``timeout_s``: a hold never outlives its
-    test."""
-    ready = _ready_path(flag_dir, rank)
-    with open(ready + ".tmp", "w"):
-        pass
-    os.replace(ready + ".tmp", ready)  # atomic: the test never sees a half-made flag
-    started = time.monotonic()
-    while not os.path.exists(_release_path(flag_dir)):
-        if time.monotonic() - started > timeout_s:
-            raise TimeoutError(f"rank {rank}: not released within {timeout_s} s")
-        time.sleep(HOLD_POLL_S)
-    return time.monotonic() - started
-
-
-@dataclass
-class HeldRanks:
-    """:func:`~sglang_cp_hicache.testing.dist.run_ranks` in a background thread, for ranks
-    that must stay alive while other ranks run: Mooncake keeps an object in the segments
-    of the clients mounted when it was put, so a writer that leaves takes its pages with it.
-
-    ``fn(ctx, flag_dir, hold_s, *args)`` does its work, then calls
-    :func:`hold_until_released`. Entering waits (at most ``ready_timeout_s``) until every
-    rank announced; leaving releases them and joins the thread (bounded). :meth:`results`
-    are the ranks' reports, or raises their failure. Invariant: a rank is never held longer
-    than ``hold_s``, and the thread never outlives the run's own timeout.
-    """
-
-    world_size: int
-    fn: Any
-    args: Tuple[Any, ...]
-    flag_dir: str
-    hold_s: float = 240.0
-    ready_timeout_s: float = 120.0
-    _thread: Any = None
-    _results: Optional[List[Any]] = None
-    _error: Optional[BaseException] = None
-
-    def _run(self) -> None:
-        from sglang_cp_hicache.testing.dist import run_ranks
-
-        try:
-            self._results = run_ranks(
-                self.world_size, self.fn, self.flag_dir, self.hold_s, *self.args,
-                timeout_s=self.ready_timeout_s + self.hold_s,
-            )  # fmt: skip
-        except BaseException as error:  # re-raised by results()
-            self._error = error
-
-    def __enter__(self) -> "HeldRanks":
-        import threading
-
-        os.makedirs(self.flag_dir, exist_ok=True)
-        self._thread = threading.Thread(target=self._run, name="held-ranks", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + self.ready_timeout_s
-        ready = [_ready_path(self.flag_dir, rank) for rank in range(self.world_size)]
-        while not all(os.path.exists(path) for path in ready):
-            if not self._thread.is_alive():
-                self.results()  # raises the ranks' failure
-                raise RuntimeError("held ranks ended without announcing they were ready")
-            if time.monotonic() > deadline:
-                self.__exit__()
-                raise TimeoutError(f"held ranks not ready within {self.ready_timeout_s} s")
-            time.sleep(HOLD_POLL_S)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        with open(_release_path(self.flag_dir), "w"):
-            pass
-        # run_ranks ends by its own timeout at the latest; a hung thread is a failure.
-        self._thread.join(timeout=self.ready_timeout_s + self.hold_s + 30)
-        if self._thread.is_alive() and self._error is None:
-            self._error = TimeoutError("held ranks' run did not end after their release")
-
-    def results(self) -> List[Any]:
-        if self._error is not None:
-            raise self._error
-        if self._results is None:
-            raise RuntimeError("held ranks have not ended: results() after leaving the block")
-        return self._results
+__all__ = [
+    "apply_plugin_hooks",
+    "attach_at_runtime",
+    "attach_storage",
+    "detach_storage",
+    "evict_everything",
+    "free_ports",
+    "held_mooncake_store",
+    "HeldRanks",
+    "hold_until_released",
+    "load_back",
+    "logical_kv",
+    "LogicalKV",
+    "MooncakeMaster",
+    "MooncakeSegmentHolder",
+    "owned_row_mismatches",
+    "prefetch",
+    "prefetch_within",
+    "publish_prefill_cp_topology",
+    "publish_single_rank_flag_record",
+    "store_request",
+    "wait_backups_acked_within",
+    "wait_backups_stored",
+    "write_owned_rows",
+]

@@ -1,4 +1,4 @@
-"""The PD harness's registration wait (``testing/pd.py``) against upstream's real Mooncake
+"""The PD harness's registration wait (``testing/pd/``) against upstream's real Mooncake
 bootstrap server, in both venvs.
 
 A prefill role that reports ``registered`` without its KV manager's PUT ever reaching the

@@ -1,4 +1,4 @@
-"""The CPU runtime's launch limits (``testing/dist.py``, ``testing/pd.py``).
+"""The CPU runtime's launch limits (``testing/dist.py``, ``testing/pd/``).
 
 * ``run_ranks``' timeout is a no-progress limit: ranks that report progress
   (``testing.dist.heartbeat``, which the simulator's step loop calls) may run longer than
@@ -19,7 +19,7 @@ import time
 import pytest
 
 from sglang_cp_hicache.testing.dist import RankContext, RankFailed, heartbeat, run_ranks
-from sglang_cp_hicache.testing.pd import RoleChannel, _gone
+from sglang_cp_hicache.testing.pd.roles import RoleChannel, _gone
 
 #: Ranks join their gloo groups inside this limit before their first beat: 2 s was too tight
 #: on a loaded 2-core box.

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sglang_cp_hicache.testing.v0_5_23.storage import _start_listening, free_ports
+from sglang_cp_hicache.testing.v0_5_23.mooncake_store import _start_listening, free_ports
 
 
 def _python(body: str) -> list:
@@ -16,7 +16,7 @@ def _python(body: str) -> list:
 
 
 def test_a_process_is_returned_once_it_listens_and_ends_with_end():
-    from sglang_cp_hicache.testing.v0_5_23.storage import _end
+    from sglang_cp_hicache.testing.v0_5_23.mooncake_store import _end
 
     port = free_ports(1)[0]
     body = f"import socket, time; s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen(); time.sleep(60)"
