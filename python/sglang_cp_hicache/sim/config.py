@@ -87,6 +87,10 @@ class SchedulerFeatures:
         return random.Random(f"{self.seed}:{kind}:{request_index}:{attempt}").random()
 
 
+def _bad(message: str) -> None:
+    raise ValueError(f"SimConfig: {message}")
+
+
 @dataclass(frozen=True)
 class SimConfig:
     """Everything one simulation run needs; the defaults take about 20 s on 2 cores."""
@@ -174,68 +178,78 @@ class SimConfig:
     fault: Optional[str] = None  # key of FAULTS (tests of the checkers)
 
     def __post_init__(self) -> None:
-        def bad(message: str) -> None:
-            raise ValueError(f"SimConfig: {message}")
+        self._check_workload()
+        self._check_stack()
+        self._check_columns()
+        self._check_schedule()
 
+    def _check_workload(self) -> None:
         if self.workload not in WORKLOADS:
-            bad(f"workload must be one of {sorted(WORKLOADS)}, got {self.workload!r}")
+            _bad(f"workload must be one of {sorted(WORKLOADS)}, got {self.workload!r}")
         if self.cp_size < 1:
-            bad(f"cp_size must be >= 1, got {self.cp_size}")
+            _bad(f"cp_size must be >= 1, got {self.cp_size}")
         if self.num_requests < 1 and self.trace_path is None:
-            bad("num_requests must be >= 1")
+            _bad("num_requests must be >= 1")
         if not 1 <= self.turn_len_min <= self.turn_len_max:
-            bad(
+            _bad(
                 "need 1 <= turn_len_min <= turn_len_max, got "
                 f"{self.turn_len_min}, {self.turn_len_max}"
             )
         if self.system_prompt_len < 0 or self.reply_len < 0 or self.num_system_prompts < 0:
-            bad("lengths and counts must be >= 0")
+            _bad("lengths and counts must be >= 0")
         if self.max_active_sessions < 1 or self.batch_size < 1:
-            bad("max_active_sessions and batch_size must be >= 1")
+            _bad("max_active_sessions and batch_size must be >= 1")
         if not 0.0 <= self.continue_prob <= 1.0:
-            bad(f"continue_prob must be in [0, 1], got {self.continue_prob}")
+            _bad(f"continue_prob must be in [0, 1], got {self.continue_prob}")
+
+    def _check_stack(self) -> None:
         if self.physical_tokens % self.page_size or self.physical_tokens < self.page_size:
-            bad(f"physical_tokens ({self.physical_tokens}) must be a multiple of page_size")
+            _bad(f"physical_tokens ({self.physical_tokens}) must be a multiple of page_size")
         if self.hicache_ratio <= 1.0:
-            bad(f"hicache_ratio must be > 1 (SGLang's rule), got {self.hicache_ratio}")
+            _bad(f"hicache_ratio must be > 1 (SGLang's rule), got {self.hicache_ratio}")
         if self.io_backend not in (None, "direct", "kernel"):
-            bad(f"io_backend must be 'direct' or 'kernel', got {self.io_backend!r}")
+            _bad(f"io_backend must be 'direct' or 'kernel', got {self.io_backend!r}")
+
+    def _check_columns(self) -> None:
+        """The comparison columns, the PD and L3 options and the planted faults."""
         if self.shard_impl not in SHARD_IMPLS:
-            bad(f"shard_impl must be one of {list(SHARD_IMPLS)}, got {self.shard_impl!r}")
+            _bad(f"shard_impl must be one of {list(SHARD_IMPLS)}, got {self.shard_impl!r}")
         if self.fault is not None and self.fault not in FAULTS:
-            bad(f"fault must be one of {sorted(FAULTS)}, got {self.fault!r}")
+            _bad(f"fault must be one of {sorted(FAULTS)}, got {self.fault!r}")
         if self.fault == "drop_last_rank_draft_loads" and not self.draft:
-            bad("fault 'drop_last_rank_draft_loads' needs draft=True")
+            _bad("fault 'drop_last_rank_draft_loads' needs draft=True")
         if self.fault == "pd_wrong_owner" and not self.pd:
-            bad("fault 'pd_wrong_owner' needs pd=True")
+            _bad("fault 'pd_wrong_owner' needs pd=True")
         if self.fault == "pd_drop_draft" and not (self.pd and self.draft):
-            bad("fault 'pd_drop_draft' needs pd=True and draft=True")
+            _bad("fault 'pd_drop_draft' needs pd=True and draft=True")
         if self.pd and self.cp_size < 2:
-            bad("pd=True needs cp_size >= 2 (the prefill ranks shard the KV they send)")
+            _bad("pd=True needs cp_size >= 2 (the prefill ranks shard the KV they send)")
         if self.storage_backend is not None and self.storage_backend not in STORAGE_BACKENDS:
-            bad(f"storage_backend must be one of {list(STORAGE_BACKENDS)}, got {self.storage_backend!r}")
+            _bad(f"storage_backend must be one of {list(STORAGE_BACKENDS)}, got {self.storage_backend!r}")
         if self.storage_dir is not None and self.storage_backend != "file":
-            bad("storage_dir is the file backend's folder: it needs storage_backend='file'")
+            _bad("storage_dir is the file backend's folder: it needs storage_backend='file'")
         if self.storage_mooncake_master is not None and self.storage_backend != "mooncake":
-            bad("storage_mooncake_master is a Mooncake store: it needs storage_backend='mooncake'")
+            _bad("storage_mooncake_master is a Mooncake store: it needs storage_backend='mooncake'")
         if self.storage_logical_baseline and self.storage_backend is None:
-            bad("storage_logical_baseline compares L3 hits: it needs storage_backend")
+            _bad("storage_logical_baseline compares L3 hits: it needs storage_backend")
         if self.fault in ("storage_wrong_bytes", "early_l3_write") and self.storage_backend is None:
-            bad(f"fault {self.fault!r} needs storage_backend")
+            _bad(f"fault {self.fault!r} needs storage_backend")
+
+    def _check_schedule(self) -> None:
         if self.pd and self.page_size != 64:
-            bad(f"pd=True runs the PD harness's page size 64, got page_size={self.page_size}")
+            _bad(f"pd=True runs the PD harness's page size 64, got page_size={self.page_size}")
         if self.chunked_prefill_size < 0 or self.chunked_prefill_size % self.page_size:
-            bad(
+            _bad(
                 f"chunked_prefill_size ({self.chunked_prefill_size}) must be 0 or a "
                 "positive multiple of page_size"
             )
         for name in ("abort_prob", "retract_prob"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                bad(f"{name} must be in [0, 1), got {getattr(self, name)}")
+                _bad(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if self.inflight_steps < 0:
-            bad(f"inflight_steps must be >= 0, got {self.inflight_steps}")
+            _bad(f"inflight_steps must be >= 0, got {self.inflight_steps}")
         if self.tree_digest_every < 1:
-            bad("tree_digest_every must be >= 1")
+            _bad("tree_digest_every must be >= 1")
 
     @classmethod
     def preset(cls, workload: str, **overrides: Any) -> "SimConfig":

@@ -217,17 +217,10 @@ class RankDriver(StepLoop):
         with self._op("check_events"):
             self.cache.check_hicache_events()
         self.ledger.check_idle(self._chunked)
-        # get_new_batch_prefill: the chunked request first (no match, it holds its lock),
-        # then the waiting queue in order.
+        # get_new_batch_prefill: the chunked request first, then the waiting queue in order.
         reqs: List[SimReq] = []
         records: List[tuple] = []
-        chunked, self._chunked = self._chunked, []
-        for req in chunked:  # no room for its next chunk: it waits, keeping its lock
-            if self._fits(reqs, req):
-                reqs.append(req)
-            else:
-                self._chunked.append(req)
-                records.append(("chunk_waits", req.rid))
+        self._resume_chunked(reqs, records)
         waiting, self._waiting = self._waiting + new_reqs, []
         loads = 0
         for req in waiting:
@@ -274,6 +267,17 @@ class RankDriver(StepLoop):
         self._sample_series()
         records.append(self._state_record())
         return records
+
+    def _resume_chunked(self, reqs: List[SimReq], records: List[tuple]) -> None:
+        """The chunked request goes first (no match: it holds its lock); with no room for
+        its next chunk it waits, keeping its lock."""
+        chunked, self._chunked = self._chunked, []
+        for req in chunked:
+            if self._fits(reqs, req):
+                reqs.append(req)
+            else:
+                self._chunked.append(req)
+                records.append(("chunk_waits", req.rid))
 
     def _reserve_before_forward(self, reqs: List[SimReq]) -> None:
         """The plugin's ``ScheduleBatch.prepare_for_extend`` hook: host pages for the new

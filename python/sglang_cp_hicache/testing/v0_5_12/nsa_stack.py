@@ -113,9 +113,7 @@ def build_rank_stack(
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-    from sglang_cp_hicache.v0_5_12.mem_cache.cp_shared_allocator import (
-        CPSharedPagedTokenToKVPoolAllocator,
-    )
+    from sglang_cp_hicache.v0_5_12.mem_cache.cp_shared_allocator import CPSharedPagedTokenToKVPoolAllocator
     from sglang_cp_hicache.v0_5_12.mem_cache.fast_hiradix_cache import UPSTREAM
     from sglang_cp_hicache.v0_5_12.mem_cache.hiradix_cache import CpHiRadixCache, draft_kv_pool_scope
 

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from sglang_cp_hicache.core.rotation import owner_of
+from sglang_cp_hicache.testing.forward_timing import ForwardTiming
 
 PAGE_SIZE = 64
 LAYERS = 3
@@ -58,26 +59,60 @@ def per_layer_round_trip(
     receives the stack instead of letting it go: a GPU process that builds several keeps
     them, since SGLang pins host pools with ``cudaHostRegister`` and never unregisters,
     so a later pool on a freed range fails to register."""
-    from sglang_cp_hicache.core.cp_shared_kv_layout import host_int64
     from sglang_cp_hicache.testing.v0_5_12 import nsa_stack
-    from sglang_cp_hicache.v0_5_12.mem_cache.cp_hicache_metadata import PageRun
 
     cfg = nsa_stack.StackConfig(
         cp_size=ctx.world_size, layer_num=LAYERS, physical_tokens=PAGE_SIZE * 24,
         io_backend=io_backend, mem_layout=layout, device=device,
     )  # fmt: skip
     stack = nsa_stack.build_rank_stack(cfg, ctx.rank, ctx.cp_group, ctx.attn_tp_group)
+    timing = ForwardTiming(device)
+    nodes = _reserve_nodes(stack, ctx.world_size)
+    acks_before_last, acks = _forward(stack, nodes, timing, stall_cycles)
+    loaded = _load_back(stack, nodes, device)
+    stack.close()
+    if keep_stacks is not None:
+        keep_stacks.append(stack)
+    return {
+        "acks_before_last": acks_before_last, "acks": acks, "loaded": loaded,
+        "overlap_ms": timing.overlap_ms(),
+    }  # fmt: skip
+
+
+
+
+#: node id -> (its reserved write, logical locs, token ids)
+Nodes = Dict[int, Tuple[Any, torch.Tensor, torch.Tensor]]
+
+
+def _reserve_nodes(stack: Any, cp_size: int) -> Nodes:
+    """Every node's pages allocated on their owners and host pages reserved (the
+    all-layer node's KV stored by an earlier forward)."""
+    from sglang_cp_hicache.core.cp_shared_kv_layout import host_int64
+    from sglang_cp_hicache.testing.v0_5_12 import nsa_stack
+    from sglang_cp_hicache.v0_5_12.mem_cache.cp_hicache_metadata import PageRun
+
     controller = stack.cache.cache_controller
-    extra = stack.cache._get_extra_pools  # fresh per call: the controller fills its transfers in
-    timing = _ForwardTiming(device)
-    nodes = {}
-    for node_id, owners in node_owners(ctx.world_size).items():
+    nodes: Nodes = {}
+    for node_id, owners in node_owners(cp_size).items():
         locs = stack.allocator.alloc_pages_with_owners(torch.tensor(owners))
         ids = torch.arange(len(locs)) + 1000 * node_id
         if node_id == ALL_LAYER_NODE:  # computed by an earlier forward
             nsa_stack.write_prefill_kv(stack, locs, ids, torch.arange(len(locs)))
         plan = controller.host_table.plan_write(PageRun.of(host_int64(locs), PAGE_SIZE))
-        nodes[node_id] = (controller.reserve_write(plan, node_id, **extra()), locs, ids)
+        # _get_extra_pools is fresh per call: the controller fills its transfers in
+        nodes[node_id] = (controller.reserve_write(plan, node_id, **stack.cache._get_extra_pools()), locs, ids)
+    return nodes
+
+
+def _forward(
+    stack: Any, nodes: Nodes, timing: ForwardTiming, stall_cycles: int
+) -> Tuple[List[List[int]], List[List[int]]]:
+    """The per-layer nodes submitted, the forward's stores layer by layer (the all-layer
+    node submitted at layer 1); the acks before the last layer and after the forward."""
+    from sglang_cp_hicache.testing.v0_5_12 import nsa_stack
+
+    controller = stack.cache.cache_controller
     for node_id in PER_LAYER_NODES:
         controller.submit_write(nodes[node_id][0], per_layer=True)
     stores = [  # computed ahead: the forward issues a layer's stores without a host sync
@@ -97,28 +132,30 @@ def per_layer_round_trip(
             acks_before_last = [list(ack.node_ids) for ack in controller.ack_write_queue]
         controller.backup_layer(layer)
         if layer == 0:
-            timing.first_layer_copied(controller.write_stream)
+            timing.layer0_copied(controller.write_stream)
     for ack in controller.ack_write_queue:
         ack.finish_event.synchronize()
     acks = [list(ack.node_ids) for ack in controller.ack_write_queue]
     controller.ack_write_queue.clear()
+    return acks_before_last, acks
 
+
+def _load_back(stack: Any, nodes: Nodes, device: str) -> Dict[int, List[int]]:
+    """Device KV wiped, each node loaded back: mismatched tokens per layer, then the
+    owned token count."""
+    from sglang_cp_hicache.testing.v0_5_12 import nsa_stack
+
+    controller = stack.cache.cache_controller
     nsa_stack.wipe_device_kv(stack)
     loaded: Dict[int, List[int]] = {}
     for node_id, (pending, _, ids) in nodes.items():
-        new_locs = controller.load(pending.logical_host_locs, node_id=node_id, **extra())
+        new_locs = controller.load(pending.logical_host_locs, node_id=node_id, **stack.cache._get_extra_pools())
         controller.start_loading()
         if device != "cpu":
             torch.cuda.synchronize()
         loaded[node_id] = nsa_stack.kv_mismatches_per_layer(stack, new_locs, ids, torch.arange(len(new_locs)))
         loaded[node_id].append(int(stack.layout.owned_mask(new_locs).sum()) if len(new_locs) else 0)
-    stack.close()
-    if keep_stacks is not None:
-        keep_stacks.append(stack)
-    return {
-        "acks_before_last": acks_before_last, "acks": acks, "loaded": loaded,
-        "overlap_ms": timing.overlap_ms(),
-    }  # fmt: skip
+    return loaded
 
 
 def round_trip_problems(reports: List[Dict[str, Any]]) -> List[str]:
@@ -155,37 +192,6 @@ def stale_loads(reports: List[Dict[str, Any]]) -> List[Tuple[int, int, List[int]
         for node_id, per_layer in report["loaded"].items()
         if per_layer[:-1] != [0] * LAYERS
     ]
-
-
-class _ForwardTiming:
-    """CUDA events around the forward (nothing on CPU, where copies are synchronous)."""
-
-    def __init__(self, device: str) -> None:
-        self.cuda = device != "cpu"
-        self._layer0_copied: Optional[Any] = None
-        self._last_stored: Optional[Any] = None
-
-    def stall(self, cycles: int) -> None:
-        if self.cuda and cycles:
-            torch.cuda._sleep(cycles)
-
-    def first_layer_copied(self, write_stream: Any) -> None:
-        if self.cuda:
-            self._layer0_copied = torch.cuda.Event(enable_timing=True)
-            self._layer0_copied.record(write_stream)
-
-    def last_layer_stored(self) -> None:
-        if self.cuda:
-            self._last_stored = torch.cuda.Event(enable_timing=True)
-            self._last_stored.record()
-
-    def overlap_ms(self) -> Optional[float]:
-        """Milliseconds from layer 0's copy done to the last layer's stores done (> 0:
-        the copy finished while the forward was still computing)."""
-        if self._layer0_copied is None or self._last_stored is None:
-            return None
-        torch.cuda.synchronize()
-        return float(self._layer0_copied.elapsed_time(self._last_stored))
 
 
 __all__ = [

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from types import SimpleNamespace
-from typing import Any, Iterator, List, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -110,9 +110,3 @@ def alloc_for_decode(stack: Any, reqs: Sequence[Any], seq_lens: Sequence[int]) -
     batch.seq_lens_cpu = torch.tensor(list(seq_lens), dtype=torch.int64)
     batch.seq_lens = batch.seq_lens_cpu.clone()
     return common.alloc_for_decode(batch, token_per_req=1)
-
-
-def req_to_token_rows(stack: Any, reqs: Sequence[Any], lens: Sequence[int]) -> List[torch.Tensor]:
-    """Each request's ``req_to_token`` row up to its length (int64)."""
-    rows = stack.req_to_token_pool.req_to_token
-    return [rows[req.req_pool_idx, :n].to(torch.int64) for req, n in zip(reqs, lens)]

@@ -160,31 +160,63 @@ def flash_mla_with_kvcache_reference(
     ``0 <= i < num_blocks * block_size`` (FlashMLA's rule for an invalid index); scores
     over all ``d_qk`` dims, values the first ``head_dim_v``. A query with no valid index
     outputs zeros. Returns ``(out [b, s_q, h_q, d_v] in q's dtype, lse [b, h_q, s_q])``."""
+    _refuse_unsupported(
+        sparse=indices is not None, fp8=is_fp8_kvcache, kv_format=kv_format, causal=causal,
+        descaled=descale_q is not None or descale_k is not None, use_legacy=use_legacy,
+        extras=(attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length),
+    )  # fmt: skip
+    _check_operands(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits, indices)
+    batch, s_q, h_q, d_qk = q.shape
+    num_blocks, block_size = k_cache.shape[:2]
+    nope_dim = head_dim_v
+    scale = softmax_scale if softmax_scale is not None else d_qk**-0.5
+    flat = indices.long()
+    valid = (flat >= 0) & (flat < num_blocks * block_size)
+    safe = torch.where(valid, flat, 0)
+    # The block view: the scratch's 64-row blocks, addressed (block, offset).
+    packed = k_cache[safe // block_size, safe % block_size, 0]  # [b, s_q, topk, row_bytes]
+    rows = dequantize_packed_rows(packed, nope_dim).float()  # [b, s_q, topk, d_qk]
+    logits = torch.einsum("bshd,bstd->bsht", q.float(), rows) * scale
+    logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # [b, s_q, h_q]
+    probs = torch.nan_to_num(torch.exp(logits - lse[..., None]), nan=0.0)
+    out = torch.einsum("bsht,bstd->bshd", probs, rows[..., :head_dim_v]).to(q.dtype)
+    return out, lse.permute(0, 2, 1).contiguous()
+
+
+def _refuse_unsupported(
+    *, sparse: bool, fp8: bool, kv_format: Optional[str], causal: bool, descaled: bool,
+    use_legacy: bool, extras: Tuple[Optional[torch.Tensor], ...],
+) -> None:  # fmt: skip
+    """Only the mode ``_forward_flashmla_kv`` calls (sparse V32 fp8, legacy kernels, no
+    descale, sink, extra cache or topk lengths) is modelled; anything else is refused."""
     unsupported = {
-        "sparse indices": indices is not None,
-        "fp8 KV": is_fp8_kvcache,
+        "sparse indices": sparse,
+        "fp8 KV": fp8,
         "V32 format": kv_format == "V32",
         "not causal": not causal,
-        "no descale": descale_q is None and descale_k is None,
-        "no sink / extra cache / topk_length": all(
-            x is None
-            for x in (
-                attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length
-            )
-        ),
+        "no descale": not descaled,
+        "no sink / extra cache / topk_length": all(x is None for x in extras),
         "legacy kernels": use_legacy,
     }
     missing = [what for what, ok in unsupported.items() if not ok]
     if missing:
         raise NotImplementedError(f"flash_mla_with_kvcache (CPU reference) needs: {missing}")
+
+
+def _check_operands(
+    q: torch.Tensor, k_cache: torch.Tensor, block_table: Optional[torch.Tensor],
+    cache_seqlens: Optional[torch.Tensor], head_dim_v: int, tile_scheduler_metadata: Any,
+    num_splits: Optional[torch.Tensor], indices: torch.Tensor,
+) -> None:  # fmt: skip
+    """The shapes and dtypes the kernel's launcher takes, and a schedule made for this batch."""
     batch, s_q, h_q, d_qk = q.shape
-    num_blocks, block_size, h_k, row_bytes = k_cache.shape
-    nope_dim = head_dim_v
+    _, block_size, h_k, row_bytes = k_cache.shape
     checks = {
         "k_cache fp8/uint8 [blocks, 64, 1, packed row]": k_cache.element_size() == 1
         and block_size == FLASHMLA_BLOCK_SIZE
         and h_k == 1
-        and row_bytes == packed_row_bytes(nope_dim, d_qk - nope_dim),
+        and row_bytes == packed_row_bytes(head_dim_v, d_qk - head_dim_v),
         "indices [batch, s_q, topk] int32": indices.dtype == torch.int32
         and tuple(indices.shape[:2]) == (batch, s_q),
         "cache_seqlens [batch]": cache_seqlens is not None
@@ -199,19 +231,6 @@ def flash_mla_with_kvcache_reference(
     failed = [what for what, ok in checks.items() if not ok]
     if failed:
         raise ValueError(f"flash_mla_with_kvcache (CPU reference): {', '.join(failed)}")
-    scale = softmax_scale if softmax_scale is not None else d_qk**-0.5
-    flat = indices.long()
-    valid = (flat >= 0) & (flat < num_blocks * block_size)
-    safe = torch.where(valid, flat, 0)
-    # The block view: the scratch's 64-row blocks, addressed (block, offset).
-    packed = k_cache[safe // block_size, safe % block_size, 0]  # [b, s_q, topk, row_bytes]
-    rows = dequantize_packed_rows(packed, nope_dim).float()  # [b, s_q, topk, d_qk]
-    logits = torch.einsum("bshd,bstd->bsht", q.float(), rows) * scale
-    logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)  # [b, s_q, h_q]
-    probs = torch.nan_to_num(torch.exp(logits - lse[..., None]), nan=0.0)
-    out = torch.einsum("bsht,bstd->bshd", probs, rows[..., :head_dim_v]).to(q.dtype)
-    return out, lse.permute(0, 2, 1).contiguous()
 
 
 __all__ = [
