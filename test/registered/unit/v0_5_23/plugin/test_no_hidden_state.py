@@ -18,10 +18,10 @@ LINE = Path(sglang_cp_hicache.__file__).parent / "v0_5_23"
 
 # (module path under v0_5_23/, what) -> why it stays
 KNOWN = {
-    ("launch/server_args.py", "setattr"): "the mode's own field on the sealed ServerArgs record (the flag, resolution's decision)",
-    ("launch/server_args.py", "vars"): "argparse's Namespace of from_cli_args, not an SGLang object",
-    ("launch/server_args.py", "_warned_spellings"): "a 0.5.12 spelling is warned about once per process",
-    ("launch/server_args.py", "LEGACY_CP_STRATEGIES"): "a constant table, never written",
+    ("launch/cp_mode.py", "setattr"): "the mode on the sealed ServerArgs record: the one object SGLang carries to every scheduler, no plugin field (store_mode, its one writer)",
+    ("launch/cli.py", "vars"): "argparse's Namespace of from_cli_args, not an SGLang object",
+    ("launch/legacy_spellings.py", "_warned_spellings"): "a 0.5.12 spelling is warned about once per process",
+    ("launch/legacy_spellings.py", "LEGACY_CP_STRATEGIES"): "a constant table, never written",
     ("launch/dsa_backend_rule.py", "ADMITTED"): "a constant table, never written",
     ("launch/dsa_backend_rule.py", "_UPSTREAM_TRIPLE"): "a constant table, never written",
     ("selftest/kv_shard_selftest.py", "SELFTEST_KERNELS"): "a constant table, never written",
