@@ -21,9 +21,9 @@ ALLOWED: Dict[Tuple[str, str], str] = {
     ("selftest", "launch"): "the mode decides whether a runner self-tests",
     ("storage", "launch"): "the mode and the flag's name in refusals",
     ("storage", "cache"): "the extension: start owners, anchor skips, host side",
-    ("storage", "eviction"): "host room for a storage hit (backup_room)",
+    ("storage", "eviction"): "host room for a storage hit (room_for_backup)",
     ("backup", "cache"): "the extension carries the per-layer backup",
-    ("backup", "eviction"): "host room for the per-layer reservation (backup_room)",
+    ("backup", "eviction"): "host room for the per-layer reservation and upstream's backup (room_for_backup, backup_with_lane_room)",
 }
 
 
