@@ -52,13 +52,13 @@ class ExtendRoom(FieldOverlay):
     batch's exact draws is made: its conservative eviction (``evict_from_tree_cache``, whose
     one gate is ``supports_prefix_sharing``, the only use that function makes of it) has
     nothing to do, and ``bases`` are the chains' rotation bases the room was made for
-    (frozen)."""
+    (frozen; None: the ones upstream reads, every chain continuing where it is)."""
 
     __slots__ = ("bases",)
 
-    def __init__(self, cache: Any, bases: Sequence[Optional[int]]) -> None:
+    def __init__(self, cache: Any, bases: Optional[Sequence[Optional[int]]]) -> None:
         super().__init__(cache, {"supports_prefix_sharing": _no_eviction})
-        object.__setattr__(self, "bases", tuple(bases))
+        object.__setattr__(self, "bases", None if bases is None else tuple(bases))
 
 
 class LoadDemand:

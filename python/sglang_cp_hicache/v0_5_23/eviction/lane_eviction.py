@@ -26,7 +26,9 @@ it, or it rides in upstream's own parameter object.
   upstream's function runs over an :class:`ExtendRoom` view of the cache: its own
   conservative (one page per lane per request) eviction finds nothing to do, and the
   allocator draws at the bases the room was made for (the view's, read by the bases hook
-  off its ``tree_cache`` argument). A new
+  off its ``tree_cache`` argument). A batch of continuing chains whose draws every lane
+  holds at any rotation (:func:`fits_any_rotation`) needs neither room nor new bases: it
+  runs over the view at once, with upstream's own bases. A new
   chain starts on a lane from which its draws fit the free pages at its turn (upstream:
   the freest lane, fitting or not), so an extend the free lanes can hold at some rotation
   evicts nothing; among those, the one overlapping least the chains started before
@@ -281,24 +283,46 @@ def alloc_paged_token_slots_extend_around(
         )  # fmt: skip
     from sglang.srt.mem_cache import allocation
 
-    prefix = [int(n) for n in prefix_lens_cpu]
+    prefix, seq = prefix_lens_cpu.tolist(), seq_lens_cpu.tolist()  # one call, not one per element
+    if 0 not in prefix and fits_any_rotation(extension.allocator, prefix, seq):
+        return original(  # no room to make; upstream's own bases (a cached prefix has one)
+            ExtendRoom(tree_cache, None), prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
+            last_loc, extend_num_tokens, req_pool_indices=req_pool_indices, batch=batch,
+        )  # fmt: skip
     # Upstream's own reading of each chain's base (req.last_node's, None for a new chain).
     bases = allocation._kv_shard_rotation_bases(
         tree_cache=tree_cache, batch=batch, prefix_lens_cpu=prefix_lens_cpu
     )
     evictor = DeviceLaneEvictor(extension)
-    leaders = first_page_leaders([_first_page_key(req, evictor.page_size) for req in batch.reqs])
-    resolved = evictor.make_extend_room(bases, prefix, [int(n) for n in seq_lens_cpu], leaders)
+    new_chains = None in bases
+    leaders = None
+    if new_chains:  # only a new chain can follow a batch-mate's base
+        leaders = first_page_leaders([_first_page_key(req, evictor.page_size) for req in batch.reqs])
+    resolved = evictor.make_extend_room(bases, prefix, seq, leaders)
     out = original(
         ExtendRoom(tree_cache, resolved), prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
         last_loc, extend_num_tokens, req_pool_indices=req_pool_indices, batch=batch,
     )  # fmt: skip
-    # Upstream raised if the batch drew nothing: count the chains it started.
-    started = zip(resolved, bases, leaders)
-    extension.chain_starts.add(
-        [base for base, given, leader in started if given is None and leader is None]
-    )
+    if new_chains:  # upstream raised if the batch drew nothing: count the chains it started
+        started = zip(resolved, bases, leaders)
+        extension.chain_starts.add(
+            [base for base, given, leader in started if given is None and leader is None]
+        )
     return out
+
+
+def fits_any_rotation(allocator: Any, prefix_lens: Sequence[int], seq_lens: Sequence[int]) -> bool:
+    """Whether every lane of ``allocator`` holds the batch's draws whatever its chains'
+    bases: a cyclic run of ``k`` pages takes at most ``ceil(k / N)`` from one lane. A bound
+    from one read of the free pages: a batch of continuing chains the lanes clearly hold
+    needs neither the per-lane simulation nor any eviction (its exact draws would find no
+    lane short), and keeps the bases upstream reads (SGLang's rule: a request with a cached
+    prefix continues its chain, only one without starts a new one)."""
+    lanes, page = allocator.shard_size, allocator.page_size
+    most = sum(
+        -(-(-(-seq // page) - prefix // page) // lanes) for prefix, seq in zip(prefix_lens, seq_lens)
+    )
+    return most <= min(allocator.class_free_page_counts())
 
 
 def _first_page_key(req: Any, page_size: int) -> Optional[tuple]:
@@ -317,7 +341,7 @@ def kv_shard_rotation_bases_around(original: Callable, *args: Any, **kwargs: Any
     ``tree_cache`` is the :class:`ExtendRoom` view), the bases its room was made for (a new
     list: the allocator resolves its entries in place)."""
     room = kwargs.get("tree_cache")
-    if isinstance(room, ExtendRoom):
+    if isinstance(room, ExtendRoom) and room.bases is not None:
         return list(room.bases)
     return original(*args, **kwargs)
 
@@ -371,6 +395,7 @@ __all__ = [
     "DeviceLaneEvictor",
     "alloc_paged_token_slots_extend_around",
     "evict_for_alloc_around",
+    "fits_any_rotation",
     "kv_shard_rotation_bases_around",
     "load_back_transfers_around",
     "evict_until_allocatable_around",
