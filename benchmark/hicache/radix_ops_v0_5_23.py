@@ -19,13 +19,17 @@ the plugin's record is published last (upstream's radix paths read no process-wi
 at run time; the plugin's lane-aware hooks read the flag there).
 
 Operations (scheduler-path radix ops on a tree of one-page nodes): match_prefix (cached
-path plus one new page), insert (a new leaf whose write-through backup is queued; checked
-untimed), check_acked (``check_hicache_events`` until that backup is acked), backup_ack
-(insert and check timed together), check_idle (the check with nothing pending: 0.5.23 still
-runs its MIN all-reduce every call), evict (``evict`` of 1% of the tree), evict_for_alloc
-(the allocator's entry: room for 1% of the tree beyond what is free; the plugin's is the
-lane-aware planner). The sharded checks include the MIN all-reduce over the two ranks; it
-is timed alone on the same group and reported as its share of native's checks.
+path plus one new page), alloc (``alloc_for_extend`` of one admitted request, a cached path
+plus one new page, as the scheduler calls it: the plugin's lane-aware extend room and the
+chain's base; released untimed), insert (a new leaf whose write-through backup is queued;
+checked untimed), check_acked (``check_hicache_events`` until that backup is acked),
+backup_ack (insert and check timed together), check_idle (the check with nothing pending:
+0.5.23 runs its MIN all-reduce every call; the plugin skips it on every rank together while
+the replicated pending maps are empty, ``v0_5_23/cache/event_sync.py``), evict (``evict`` of
+1% of the tree), evict_for_alloc (the allocator's entry: room for 1% of the tree beyond what
+is free; the plugin's is the lane-aware planner). The sharded checks include the MIN
+all-reduce over the two ranks where they run it; it is timed alone on the same group and
+reported as its share of native's checks.
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ HOST_RATIO = 1.1  # host pool just above the device pool
 VARIANTS = ("rust", "native", "plugin")
 CHECK_OPS = ("check_acked", "backup_ack", "check_idle")
 EVICT_OPS = ("evict", "evict_for_alloc")
-OPS = ("match_prefix", "insert", *CHECK_OPS, *EVICT_OPS)
+OPS = ("match_prefix", "alloc", "insert", *CHECK_OPS, *EVICT_OPS)
 READY_COUNTS = 4  # the check's MIN-reduced tensor without storage: acks, loads, digest pair
 # Nodes inserted between the set-up's checks. The final state does not depend on it: the
 # pools hold the whole tree, so nothing is evicted or freed while backups are pending, and
@@ -242,6 +246,18 @@ class Bench:
         tokens = self.shape.tokens(rng.randrange(len(self.locs))) + [0] * PAGE
         return self._timed(lambda: self.stack.match(tokens))
 
+    def _alloc(self, rng: random.Random) -> float:
+        """``alloc_for_extend`` of one admitted request (a cached path and one new page);
+        the request released untimed as a retraction releases it (its slots, row, lock)."""
+        from sglang.srt.mem_cache.allocation import alloc_for_extend
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        path = self.shape.tokens(rng.randrange(len(self.locs)))
+        batch = _admitted_batch(self.stack, path + [NEW_PAGE_TOKEN] * PAGE)
+        elapsed = self._timed(lambda: alloc_for_extend(batch))
+        release_kv_cache(batch.reqs[0], self.cache, checkpoint=False)
+        return elapsed
+
     def _insert(self, rng: random.Random) -> float:
         node = self._new_leaf(rng)
         elapsed = self._timed(lambda: self._insert_node(node))
@@ -285,6 +301,46 @@ class Bench:
         elapsed = self._timed(lambda: result.append(self.cache.evict_for_alloc(params)))
         self.evicted_tokens.append(result[0].num_tokens_evicted)
         return elapsed
+
+
+NEW_PAGE_TOKEN = 1 << 30  # the timed alloc's new page: a token no tree path holds
+
+
+def _admitted_batch(stack: Any, prompt: List[int]) -> Any:
+    """One request over ``prompt`` matched (``init_next_round_input``) and admitted by a
+    ``PrefillAdder``, in an extend ``ScheduleBatch`` with the fields ``prepare_for_extend``
+    sets before ``alloc_for_extend``."""
+    from array import array
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    cache = stack.cache
+    adder = PrefillAdder(
+        PAGE, cache, stack.allocator, ScheduleBatch(reqs=[], batch_is_full=False), 0.0, 1 << 20, None
+    )
+    req = Req(
+        rid="alloc", origin_input_text="", origin_input_ids=array("q", prompt),
+        sampling_params=SamplingParams(temperature=0, max_new_tokens=1),
+    )  # fmt: skip
+    req.init_next_round_input(cache)
+    adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
+    if adder.can_run_list != [req]:
+        raise RuntimeError("the timed alloc's request was not admitted")
+    batch = ScheduleBatch(
+        reqs=[req], req_to_token_pool=stack.req_to_token_pool,
+        token_to_kv_pool_allocator=stack.allocator, tree_cache=cache,
+        model_config=SimpleNamespace(is_encoder_decoder=False), device="cpu",
+    )  # fmt: skip
+    batch.forward_mode = ForwardMode.EXTEND
+    batch.prefix_lens, batch.extend_lens = [req.prefix_len], [req.extend_len]
+    batch.seq_lens_cpu = torch.tensor([req.extend_end], dtype=torch.int64)
+    batch.seq_lens = batch.seq_lens_cpu.clone()
+    batch.extend_num_tokens = req.extend_len
+    return batch
 
 
 def _stack_config(num_nodes: int, cfg: RunConfig, shape: TreeShape, sharded: bool, plugin: bool):
@@ -407,6 +463,9 @@ def print_report(report: Dict[int, SizeResult]) -> None:
         if sharded is not None:
             share = " ".join(f"{op}={ar / res[sharded][op]:.2f}" for op in CHECK_OPS)
             parts.append(f"its share of {sharded}'s {share};")
+        if "plugin" in res and "native" in res:
+            saved = (res["native"]["check_idle"] - res["plugin"]["check_idle"]) * 1e6
+            parts.append(f"check_idle: the plugin's skip saves {saved:.1f} us a call;")
         tokens = " ".join(f"{v}={sized.evict_for_alloc_tokens[v]:.0f}" for v in variants)
         built = " ".join(f"{v}={sized.build_s[v]:.1f}s" for v in variants)
         parts.append(f"evict_for_alloc tokens per call {tokens}; built in {built}")

@@ -29,3 +29,11 @@ def register() -> None:
     hooks = line_hooks()
     # Deferred hooks register after load_plugins() has reset the source: keep it now.
     hooks.register(source=_current_plugin_source.get())
+
+
+def verify_installed(*, import_targets: bool = True) -> None:
+    """The installed line's check (its ``verify_hooks_installed``): raises
+    ``PluginNotInstalledError`` naming every hook (and resolution step) not in place. A
+    line's own modules reach their line's hook table this way, as registration does,
+    never by importing it."""
+    line_hooks().verify_hooks_installed(import_targets=import_targets)

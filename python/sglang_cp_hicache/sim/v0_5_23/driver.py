@@ -216,7 +216,7 @@ class RankDriver(StepLoop):
         if backup is None:
             raise SimulationError("per_layer_backup: the stack has no per-layer D2H backup attached")
         self.observer.attach_layer_backup(backup, self.stack)
-        return backup, LayerBackupLedger(backup, self.stack, self.counters, self._violation)
+        return backup, LayerBackupLedger(backup, self.stack, self.counters, self._violation, self.timer.untimed)
 
     def _attention_layers(self) -> List[Any]:
         """The model's attention layers, as the pool's store door takes them."""

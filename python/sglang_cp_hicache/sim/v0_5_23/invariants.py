@@ -181,8 +181,16 @@ class LayerBackupLedger:
     forward, and the one ack must come after the draft's layer: none at a target layer.
     """
 
-    def __init__(self, backup: Any, stack: RankStack, counters: Any, violation: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        backup: Any,
+        stack: RankStack,
+        counters: Any,
+        violation: Callable[[str], None],
+        untimed: Callable[[], ContextManager] = contextlib.nullcontext,
+    ) -> None:
         self.backup = backup
+        self.untimed = untimed  # this ledger's records are no scheduler operation's time
         self.cache = stack.cache
         self.ack_queue = stack.controller.ack_write_queue
         self.layer_num = stack.config.layer_num
@@ -271,9 +279,10 @@ class LayerBackupLedger:
     def _reserve(self, original: Callable, rid: str, write: Any, *args, **kwargs) -> Any:
         reservation = original(rid, write, *args, **kwargs)
         if reservation.ticket is not None:
-            slots = set(write.host_indices.tolist())
-            self._unacked_slots[reservation.ticket] = slots
-            self._acked_slots -= slots  # reused slots: filled anew
+            with self.untimed():
+                slots = set(write.host_indices.tolist())
+                self._unacked_slots[reservation.ticket] = slots
+                self._acked_slots -= slots  # reused slots: filled anew
         return reservation
 
     def _write_storage(self, original: Callable, host_indices: Any, *args, **kwargs) -> Any:
@@ -321,7 +330,8 @@ class LayerBackupLedger:
         slots = self._unacked_slots.pop(ticket, set())
         node = self._claimed.pop(ticket, None)
         if transition.next is not Next.ROLL_BACK:  # acked; claimed now or by its insert
-            self._acked_slots |= slots
+            with self.untimed():
+                self._acked_slots |= slots
         if transition.next is Next.COMMIT:
             self.counters.pending_committed += 1
             self._committed.append(node)

@@ -19,7 +19,8 @@ wrapped method unchanged, before or after counting:
 * the L2 engine's ``submit_device_to_host`` / ``submit_host_to_device``: this rank's
   physical rows of the KV anchor pool, i.e. what it really moves;
 * per-layer D2H backup (:meth:`CacheObserver.attach_layer_backup`): its reservations
-  (timed, logical tokens) and the anchor host pool's one-layer D2H op (physical rows).
+  (timed as ``insert``, logical tokens) and the anchor host pool's one-layer D2H op
+  (physical rows).
 """
 
 from __future__ import annotations
@@ -75,9 +76,12 @@ class CacheObserver:
         _wrap(engine, "submit_host_to_device", self._physical("h2d_tokens", anchor))
 
     def attach_layer_backup(self, backup: Any, stack: Any) -> None:
-        """Per-layer D2H backup: its reservations timed as ``alloc`` (before the forward)
-        and counted as written (logical), the one-layer D2H copies of the KV anchor pool
-        counted as this rank's physical rows (once per backup, at layer 0)."""
+        """Per-layer D2H backup: its reservations timed as ``insert`` and counted as written
+        (logical), the one-layer D2H copies of the KV anchor pool counted as this rank's
+        physical rows (once per backup, at layer 0). A reservation is the insert's backup
+        made before the forward: the host slots upstream's insert takes in
+        ``_execute_kv_backup`` (timed there as ``insert`` in every column), so the plugin's
+        and native's host-side backup work fall in the same operation."""
         _wrap(backup, "reserve", self._reserve)
         anchor = stack.host_pool_group.anchor_entry.host_pool
         native = getattr(anchor, "host_pool", anchor)  # PageInterleaveHostPool wraps one
@@ -143,7 +147,7 @@ class CacheObserver:
         return original(*args, **kwargs)
 
     def _reserve(self, original: Callable, rid, device_locs, *args, **kwargs):
-        with self.timed_op("alloc"):
+        with self.timed_op("insert"):
             ticket = original(rid, device_locs, *args, **kwargs)
         if ticket is not None:
             self.counters.logical_written_tokens += len(device_locs)

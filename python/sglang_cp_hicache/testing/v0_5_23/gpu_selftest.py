@@ -161,7 +161,7 @@ def target_runner(pool: Any, model_config: Any, kv_format: Any, device: torch.de
     from sglang.srt.server_args import ServerArgs
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from sglang_cp_hicache.v0_5_23.launch.server_args import set_cp_shared_kv_enabled
+    from sglang_cp_hicache.v0_5_23.launch.flag import set_cp_shared_kv_enabled
 
     server_args = ServerArgs(model_path="dummy")
     set_cp_shared_kv_enabled(server_args, True)

@@ -46,7 +46,7 @@ def selftest_runner(rank: Any, *, cp_shared_kv: bool = True) -> Any:
     from sglang.srt.server_args import ServerArgs
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from sglang_cp_hicache.v0_5_23.launch.server_args import set_cp_shared_kv_enabled
+    from sglang_cp_hicache.v0_5_23.launch.flag import set_cp_shared_kv_enabled
 
     server_args = ServerArgs(model_path="dummy")
     if cp_shared_kv:

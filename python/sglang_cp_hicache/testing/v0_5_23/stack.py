@@ -84,7 +84,7 @@ def publish_server_args(
                 "StackConfig.cp_shared_kv needs a sharded stack (unsharded: only with an L3 "
                 "backend, the flag on one prefill rank)"
             )
-        from sglang_cp_hicache.v0_5_23.launch.server_args import set_cp_shared_kv_enabled
+        from sglang_cp_hicache.v0_5_23.launch.flag import set_cp_shared_kv_enabled
 
         set_cp_shared_kv_enabled(server_args, True)  # publishing resolves the record
     set_global_server_args_for_scheduler(server_args)

@@ -40,6 +40,11 @@ from sglang_cp_hicache.core.forward_reservations import ForwardReservations, Nex
 from sglang_cp_hicache.core.per_layer_backup import PerLayerBackup, PerLayerBackupIncomplete
 from sglang_cp_hicache.core.rotation import owner_of
 from sglang_cp_hicache.v0_5_23.cache.cache_extension import extension_of
+from sglang_cp_hicache.v0_5_23.eviction.host_lane_eviction import (
+    backup_with_lane_room,
+    evict_host_for_backup,
+    room_for_backup,
+)
 from sglang_cp_hicache.v0_5_23.backup.l2_transfer import (
     DeviceBackupStreams,
     L2LayerTransfers,
@@ -91,12 +96,10 @@ class CacheLayerBackup:
             return None
         cache, cc = self.cache, self.cache.cache_controller
         sidecar = cache._build_backup_sidecar(device_locs, {})
-        from sglang_cp_hicache.v0_5_23.eviction.host_lane_eviction import backup_room
-
         need = len(device_locs) - cc.mem_pool_host.available_size()
-        if need > 0:
-            with backup_room(cache, start_owner, len(device_locs)):  # room on short lanes only
-                cache.evict_host(need)
+        if need > 0:  # room on short lanes only
+            room = room_for_backup(cache, start_owner, len(device_locs))
+            evict_host_for_backup(cache.evict_host, room, need)
         allocation = cc.allocate_host_transfers(device_locs, sidecar or None, start_owner=start_owner)
         if allocation is None:
             self.refused += 1
@@ -294,12 +297,15 @@ def set_up(cache: Any, server_args: Any) -> None:
 
 
 def execute_kv_backup_around(original: Callable, cache: Any, node_id, device_value, comp_xfers, sidecar_xfers):
+    """``UnifiedRadixCache._execute_kv_backup``: the reserved host slots when the insert's
+    node claims them; else upstream's backup, its host room the node's exact lane draws
+    (the eviction room's ``backup_with_lane_room``: one AROUND on the target for both)."""
     backup = layer_backup_of(cache)
     if backup is not None and not comp_xfers:
         host_indices = backup.claim(node_id, device_value)
         if host_indices is not None:
             return host_indices
-    return original(cache, node_id, device_value, comp_xfers, sidecar_xfers)
+    return backup_with_lane_room(original, cache, node_id, device_value, comp_xfers, sidecar_xfers)
 
 
 def track_write_through_node_after(result: Any, cache: Any, node_id, *args, **kwargs) -> None:

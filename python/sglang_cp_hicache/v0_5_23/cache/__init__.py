@@ -1,7 +1,8 @@
 """Cache room: one ``CpCacheExtension`` per sharded ``UnifiedRadixCache``, the plugin's
-state for that cache in one object (``cache_extension``), and what the line sets up once
-HiCache exists (``hicache_init``). Every other room's per-call hook asks one question: is
-an extension attached? Exports its hook specs by path only.
+state for that cache in one object (``cache_extension``), what the line sets up once
+HiCache exists (``hicache_init``), and the event check's all-reduce skipped by every rank
+together while nothing is in flight (``event_sync``). Every other room's per-call hook asks
+one question: is an extension attached? Exports its hook specs by path only.
 """
 
 from __future__ import annotations
@@ -24,5 +25,12 @@ HOOKS: Tuple[HookSpec, ...] = (
         f"{_URC}.init_hicache",
         "sglang_cp_hicache.v0_5_23.cache.hicache_init:init_hicache_after",
         "AFTER",
+    ),
+    # The event check's MIN all-reduce: skipped on every rank alike while the replicated
+    # pending maps are empty (no write or load in flight, no L3 tier).
+    HookSpec(
+        f"{_URC}._sync_hicache_ready_counts",
+        "sglang_cp_hicache.v0_5_23.cache.event_sync:sync_ready_counts_around",
+        "AROUND",
     ),
 )

@@ -13,10 +13,11 @@ It owns: the chains started per rotation base (:class:`ChainStarts`), the device
 lane-eviction stats and candidate heaps (``core.leaf_heap.LazyLeafHeap``: persistent
 across plans, over the tree core's own leaf sets), the L3 prefetches' start owners (weakly keyed by operation: an
 entry dies with its operation, whichever way it ends) and the
-prefetches not issued under a pending backup, the per-layer backup and which pool feeds
-which of its stages, and the scope of the call running on the scheduler thread (the
-extend's resolved bases, the load-back's and the backup's per-lane room, the device plan
-being evicted). Every hook finds
+prefetches not issued under a pending backup, and the per-layer backup and which pool
+feeds which of its stages. Nothing of one call is kept here: a decision one hook makes and
+another applies (an extend's rotation bases, a load-back's or a backup's per-lane room, the
+device plan being evicted) travels with the call as a frozen value or a view of the cache
+(``eviction/device_views.py``, ``host_lane_eviction.BackupRoom``). Every hook finds
 it with :func:`extension_of` on the SGLang object it was handed (the cache, its tree core,
 its allocator, its KV pools), which is the one lookup table of the line: identity-keyed,
 weak (it dies with the cache), written only here.
@@ -24,11 +25,10 @@ weak (it dies with the cache), written only here.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, Generic, Iterator, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from sglang_cp_hicache.core.leaf_heap import LazyLeafHeap
 from sglang_cp_hicache.v0_5_23.launch.cp_mode import CpMode, cp_mode
@@ -80,25 +80,6 @@ class ChainStarts:
             self.per_base[base] += 1
 
 
-Value = TypeVar("Value")
-
-
-class CallScope(Generic[Value]):
-    """What one scheduler-thread call has open (None outside it): set for a block and
-    restored after it, so a call nested in another finds the outer value again."""
-
-    def __init__(self) -> None:
-        self.value: Optional[Value] = None
-
-    @contextlib.contextmanager
-    def opened(self, value: Value) -> Iterator[Value]:
-        outer, self.value = self.value, value
-        try:
-            yield value
-        finally:
-            self.value = outer
-
-
 def keys_only_grow(tree_core: Any, session_refs: bool) -> bool:
     """Whether a node's eviction key on ``tree_core`` can only grow while it is cached (a
     persistent candidate heap is then exact, ``core.leaf_heap``): the tree's strategy is
@@ -118,9 +99,8 @@ class CpCacheExtension:
     """The plugin's state for one sharded ``UnifiedRadixCache`` (one per scheduler rank).
 
     Invariants: built once per cache, before its first allocation, only in a mode that
-    shards KV (:attr:`mode`, frozen); every field but the call scopes is replicated
-    (identical on every rank); the call scopes are set and restored by the hook that
-    opens them, on the scheduler thread.
+    shards KV (:attr:`mode`, frozen); every field is replicated (identical on every rank)
+    and outlives any one call.
     """
 
     def __init__(self, cache: Any, allocator: Any, mode: CpMode) -> None:
@@ -146,14 +126,6 @@ class CpCacheExtension:
             weakref.WeakKeyDictionary()
         )
         self.anchor_skips = 0
-        # The call running on the scheduler thread: the extend's resolved rotation bases,
-        # the load-back's room, the backup's room.
-        self.extend_room: CallScope[List[int]] = CallScope()
-        self.load_room: CallScope[Any] = CallScope()  # lane_eviction._LoadRoom
-        self.backup_room: CallScope[Any] = CallScope()  # host_lane_eviction._BackupRoom
-        # The device plan being evicted (its victims left to walk), upstream's device walk
-        # taking its nodes from it (lane_eviction.full_evict_device_next_node_around).
-        self.device_plan: CallScope[Iterator[Any]] = CallScope()
 
     # ---------------------------------------------------------------- the layer backup
     def attach_layer_backup(self, backup: Any, listeners: Sequence[Tuple[Any, Any]]) -> None:
@@ -231,7 +203,6 @@ def decide_host_side(cache: Any) -> None:
 
 
 __all__ = [
-    "CallScope",
     "ChainStarts",
     "CpCacheExtension",
     "LaneEvictionStats",

@@ -16,42 +16,38 @@ its leaves in the LRU walk's own turn), stopping once every short lane is covere
 backup the free lanes hold evicts nothing; an uncoverable deficit evicts nothing and is a
 counted refusal, and the backup is skipped as upstream skips it.
 
-Three hooks (the eviction room's ``HOOKS``), each upstream's function unchanged for a cache without a
-``CpCacheExtension`` over a sharded host pool (flag off, not the sharded allocator:
-``cache_extension.py``), or when no backup is being made room for:
+The backup's room travels as an explicit value, :class:`BackupRoom` (its first host page's
+owner lane and its pages), handed to ``UnifiedRadixCache.evict_host`` as the keyword
+``backup_room`` that :func:`evict_host_around` (AROUND ``evict_host``) takes off: inside it,
+for FULL KV, the lane-aware room; it answers upstream's ``evict_host(needed) < needed`` test
+with ``needed`` when the lanes hold the backup (made or already there) and 0 when they
+cannot be made to. ``evict_host`` without it is upstream's walk. Who hands it over:
 
-* ``UnifiedRadixCache._execute_and_commit_kv_backup`` (AROUND): opens the backup scope
-  (every backup runs through it: insert write-through, write-back demotes);
-* ``UnifiedTreeCore.build_backup_spec`` (AROUND): records the node's draws per lane
-  (rotation phase, pages of the device value it backs up: the slots ``_execute_kv_backup``
-  will ask ``alloc_cyclic`` for);
-* ``UnifiedRadixCache.evict_host`` (AROUND): inside the scope, for FULL KV, the lane-aware
-  room; it answers upstream's ``evict_host(needed) < needed`` test with ``needed`` when the
-  lanes hold the backup (made or already there) and 0 when they cannot be made to.
-
-:func:`backup_room` opens the same scope for a caller that reserves host slots itself
-(the per-layer backup's reservation before the forward).
+* upstream's backup (``UnifiedRadixCache._execute_kv_backup``, every backup: insert
+  write-through, write-back demotes): :func:`backup_with_lane_room` runs upstream's body
+  over a view of the cache whose ``evict_host`` carries the node's room (its rotation phase,
+  the pages of the device value it backs up), when the host floor is short (else upstream's
+  body runs as is and never evicts);
+* a caller that reserves host slots itself (the per-layer backup's reservation before the
+  forward, an L3 storage hit): :func:`room_for_backup` and :func:`evict_host_for_backup`.
 
 Every decision reads replicated state only (the logical tree, node ids, rotation phases,
 the logical host slot allocator's per-lane free counts, identical on every rank since
 every rank makes the same allocations and frees): every rank evicts the same nodes, no
-collective. The counts and the backup scope are the cache's extension's.
+collective. The counts are the cache's extension's.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Set
 
+from sglang_cp_hicache.core.field_overlay import FieldOverlay
 from sglang_cp_hicache.core.lane_eviction import lane_deficit
 from sglang_cp_hicache.core.rotation import lane_page_counts, run_lane_counts
-from sglang_cp_hicache.v0_5_23.cache.cache_extension import (
-    CpCacheExtension,
-    extension_of,
-    host_extension_of,
-)
+from sglang_cp_hicache.v0_5_23.cache.cache_extension import CpCacheExtension, host_extension_of
 from sglang_cp_hicache.v0_5_23.eviction.lane_tier import (
     Priority,
     full_type,
@@ -61,29 +57,17 @@ from sglang_cp_hicache.v0_5_23.eviction.lane_tier import (
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _BackupRoom:
-    """The backup being made room for on the scheduler thread: the owner lane of its
-    first host page and its pages, once known (None before its spec is built, or for a
-    node with nothing to copy)."""
+@dataclass(frozen=True)
+class BackupRoom:
+    """What one backup draws from the host: ``pages`` host pages, a cyclic run of owner
+    lanes from ``start_owner`` (the lane of its first host page: ``alloc_cyclic`` from the
+    node's rotation phase)."""
 
-    start_owner: Optional[int] = None
-    pages: int = 0
-    # The backed-up node (tree core, node id) whose rotation phase is ``start_owner``,
-    # read only when the host is short: the phase walks the node's whole path, and most
-    # backups find room (no split runs between the spec and the host eviction).
-    node: Optional[Tuple[Any, Any]] = None
-
-    def resolve_owner(self) -> Optional[int]:
-        """``start_owner``, read off the recorded node on first use."""
-        if self.start_owner is None and self.node is not None:
-            tree_core, node_id = self.node
-            self.start_owner = tree_core.rotation_phase_of(node_id)
-            self.node = None
-        return self.start_owner
+    start_owner: int
+    pages: int
 
     def demand(self, lanes: int) -> List[int]:
-        """Host pages per owner lane: a cyclic run from ``start_owner``."""
+        """Host pages per owner lane."""
         return run_lane_counts(self.start_owner, self.pages, lanes)
 
 
@@ -196,63 +180,75 @@ class HostLaneEvictor:
         stats.evicted_tokens += evicted
 
 
-@contextlib.contextmanager
-def backup_room(cache: Any, start_owner: Optional[int], num_tokens: int) -> Iterator[None]:
-    """Within, ``cache.evict_host`` makes lane-aware room for a backup of ``num_tokens``
-    (page-aligned) logical tokens whose host slots start on owner lane ``start_owner``."""
-    extension = host_extension_of(cache)
-    if start_owner is None or not num_tokens or extension is None:
-        yield
-        return
-    with extension.backup_room.opened(_BackupRoom(start_owner, num_tokens // cache.page_size)):
-        yield
+def room_for_backup(cache: Any, start_owner: Optional[int], num_tokens: int) -> Optional[BackupRoom]:
+    """The lane-aware room a backup of ``num_tokens`` (page-aligned) logical tokens whose
+    host slots start on owner lane ``start_owner`` asks ``evict_host`` for; None where
+    upstream's walk applies (no sharded host pool, no owner, nothing to copy)."""
+    if start_owner is None or not num_tokens or host_extension_of(cache) is None:
+        return None
+    return BackupRoom(int(start_owner), num_tokens // cache.page_size)
 
 
-# ------------------------------------------------------------------------- the hooks
-def execute_and_commit_kv_backup_around(original: Callable, cache: Any, *args: Any, **kwargs: Any):
-    """``UnifiedRadixCache._execute_and_commit_kv_backup``: the backup scope."""
-    extension = host_extension_of(cache)
-    if extension is None:
-        return original(cache, *args, **kwargs)
-    with extension.backup_room.opened(_BackupRoom()):
-        return original(cache, *args, **kwargs)
+def evict_host_for_backup(evict_host: Callable[..., int], room: Optional[BackupRoom], needed: int) -> int:
+    """``evict_host(needed)`` (a cache's bound ``evict_host``) with the backup's lane room
+    when it has one."""
+    return evict_host(needed) if room is None else evict_host(needed, backup_room=room)
 
 
-def build_backup_spec_around(original: Callable, tree_core: Any, node_id: Any, *args: Any, **kwargs: Any):
-    """``UnifiedTreeCore.build_backup_spec``: inside the backup scope, record the node's
-    host draws per lane (its rotation phase is the ``start_owner`` of its host slots)."""
-    spec = original(tree_core, node_id, *args, **kwargs)
-    extension = extension_of(tree_core)
-    room = None if extension is None else extension.backup_room.value
-    if room is not None:
-        room.start_owner, room.node = None, (tree_core, node_id)
-        room.pages = len(spec[0]) // tree_core.page_size
-    return spec
+def backup_with_lane_room(
+    original: Callable, cache: Any, node_id: Any, device_value: Any, *args: Any
+) -> Any:
+    """Upstream's ``_execute_kv_backup`` (``original``) of ``node_id``; when its host floor
+    is short under the sharded host pool, run over a view of ``cache`` whose ``evict_host``
+    carries the node's :class:`BackupRoom` (so its eviction is the backup's exact lane
+    room). The floor is upstream's own test, read once more here."""
+    num_tokens = len(device_value)
+    if (
+        not num_tokens
+        or host_extension_of(cache) is None
+        or cache.host_memory_mode == "buffer_only"
+        or cache.cache_controller.mem_pool_host.available_size() >= num_tokens
+    ):
+        return original(cache, node_id, device_value, *args)
+    room = room_for_backup(cache, cache.tree_core.rotation_phase_of(node_id), num_tokens)
+    if room is None:
+        return original(cache, node_id, device_value, *args)
+    with_room = FieldOverlay(
+        cache, {"evict_host": lambda evict_host: functools.partial(evict_host, backup_room=room)}
+    )
+    return original(with_room, node_id, device_value, *args)
 
 
-def evict_host_around(original: Callable, cache: Any, num_tokens: int, *args: Any, **kwargs: Any) -> int:
-    """``UnifiedRadixCache.evict_host``: inside a backup, for FULL KV, the backup's exact
-    per-lane room: ``num_tokens`` when the lanes hold it (made or already there), 0 when
-    they cannot be made to (nothing evicted). Anywhere else: upstream's walk."""
-    extension = extension_of(cache)
-    room = None if extension is None else extension.backup_room.value
+# ------------------------------------------------------------------------- the hook
+def evict_host_around(
+    original: Callable,
+    cache: Any,
+    num_tokens: int,
+    *args: Any,
+    backup_room: Optional[BackupRoom] = None,
+    **kwargs: Any,
+) -> int:
+    """``UnifiedRadixCache.evict_host``: given a backup's room (``backup_room``), for FULL
+    KV, its exact per-lane room: ``num_tokens`` when the lanes hold it (made or already
+    there), 0 when they cannot be made to (nothing evicted). Otherwise: upstream's walk."""
+    extension = None if backup_room is None else host_extension_of(cache)
     component_type = args[0] if args else kwargs.get("component_type", full_type())
     if (
-        room is None
-        or not room.pages
-        or room.resolve_owner() is None
+        extension is None
+        or not backup_room.pages
         or component_type != full_type()
         or cache.host_memory_mode == "buffer_only"
     ):
         return original(cache, num_tokens, *args, **kwargs)
     evictor = HostLaneEvictor(extension)
-    return num_tokens if evictor.make_room(room.demand(evictor.lanes)) else 0
+    return num_tokens if evictor.make_room(backup_room.demand(evictor.lanes)) else 0
 
 
 __all__ = [
+    "BackupRoom",
     "HostLaneEvictor",
-    "backup_room",
-    "build_backup_spec_around",
+    "backup_with_lane_room",
     "evict_host_around",
-    "execute_and_commit_kv_backup_around",
+    "evict_host_for_backup",
+    "room_for_backup",
 ]

@@ -14,14 +14,21 @@ leaves alone would keep a dead chain's old ancestors and evict a younger leaf on
 lane instead, which in the simulator cost more device hits (hence more evictions) than
 upstream's lane-blind flushes saved.
 
-Nine hooks (the eviction room's ``HOOKS``), each upstream's function unchanged for a cache without a
-``CpCacheExtension`` (flag off, or not the sharded allocator: ``cache_extension.py``):
+Six hooks (the eviction room's ``HOOKS``), each upstream's function unchanged for a cache without a
+``CpCacheExtension`` (flag off, or not the sharded allocator: ``cache_extension.py``). Each
+decision is a frozen value handed to where it applies, never left on the extension: upstream's
+own function runs over a view of the cache (``core.field_overlay.FieldOverlay``) that carries
+it, or it rides in upstream's own parameter object.
 
 * ``allocation:alloc_paged_token_slots_extend`` (AROUND) with
   ``allocation:_kv_shard_rotation_bases`` (AROUND): the extend's exact per-lane draws (the
   allocator's own rule: ``(b_i + P) % N`` per position-page) are made room for, then
-  upstream's function runs with its own conservative (one page per lane per request)
-  eviction skipped and the allocator drawing at the bases the room was made for. A new
+  upstream's function runs over an :class:`ExtendRoom` view of the cache: its own
+  conservative (one page per lane per request) eviction finds nothing to do, and the
+  allocator draws at the bases the room was made for (the view's, read by the bases hook
+  off its ``tree_cache`` argument). A batch of continuing chains whose draws every lane
+  holds at any rotation (:func:`fits_any_rotation`) needs neither room nor new bases: it
+  runs over the view at once, with upstream's own bases. A new
   chain starts on a lane from which its draws fit the free pages at its turn (upstream:
   the freest lane, fitting or not), so an extend the free lanes can hold at some rotation
   evicts nothing; among those, the one overlapping least the chains started before
@@ -35,30 +42,30 @@ Nine hooks (the eviction room's ``HOOKS``), each upstream's function unchanged f
   two rotation runs, ``unified_tree_core.py:1158-1229``, so the request's KV is not
   cached). A refusal leaves the allocator short and upstream's "Prefill out of memory"
   stands, as when upstream's eviction runs dry.
-* ``UnifiedRadixCache._load_back_transfers`` (AROUND) with
-  ``UnifiedTreeCore.build_load_back_spec`` (AROUND) and
-  ``UnifiedRadixCache._component_available_size`` (AROUND): a load-back's room is its exact
+* ``UnifiedRadixCache._load_back_transfers`` (AROUND): a load-back's room is its exact
   per-owner demand. Host slots are owner-matched (the load keeps its host pages' owners,
   ``alloc_cyclic`` from the first page), so the pages it draws per lane are known once the
-  tree core has built the transfer; upstream's gate (the min-class floor reaching the
-  load's tokens, up to one page per lane more than the load draws) is answered for the
-  load's own draws instead. A refusal leaves the gate short, which upstream answers by
+  tree core has built the transfer. Upstream's body runs over a :class:`_LoadBackView` of
+  the cache: its tree core's ``build_load_back_spec`` records the draws (the call's own
+  :class:`LoadDemand`); upstream's gate (the min-class floor reaching the load's tokens,
+  up to one page per lane more than the load draws) is answered for them
+  (``_component_available_size``), and its ``evict_for_alloc`` asks for them
+  (:class:`LaneDemandParams`). A refusal leaves the gate short, which upstream answers by
   skipping the load (the request recomputes), as when upstream's walk runs dry.
-* ``UnifiedRadixCache.evict_for_alloc`` (AROUND): the load-back's exact room (above), or
-  any other caller's room for upstream's own target, the min-class floor reaching
-  ``available + num_tokens``.
-* ``FullComponent._evict_device_start`` and ``FullComponent._evict_device_next_node``
-  (AROUND): a plan is evicted by upstream's own device walk (``UnifiedRadixCache._evict``,
-  its step results, write-back backups, writing check and metrics), whose nodes are the
-  plan's victims in plan order while the plan is open (``CpCacheExtension.device_plan``);
-  the walk's heap of every evictable leaf is then not built.
+* ``UnifiedRadixCache.evict_for_alloc`` (AROUND): a load-back's exact room
+  (:class:`LaneDemandParams`), or any other caller's room for upstream's own target, the
+  min-class floor reaching ``available + num_tokens``.
+* A plan is evicted by upstream's own device walk (``UnifiedRadixCache._evict``, its step
+  results, write-back backups, writing check and metrics) run over a view of the cache
+  whose FULL walk's node source is the plan (:func:`_planned_walk`): the walk's heap of
+  every evictable leaf is then not built.
 * ``common:_evict_until_allocatable`` (AROUND): its only caller
   (``BaseTokenToKVPoolAllocator.evict_to_free_tokens``) has just called the lane-aware
   ``evict_for_alloc`` for the same floor, so its extra plain-LRU passes are skipped.
 
 Every decision reads replicated state only (the logical tree, node ids, rotation phases,
 the mirrored lane free counts): every rank evicts the same nodes, no collective. The
-counts, the chains started and the running call's room are the cache's extension's.
+counts and the chains started are the cache's extension's.
 """
 
 from __future__ import annotations
@@ -72,32 +79,22 @@ from sglang_cp_hicache.core.lane_eviction import (
     first_page_leaders,
     lane_deficit,
 )
-from sglang_cp_hicache.core.rotation import lane_of, run_lane_counts
+from sglang_cp_hicache.core.rotation import run_lane_counts
 from sglang_cp_hicache.v0_5_23.eviction.lane_tier import (
     Priority,
     full_type,
     plan_tier_victims,
 )
 from sglang_cp_hicache.v0_5_23.cache.cache_extension import CpCacheExtension, extension_of
+from sglang_cp_hicache.v0_5_23.eviction.device_views import (
+    ExtendRoom,
+    LaneDemandParams,
+    LoadDemand,
+    load_back_view,
+    planned_walk,
+)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _LoadRoom:
-    """The load-back running on the scheduler thread: the pages it draws per owner lane, known once
-    upstream's tree core has built its KV transfer (None before, or for an empty one)."""
-
-    allocator: Any  # PageInterleavePoolAllocator
-    demand: Optional[List[int]] = None
-
-    @property
-    def tokens(self) -> int:
-        return sum(self.demand) * self.allocator.page_size
-
-    def fits(self) -> bool:
-        free = self.allocator.class_free_page_counts()
-        return all(need <= have for need, have in zip(self.demand, free))
 
 
 @dataclass
@@ -201,19 +198,25 @@ class DeviceLaneEvictor:
     ) -> List[int]:
         """Room for one extend batch's exact draws; the rotation bases the room was made
         for (new chains resolved fit-first, spread from the chains started before, or at
-        their ``leaders``' bases: :func:`extend_lane_demand`). Evicting changes the free
-        lanes a new chain is placed by, so the draws are re-simulated after each plan;
-        every round evicts at least one node, so this ends."""
+        their ``leaders``' bases: :func:`extend_lane_demand`). Each round asks upstream's
+        ``evict_for_alloc`` for the draws (:class:`LaneDemandParams`: this evictor's
+        :meth:`make_room`). Evicting changes the free lanes a new chain is placed by, so
+        the draws are re-simulated after each plan; every round that evicts evicts at
+        least one node, so this ends."""
         started = self.extension.chain_starts.per_base
         while True:
+            free = self.free_pages()
             demand, resolved = extend_lane_demand(
-                self.free_pages(), bases, prefix_lens, seq_lens, self.lanes, self.page_size,
+                free, bases, prefix_lens, seq_lens, self.lanes, self.page_size,
                 fit_first=True, leaders=leaders, chain_starts=started,
             )  # fmt: skip
-            victims = self._plan_or_refuse(demand, "extend")
-            if not victims:
+            if max(lane_deficit(demand, free)) <= 0:
                 return resolved
-            self._evict(victims, "extend")
+            params = LaneDemandParams(
+                num_tokens=sum(demand) * self.page_size, lane_demand=tuple(demand), path="extend"
+            )
+            if not self.cache.evict_for_alloc(params).num_tokens_evicted:
+                return resolved
 
     def _plan_or_refuse(self, demand: Sequence[int], path: str) -> Optional[List[Any]]:
         """A plan for ``demand``; None (counted, logged) when the short lanes cannot be
@@ -241,15 +244,15 @@ class DeviceLaneEvictor:
     def _evict(self, victims: List[Any], path: str) -> int:
         """Evict ``victims`` in plan order through upstream's own device walk
         (``UnifiedRadixCache._evict``: each leaf demoted when backed up, dropped when not,
-        write-back backing up first; its result objects, writing check and metrics), its
-        node source being the plan (:func:`full_evict_device_next_node_around`); the
-        evicted token count."""
+        write-back backing up first; its result objects, writing check and metrics), run
+        over a view of the cache whose node source is the plan
+        (``device_views.planned_walk``); the evicted token count."""
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
         full = full_type()
         tokens = sum(len(node.component_data[full].value) for node in victims)
-        with self.extension.device_plan.opened(iter(victims)):
-            evicted = self.cache._evict(EvictParams(num_tokens=tokens)).num_tokens_evicted
+        walk = planned_walk(self.cache, victims)
+        evicted = type(self.cache)._evict(walk, EvictParams(num_tokens=tokens)).num_tokens_evicted
         stats = self.extension.device_stats.paths[path]
         stats.plans += 1
         stats.victims += len(victims)
@@ -270,32 +273,56 @@ def alloc_paged_token_slots_extend_around(
     req_pool_indices: Any = None,
     batch: Any = None,
 ):
-    """Upstream's paged extend allocation, its eviction made lane-aware and exact."""
-    call = lambda: original(  # noqa: E731
-        tree_cache, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
-        extend_num_tokens, req_pool_indices=req_pool_indices, batch=batch,
-    )  # fmt: skip
+    """Upstream's paged extend allocation, its eviction made lane-aware and exact: run over
+    an :class:`ExtendRoom` view once the room for its draws is made."""
     extension = extension_of(tree_cache)
     if batch is None or extension is None:
-        return call()
+        return original(
+            tree_cache, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
+            extend_num_tokens, req_pool_indices=req_pool_indices, batch=batch,
+        )  # fmt: skip
     from sglang.srt.mem_cache import allocation
 
-    prefix = [int(n) for n in prefix_lens_cpu]
+    prefix, seq = prefix_lens_cpu.tolist(), seq_lens_cpu.tolist()  # one call, not one per element
+    if 0 not in prefix and fits_any_rotation(extension.allocator, prefix, seq):
+        return original(  # no room to make; upstream's own bases (a cached prefix has one)
+            ExtendRoom(tree_cache, None), prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
+            last_loc, extend_num_tokens, req_pool_indices=req_pool_indices, batch=batch,
+        )  # fmt: skip
     # Upstream's own reading of each chain's base (req.last_node's, None for a new chain).
     bases = allocation._kv_shard_rotation_bases(
         tree_cache=tree_cache, batch=batch, prefix_lens_cpu=prefix_lens_cpu
     )
     evictor = DeviceLaneEvictor(extension)
-    leaders = first_page_leaders([_first_page_key(req, evictor.page_size) for req in batch.reqs])
-    resolved = evictor.make_extend_room(bases, prefix, [int(n) for n in seq_lens_cpu], leaders)
-    with extension.extend_room.opened(resolved):
-        out = call()
-    # Upstream raised if the batch drew nothing: count the chains it started.
-    started = zip(resolved, bases, leaders)
-    extension.chain_starts.add(
-        [base for base, given, leader in started if given is None and leader is None]
-    )
+    new_chains = None in bases
+    leaders = None
+    if new_chains:  # only a new chain can follow a batch-mate's base
+        leaders = first_page_leaders([_first_page_key(req, evictor.page_size) for req in batch.reqs])
+    resolved = evictor.make_extend_room(bases, prefix, seq, leaders)
+    out = original(
+        ExtendRoom(tree_cache, resolved), prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
+        last_loc, extend_num_tokens, req_pool_indices=req_pool_indices, batch=batch,
+    )  # fmt: skip
+    if new_chains:  # upstream raised if the batch drew nothing: count the chains it started
+        started = zip(resolved, bases, leaders)
+        extension.chain_starts.add(
+            [base for base, given, leader in started if given is None and leader is None]
+        )
     return out
+
+
+def fits_any_rotation(allocator: Any, prefix_lens: Sequence[int], seq_lens: Sequence[int]) -> bool:
+    """Whether every lane of ``allocator`` holds the batch's draws whatever its chains'
+    bases: a cyclic run of ``k`` pages takes at most ``ceil(k / N)`` from one lane. A bound
+    from one read of the free pages: a batch of continuing chains the lanes clearly hold
+    needs neither the per-lane simulation nor any eviction (its exact draws would find no
+    lane short), and keeps the bases upstream reads (SGLang's rule: a request with a cached
+    prefix continues its chain, only one without starts a new one)."""
+    lanes, page = allocator.shard_size, allocator.page_size
+    most = sum(
+        -(-(-(-seq // page) - prefix // page) // lanes) for prefix, seq in zip(prefix_lens, seq_lens)
+    )
+    return most <= min(allocator.class_free_page_counts())
 
 
 def _first_page_key(req: Any, page_size: int) -> Optional[tuple]:
@@ -310,12 +337,13 @@ def _first_page_key(req: Any, page_size: int) -> Optional[tuple]:
 
 
 def kv_shard_rotation_bases_around(original: Callable, *args: Any, **kwargs: Any) -> list:
-    """``allocation._kv_shard_rotation_bases``: inside a lane-aware extend, the bases its
-    room was made for (a new list: the allocator resolves its entries in place)."""
-    extension = extension_of(kwargs.get("tree_cache"))
-    if extension is None or extension.extend_room.value is None:
-        return original(*args, **kwargs)
-    return list(extension.extend_room.value)
+    """``allocation._kv_shard_rotation_bases``: inside a lane-aware extend (its
+    ``tree_cache`` is the :class:`ExtendRoom` view), the bases its room was made for (a new
+    list: the allocator resolves its entries in place)."""
+    room = kwargs.get("tree_cache")
+    if isinstance(room, ExtendRoom) and room.bases is not None:
+        return list(room.bases)
+    return original(*args, **kwargs)
 
 
 def evict_for_alloc_around(
@@ -326,12 +354,8 @@ def evict_for_alloc_around(
     allocation_reclaim_satisfied: Optional[Callable[[], bool]] = None,
 ):
     """``UnifiedRadixCache.evict_for_alloc``: lane-aware room for a load-back's exact draws
-    or for upstream's target."""
+    (:class:`LaneDemandParams`) or for upstream's target."""
     extension = extension_of(cache)
-    if extension is not None and extension.extend_room.value is not None:
-        from sglang.srt.mem_cache.base_prefix_cache import EvictResult
-
-        return EvictResult()  # the extend's exact room is already made
     if (
         extension is None
         or allocation_reclaim_satisfied is not None
@@ -340,80 +364,19 @@ def evict_for_alloc_around(
     ):
         return original(cache, params, allocation_reclaim_satisfied=allocation_reclaim_satisfied)
     evictor = DeviceLaneEvictor(extension)
-    room = extension.load_room.value
-    if room is not None and room.demand is not None:
-        return evictor.make_room(room.demand, "load_back")
+    if isinstance(params, LaneDemandParams):
+        return evictor.make_room(params.lane_demand, params.path)
     target = evictor.allocator.available_size() + params.num_tokens
     return evictor.make_room(evictor.floor_demand(target), "floor")
 
 
 def load_back_transfers_around(original: Callable, cache: Any, **kwargs: Any):
-    """``UnifiedRadixCache._load_back_transfers``: the load-back's room and gate are its
-    exact per-lane draws (set by :func:`build_load_back_spec_around`)."""
+    """``UnifiedRadixCache._load_back_transfers``: run over a view whose room and gate are
+    the load-back's exact per-lane draws (``device_views.load_back_view``)."""
     extension = extension_of(cache)
     if extension is None:
         return original(cache, **kwargs)
-    with extension.load_room.opened(_LoadRoom(extension.allocator)):
-        return original(cache, **kwargs)
-
-
-def build_load_back_spec_around(original: Callable, tree_core: Any, *args: Any, **kwargs: Any):
-    """``UnifiedTreeCore.build_load_back_spec``: inside a lane-aware load-back, record the
-    pages the load will draw per owner lane. Host slots are owner-matched and the load
-    allocates ``alloc_cyclic`` from its first host page's owner, so the host indices give
-    the draws exactly (a cyclic run: the tree core loads one chain's consecutive pages)."""
-    spec = original(tree_core, *args, **kwargs)
-    extension = extension_of(tree_core)
-    room = None if extension is None else extension.load_room.value
-    if room is not None:
-        host = spec[0].host_indices
-        page_size, lanes = room.allocator.page_size, room.allocator.shard_size
-        if len(host):
-            first_page, pages = int(host[0]) // page_size, len(host) // page_size
-            room.demand = run_lane_counts(lane_of(first_page, lanes), pages, lanes)
-    return spec
-
-
-def component_available_size_around(original: Callable, cache: Any, component_type: Any) -> int:
-    """``UnifiedRadixCache._component_available_size``: inside a lane-aware load-back whose
-    draws are known, FULL capacity for the load is its exact draws' (the load's tokens when
-    every lane holds its pages), not the min-class floor, which can be up to one page per
-    lane short of what the load needs when it is not. Anywhere else: upstream's answer."""
-    available = original(cache, component_type)
-    extension = extension_of(cache)
-    room = None if extension is None else extension.load_room.value
-    if room is None or room.demand is None:
-        return available
-    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
-
-    if component_type != ComponentType.FULL or not room.fits():
-        return available
-    return max(available, room.tokens)
-
-
-def full_evict_device_start_around(original: Callable, component: Any, *args: Any, **kwargs: Any):
-    """``FullComponent._evict_device_start``: inside a plan's eviction the walk's nodes are
-    the plan's, so upstream's heap of every evictable leaf is not built."""
-    extension = extension_of(component.tree_core)
-    if extension is None or extension.device_plan.value is None:
-        return original(component, *args, **kwargs)
-    return None
-
-
-def full_evict_device_next_node_around(original: Callable, component: Any, *args: Any, **kwargs: Any):
-    """``FullComponent._evict_device_next_node``: inside a plan's eviction, the next
-    planned victim that is still a device leaf (upstream's walk skips a popped node that
-    is not one, e.g. a parent whose write-back child stayed), None when the plan is done:
-    upstream's loop then ends. Anywhere else: upstream's walk."""
-    extension = extension_of(component.tree_core)
-    plan = None if extension is None else extension.device_plan.value
-    if plan is None:
-        return original(component, *args, **kwargs)
-    leaves = component.tree_core.evictable_device_leaves
-    for node in plan:
-        if node in leaves:
-            return node.id
-    return None
+    return original(load_back_view(cache, LoadDemand(extension.allocator)), **kwargs)
 
 
 def evict_until_allocatable_around(
@@ -431,11 +394,8 @@ def evict_until_allocatable_around(
 __all__ = [
     "DeviceLaneEvictor",
     "alloc_paged_token_slots_extend_around",
-    "build_load_back_spec_around",
-    "component_available_size_around",
     "evict_for_alloc_around",
-    "full_evict_device_next_node_around",
-    "full_evict_device_start_around",
+    "fits_any_rotation",
     "kv_shard_rotation_bases_around",
     "load_back_transfers_around",
     "evict_until_allocatable_around",

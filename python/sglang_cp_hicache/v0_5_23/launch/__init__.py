@@ -1,10 +1,13 @@
 """Launch room: what ``--enable-nsa-prefill-cp-shared-kv`` means at startup.
 
-The flag on the CLI and on ``Engine(**kwargs)`` (``server_args``), the mode decided once at
-resolution (``cp_mode``), the DSA backend rule inside upstream's sharding gate (the Hopper
-formats, ``dsa_backend_rule``) and a PD prefill's bootstrap registration
-(``pd_bootstrap``). Exports its hook specs and resolution steps by path only: importing
-this package imports none of its modules.
+The flag's names and the flag stored on a record (``flag``), on the command line (``cli``,
+with 0.5.12's spellings, ``legacy_spellings``) and on ``Engine(**kwargs)`` (``engine``); the
+refusals (``refusals``); the mode, one frozen value per record (``cp_mode``), decided once
+by the resolution steps (``resolution``), which run upstream's sharding gate with an
+admitted L3 backend hidden (``gate_view``) and its DSA backend rule admitting the Hopper
+formats (``dsa_backend_rule``); a PD prefill's bootstrap registration (``pd_bootstrap``).
+Exports its hook specs and resolution steps by path only: importing this package imports
+none of its modules.
 """
 
 from __future__ import annotations
@@ -15,18 +18,18 @@ from sglang_cp_hicache.hook_table import HookSpec
 from sglang_cp_hicache.v0_5_23.resolution_steps import ResolutionStep
 
 _SERVER_ARGS = "sglang.srt.server_args:ServerArgs"
-_OURS_ARGS = "sglang_cp_hicache.v0_5_23.launch.server_args"
+_LAUNCH = "sglang_cp_hicache.v0_5_23.launch"
 
 HOOKS: Tuple[HookSpec, ...] = (
     # The flag on the command line. from_cli_args copies only record fields, so the parsed
     # value (and the 0.5.12 spellings) would be dropped without the AROUND.
-    HookSpec(f"{_SERVER_ARGS}.add_cli_args", f"{_OURS_ARGS}:add_cli_args_after", "AFTER"),
-    HookSpec(f"{_SERVER_ARGS}.from_cli_args", f"{_OURS_ARGS}:from_cli_args_around", "AROUND"),
+    HookSpec(f"{_SERVER_ARGS}.add_cli_args", f"{_LAUNCH}.cli:add_cli_args_after", "AFTER"),
+    HookSpec(f"{_SERVER_ARGS}.from_cli_args", f"{_LAUNCH}.cli:from_cli_args_around", "AROUND"),
     # Engine(enable_nsa_prefill_cp_shared_kv=True): ServerArgs is a msgspec struct whose
     # Python __init__ never runs, so the keyword is taken off where Engine builds the record.
     HookSpec(
         "sglang.srt.entrypoints.engine:Engine.__init__",
-        f"{_OURS_ARGS}:engine_init_around",
+        f"{_LAUNCH}.engine:engine_init_around",
         "AROUND",
     ),
     # Inside upstream's sharding gate, its DSA backend rule: under the flag, the Hopper
@@ -50,8 +53,8 @@ RESOLUTION_STEPS: Tuple[ResolutionStep, ...] = (
     # any model step): the configuration refusals, the mode decided once, then
     # enable_kv_cache_sharding declared before its first reader (handle_gpu_memory_settings)
     # and upstream's gate.
-    ResolutionStep("validate_prefill_cp_platform", f"{_OURS_ARGS}:refuse_and_enable_sharding"),
+    ResolutionStep("validate_prefill_cp_platform", f"{_LAUNCH}.resolution:refuse_and_enable_sharding"),
     # Upstream's sharding gate, once the model is known: refuse a model outside the DSA
     # family, then run the gate unchanged.
-    ResolutionStep("handle_kv_cache_sharding", f"{_OURS_ARGS}:refuse_unsupported_model"),
+    ResolutionStep("handle_kv_cache_sharding", f"{_LAUNCH}.resolution:refuse_unsupported_model"),
 )

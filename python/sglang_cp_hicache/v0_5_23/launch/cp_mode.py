@@ -4,9 +4,12 @@
 sharded KV (upstream's ``--enable-kv-cache-sharding`` plus the plugin's deltas), or one
 prefill rank that only reads and writes a sharded fleet's L3 pages (owner-free keys,
 ``docs/l3_storage.md``). It lives on the record as the underscore attribute
-:data:`MODE_ATTR`, which the sealed record takes at any time and pickles to spawned
-schedulers. Written in ``server_args`` only: the flag sets :attr:`CpMode.SHARDED`, and the
-resolution step's one decision (``server_args.decide_mode``) settles it, narrowing it to
+:data:`MODE_ATTR`: SGLang 0.5.23's record is the only object that travels from the launcher
+to every spawned scheduler (its ``__reduce__`` carries underscore attributes) and has no
+field for a plugin, so the mode rides there, written by :func:`store_mode` and read by
+:func:`cp_mode`, the one writer and the one reader. The flag stores
+:attr:`CpMode.SHARDED` (``flag.set_cp_shared_kv_enabled``), and the resolution step's one
+decision (``resolution.decide_mode``) settles it, narrowing it to
 :attr:`CpMode.ONE_RANK_L3_READER` on one prefill rank; after resolution it never changes.
 
 Code that runs per call never reads it: a sharded cache's hooks ask whether the cache has a
@@ -52,4 +55,10 @@ def cp_mode(server_args: Any) -> CpMode:
     return mode if isinstance(mode, CpMode) else CpMode.OFF
 
 
-__all__ = ["CpMode", "MODE_ATTR", "cp_mode"]
+def store_mode(server_args: Any, mode: CpMode) -> None:
+    """Store ``mode`` on the record ``server_args`` (the sealed record takes an underscore
+    attribute before, during and after resolution)."""
+    setattr(server_args, MODE_ATTR, mode)
+
+
+__all__ = ["CpMode", "MODE_ATTR", "cp_mode", "store_mode"]

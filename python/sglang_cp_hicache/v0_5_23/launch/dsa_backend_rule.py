@@ -34,7 +34,7 @@ other rule of the check (CUDA, CP, interleave, PP 1, Mooncake, index_kpool, laye
 64) and of the rest of the gate stays upstream's. Flag off: upstream's function, called as is.
 
 The same gate's storage rule (L3 under the flag) is lifted by the resolution step around
-the gate, ``server_args.storage_hidden_from_gate`` (this module imports ``server_args``).
+the gate, ``gate_view.storage_hidden_from_gate``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from typing import Any, Callable, Optional, Tuple
 
 from sglang_cp_hicache.core.field_overlay import FieldOverlay, constant
 from sglang_cp_hicache.v0_5_23.launch.cp_mode import cp_mode
-from sglang_cp_hicache.v0_5_23.launch.server_args import CLI_FLAG, CpSharedKVConfigError
+from sglang_cp_hicache.v0_5_23.launch.flag import CLI_FLAG, CpSharedKVConfigError
 
 logger = logging.getLogger(__name__)
 

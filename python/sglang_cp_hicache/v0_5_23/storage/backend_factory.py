@@ -18,7 +18,7 @@ import logging
 from typing import Any, Callable, Tuple
 
 from sglang_cp_hicache.v0_5_23.launch.cp_mode import cp_mode
-from sglang_cp_hicache.v0_5_23.launch.server_args import CLI_FLAG
+from sglang_cp_hicache.v0_5_23.launch.flag import CLI_FLAG
 
 logger = logging.getLogger(__name__)
 

@@ -44,7 +44,10 @@ import torch
 from sglang_cp_hicache.core.lane_eviction import new_chain_base
 from sglang_cp_hicache.core.storage_keys import logical_pages_completed
 from sglang_cp_hicache.v0_5_23.cache.cache_extension import CpCacheExtension, extension_of
-from sglang_cp_hicache.v0_5_23.eviction.host_lane_eviction import backup_room
+from sglang_cp_hicache.v0_5_23.eviction.host_lane_eviction import (
+    evict_host_for_backup,
+    room_for_backup,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +246,7 @@ def allocate_storage_hit_around(
     fit, retries, then takes the min-lane floor. The slots are drawn cyclically from the
     start owner, so an LRU victim on another lane frees nothing the hit can use and, with
     that lane's floor at 0, the whole hit is dropped. Here the eviction is the backups'
-    lane-aware room (``host_lane_eviction.backup_room``) for the hit's exact per-lane
+    lane-aware room (``host_lane_eviction.room_for_backup``) for the hit's exact per-lane
     draws; a root anchor's start owner (recorded None) is resolved once, before the first
     allocation, so the room and the slots use the same lanes, and counted as a started
     chain once its slots are held (the next new chain spreads from it). Replicated state
@@ -266,8 +269,7 @@ def allocate_storage_hit_around(
         )
 
     def lane_room(num_tokens: int) -> int:
-        with backup_room(cache, int(start_owner), num_tokens):
-            return evict_host(num_tokens)
+        return evict_host_for_backup(evict_host, room_for_backup(cache, start_owner, num_tokens), num_tokens)
 
     slots, alloc_len = original(controller, operation, hit_tokens, evict_host=lane_room, **kwargs)
     if root_anchor and slots is not None:

@@ -18,7 +18,7 @@ when the scheduler is idle -> ``UnifiedRadixCache.attach_storage_backend``):
   every prefetch misses;
 * flag on, file or mooncake: upstream's attach, with its sharding check answered for this
   cache's allocator as the startup gate is for these backends
-  (``server_args.storage_hidden_from_gate``). Everything else is upstream's and the
+  (``launch/gate_view.py``). Everything else is upstream's and the
   plugin's startup path: policies, the storage config (the writer rule,
   ``generate_storage_config_around``), the backend from ``StorageBackendFactory`` (the
   owner-free backends, ``create_backend_around``), threads and sync groups, the runtime
@@ -37,12 +37,13 @@ from typing import Any, Callable, ContextManager, Optional, Tuple
 from sglang_cp_hicache.core.field_overlay import FieldOverlay, constant
 from sglang_cp_hicache.core.module_binding import binding_swapped
 from sglang_cp_hicache.v0_5_23.launch.cp_mode import cp_mode
-from sglang_cp_hicache.v0_5_23.launch.server_args import CLI_FLAG, unsupported_combinations
+from sglang_cp_hicache.v0_5_23.launch.flag import CLI_FLAG
+from sglang_cp_hicache.v0_5_23.launch.refusals import unsupported_combinations
 
 
 def startup_refusal(server_args: Any, backend: Optional[str]) -> Optional[str]:
     """The refusal a launch of ``server_args``' server with ``--hicache-storage-backend
-    backend`` meets (``server_args.unsupported_combinations``, one message starting with
+    backend`` meets (``refusals.unsupported_combinations``, one message starting with
     the flag), or None when it would start. The record has passed resolution, so only the
     backend can be refused here."""
     problems = unsupported_combinations(
@@ -81,6 +82,8 @@ def sharding_check_answered(allocator: Any) -> ContextManager[None]:
     def answered(upstream_shard_size: Callable[[Any], int]) -> Callable[[Any], int]:
         return lambda candidate: 1 if candidate is allocator else upstream_shard_size(candidate)
 
+    # No seam but the name: attach takes no allocator or check, and a hook on
+    # page_interleave_shard_size would run on every allocation; so only this module's binding.
     return binding_swapped(upstream, "page_interleave_shard_size", answered)
 
 

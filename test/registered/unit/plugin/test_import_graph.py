@@ -196,7 +196,7 @@ def _product_modules() -> Dict[str, Path]:
 
 def test_the_product_never_imports_the_cpu_runtime_or_harnesses():
     product = _product_modules()
-    assert f"{PACKAGE}.v0_5_23.launch.server_args" in product and f"{PACKAGE}.testing.server.runtime" not in product
+    assert f"{PACKAGE}.v0_5_23.launch.flag" in product and f"{PACKAGE}.testing.server.runtime" not in product
     offending = {
         name: sorted(i for i in imported_names(path, name) if _within(i, f"{PACKAGE}.testing") or _within(i, f"{PACKAGE}.sim"))
         for name, path in product.items()

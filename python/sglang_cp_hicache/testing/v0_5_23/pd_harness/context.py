@@ -43,7 +43,7 @@ def publish_pd_record(mode: str, bootstrap_port: int, config: Any = None) -> Any
         )
     server_args = ServerArgs(**fields)
     if mode == "prefill" and config.cp_shared_kv:
-        from sglang_cp_hicache.v0_5_23.launch.server_args import set_cp_shared_kv_enabled
+        from sglang_cp_hicache.v0_5_23.launch.flag import set_cp_shared_kv_enabled
 
         set_cp_shared_kv_enabled(server_args, True)
     set_global_server_args_for_scheduler(server_args)

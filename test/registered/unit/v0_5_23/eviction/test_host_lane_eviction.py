@@ -209,9 +209,8 @@ def test_flag_off_is_upstreams_function_unchanged(outcomes) -> None:
 @pytest.mark.parametrize(
     "hook, args, kwargs",
     [
-        ("execute_and_commit_kv_backup_around", ("cache", "action"), {"write_back": True}),
-        ("build_backup_spec_around", ("core", 3), {}),
         ("evict_host_around", ("cache", 128), {}),
+        ("evict_host_around", ("cache", 128, "SWA"), {}),
     ],
 )
 def test_outside_a_lane_aware_backup_each_hook_is_upstreams_call(hook, args, kwargs) -> None:

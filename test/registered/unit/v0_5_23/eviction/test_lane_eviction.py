@@ -313,9 +313,6 @@ def test_flag_off_is_upstreams_function_unchanged(outcomes) -> None:
     assert outcomes[("extend_fits", False)].extend_lanes is not None
 
 
-_COMPONENT = SimpleNamespace(tree_core="a tree core without an extension")
-
-
 @pytest.mark.parametrize(
     "hook, args, kwargs",
     [
@@ -332,14 +329,6 @@ _COMPONENT = SimpleNamespace(tree_core="a tree core without an extension")
             {"tree_cache": "c", "batch": "b", "prefix_lens_cpu": "p"},
         ),
         ("load_back_transfers_around", ("cache",), {"node_id": 3, "req": None}),
-        ("build_load_back_spec_around", ("core", 3), {"req": None}),
-        ("component_available_size_around", ("cache", "FULL"), {}),
-        ("full_evict_device_start_around", (_COMPONENT, 64), {}),
-        (
-            "full_evict_device_next_node_around",
-            (_COMPONENT, "tracker", "device_frees", "host_frees"),
-            {"cache_actions": []},
-        ),
     ],
 )
 def test_outside_a_lane_aware_cache_each_hook_is_upstreams_call(hook, args, kwargs) -> None:

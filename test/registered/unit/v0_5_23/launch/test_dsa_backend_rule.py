@@ -19,7 +19,7 @@ from sglang.srt.server_args import prepare_server_args
 
 from sglang_cp_hicache.testing.v0_5_23.resolution import PD_PREFILL_CP, resolve
 from sglang_cp_hicache.v0_5_23.launch.dsa_backend_rule import ADMITTED, UPSTREAM_ADMITTED
-from sglang_cp_hicache.v0_5_23.launch.server_args import CLI_FLAG, CpSharedKVConfigError
+from sglang_cp_hicache.v0_5_23.launch.flag import CLI_FLAG, CpSharedKVConfigError
 
 BF16 = ["--kv-cache-dtype", "bfloat16"]
 FP8 = ["--kv-cache-dtype", "fp8_e4m3"]

@@ -33,7 +33,7 @@ def publish(monkeypatch, plugins_loaded):
     from sglang.srt.runtime_context import restore_context, snapshot_context
     from sglang.srt.server_args import prepare_server_args, set_global_server_args_for_scheduler
 
-    from sglang_cp_hicache.v0_5_23.launch.server_args import CLI_FLAG
+    from sglang_cp_hicache.v0_5_23.launch.flag import CLI_FLAG
 
     monkeypatch.setattr(bootstrap_probe, "REGISTRATION_WAIT_S", 0.5)
     before = snapshot_context()

@@ -24,7 +24,7 @@ from sglang.srt.arg_groups import resolution_hooks
 from sglang.srt.arg_groups.overrides import resolution_result, resolving_view
 from sglang.srt.server_args import ServerArgs, prepare_server_args
 
-from sglang_cp_hicache.v0_5_23.launch.server_args import (
+from sglang_cp_hicache.v0_5_23.launch.flag import (
     CLI_FLAG,
     DECLARATION_SOURCE,
     FLAG,
@@ -329,15 +329,15 @@ def _glm5_pd():
 def deprecations(monkeypatch):
     """The plugin's deprecation warnings, on a fresh once-per-process memory (a handler on
     our logger: SGLang's parsing replaces the root logger's handlers)."""
-    from sglang_cp_hicache.v0_5_23.launch import server_args
+    from sglang_cp_hicache.v0_5_23.launch import legacy_spellings
 
-    monkeypatch.setattr(server_args, "_warned_spellings", set())
+    monkeypatch.setattr(legacy_spellings, "_warned_spellings", set())
     told = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: told.append(record.getMessage())
-    server_args.logger.addHandler(handler)
+    legacy_spellings.logger.addHandler(handler)
     yield told
-    server_args.logger.removeHandler(handler)
+    legacy_spellings.logger.removeHandler(handler)
 
 
 def test_the_missions_launch_command_runs_on_0_5_23(deprecations):

@@ -14,7 +14,7 @@ from sglang.srt.arg_groups import kv_shard_hook as upstream_gate
 from sglang.srt.arg_groups.overrides import resolution_result
 
 from sglang_cp_hicache.testing.v0_5_23.resolution import HICACHE, PD_PREFILL_CP, resolve
-from sglang_cp_hicache.v0_5_23.launch.server_args import CLI_FLAG, CpSharedKVConfigError
+from sglang_cp_hicache.v0_5_23.launch.flag import CLI_FLAG, CpSharedKVConfigError
 
 UPSTREAM_STORAGE_REFUSAL = "supports HiCache host offload but not --hicache-storage-backend yet"
 

@@ -16,8 +16,8 @@ import pytest
 from sglang.srt.arg_groups.overrides import resolution_result
 
 from sglang_cp_hicache.testing.v0_5_23.resolution import HICACHE, PD_PREFILL_CP, resolve
-from sglang_cp_hicache.v0_5_23.launch.cp_mode import MODE_ATTR, CpMode, cp_mode
-from sglang_cp_hicache.v0_5_23.launch.server_args import CLI_FLAG, CpSharedKVConfigError
+from sglang_cp_hicache.v0_5_23.launch.cp_mode import CpMode, cp_mode, store_mode
+from sglang_cp_hicache.v0_5_23.launch.flag import CLI_FLAG, CpSharedKVConfigError
 
 UPSTREAM_CP1_REFUSAL = "DSA KV sharding requires CUDA interleave prefill CP > 1"
 
@@ -130,9 +130,9 @@ def test_a_marked_record_resolved_to_cp_above_1_is_refused():
     first today, and the model step refuses any later disagreement."""
     from sglang.srt.server_args import ServerArgs
 
-    from sglang_cp_hicache.v0_5_23.launch import server_args as flag
+    from sglang_cp_hicache.v0_5_23.launch import resolution
 
     record = ServerArgs(model_path="dummy", attn_cp_size=2)
-    setattr(record, MODE_ATTR, CpMode.ONE_RANK_L3_READER)  # as the one-rank decision leaves it
+    store_mode(record, CpMode.ONE_RANK_L3_READER)  # as the one-rank decision leaves it
     with pytest.raises(CpSharedKVConfigError, match="resolution gave attn_cp_size 2"):
-        flag._refuse_resharded_single_rank(record)
+        resolution._refuse_resharded_single_rank(record)

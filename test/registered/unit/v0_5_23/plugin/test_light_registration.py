@@ -32,9 +32,14 @@ REGISTRATION_MODULES = {
     "sglang_cp_hicache.v0_5_23.backup",
     "sglang.srt.arg_groups.resolution_hooks",
 }
-# The first call of a ServerArgs hook imports the flag's module.
+# The first call of a ServerArgs hook (and resolution step) imports the flag's modules.
 OURS_AFTER_PARSE = {m for m in REGISTRATION_MODULES if m.startswith("sglang_cp_hicache")} | {
-    "sglang_cp_hicache.v0_5_23.launch.server_args",
+    "sglang_cp_hicache.v0_5_23.launch.flag",
+    "sglang_cp_hicache.v0_5_23.launch.cli",
+    "sglang_cp_hicache.v0_5_23.launch.legacy_spellings",
+    "sglang_cp_hicache.v0_5_23.launch.resolution",
+    "sglang_cp_hicache.v0_5_23.launch.refusals",
+    "sglang_cp_hicache.v0_5_23.launch.gate_view",
     "sglang_cp_hicache.v0_5_23.launch.cp_mode",  # pure: the mode's enum and its reader
     "sglang_cp_hicache.core.module_binding",  # pure, no import: the gate's binding swap
     "sglang_cp_hicache.core.field_overlay",  # pure, no import: the gate's record views

@@ -5,8 +5,8 @@ cache's per-call hooks ask only whether the cache has an extension. Reads the so
 
 Every function that reads the mode is listed below with when it runs; a new reader (a
 per-call "is the plugin on here?" predicate, say) fails the test, and so does a listed one
-that is gone. The record's mode attribute is written and read only in ``launch/cp_mode.py`` and
-``launch/server_args.py``."""
+that is gone. The record's mode attribute is named only in ``launch/cp_mode.py``: its one
+reader (``cp_mode``) and its one writer (``store_mode``)."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ LINE = PACKAGE / "v0_5_23"
 
 # (module path under v0_5_23/, enclosing function) -> when it runs
 MODE_READERS = {
-    ("launch/server_args.py", "set_cp_shared_kv_enabled"): "the flag stored before resolution",
-    ("launch/server_args.py", "storage_hidden_from_gate.without_storage.view"): "resolution: upstream's gate",
-    ("launch/server_args.py", "refuse_and_enable_sharding"): "resolution: where the mode is decided",
-    ("launch/server_args.py", "refuse_unsupported_model"): "resolution: the model step",
+    ("launch/flag.py", "set_cp_shared_kv_enabled"): "the flag stored before resolution",
+    ("launch/gate_view.py", "storage_hidden_from_gate.without_storage.view"): "resolution: upstream's gate",
+    ("launch/resolution.py", "refuse_and_enable_sharding"): "resolution: where the mode is decided",
+    ("launch/resolution.py", "refuse_unsupported_model"): "resolution: the model step",
     ("launch/dsa_backend_rule.py", "validate_dsa_backend_around"): "resolution: upstream's gate",
     ("selftest/kv_shard_selftest.py", "init_attention_backends_after"): "startup, once per runner",
     ("cache/cache_extension.py", "cache_init_after"): "once per cache: whether it gets an extension",
@@ -33,12 +33,11 @@ MODE_READERS = {
     ("storage/runtime_attach.py", "attach_around"): "once per admin attach",
     ("launch/pd_bootstrap.py", "register_topology_row_around"): "startup, once per registration",
 }
-# Where the record's mode attribute may be named: its reader and its two writers.
+# Where the record's mode attribute may be named: its one reader and its one writer.
 MODE_ATTR_SITES = {
     ("launch/cp_mode.py", "<module>"),
     ("launch/cp_mode.py", "cp_mode"),
-    ("launch/server_args.py", "set_cp_shared_kv_enabled"),
-    ("launch/server_args.py", "refuse_and_enable_sharding"),
+    ("launch/cp_mode.py", "store_mode"),
 }
 # The per-call predicates the mode replaced: none may come back, in the line or its harness.
 RETIRED = {

@@ -12,9 +12,10 @@ from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sglang_cp_hicache import plugin
 from sglang_cp_hicache.v0_5_23 import hooks, resolution_steps
-from sglang_cp_hicache.v0_5_23.launch.server_args import CLI_FLAG, set_cp_shared_kv_enabled
+from sglang_cp_hicache.v0_5_23.launch.flag import CLI_FLAG, set_cp_shared_kv_enabled
 
-OURS_ARGS = "sglang_cp_hicache.v0_5_23.launch.server_args"
+OURS_CLI = "sglang_cp_hicache.v0_5_23.launch.cli"
+OURS_RESOLUTION = "sglang_cp_hicache.v0_5_23.launch.resolution"
 
 
 def _wrappers_of(step: hooks.ResolutionStep) -> list:
@@ -79,18 +80,18 @@ def scratch_registry(monkeypatch):
 
 
 def test_broken_or_renamed_targets_are_named(plugins_loaded, scratch_registry, monkeypatch):
-    unapplied = hooks.HookSpec("sglang.srt.server_args:ServerArgs.url", f"{OURS_ARGS}:add_cli_args_after", "AFTER")
+    unapplied = hooks.HookSpec("sglang.srt.server_args:ServerArgs.url", f"{OURS_CLI}:add_cli_args_after", "AFTER")
     renamed = hooks.HookSpec("sglang.srt.server_args:ServerArgs.no_such_method", "builtins:print", "AFTER")
     assert hooks.missing_hooks([unapplied]) == [f"{unapplied.dotted_target} (never registered in this process)"]
     assert hooks.missing_hooks([renamed])[0].startswith("sglang.srt.server_args.ServerArgs.no_such_method (")
 
-    renamed_step = hooks.ResolutionStep("handle_no_such_step", f"{OURS_ARGS}:refuse_and_enable_sharding")
-    broken_step = hooks.ResolutionStep("handle_hicache", f"{OURS_ARGS}:no_such_function")
-    unregistered_step = hooks.ResolutionStep("handle_dwdp", f"{OURS_ARGS}:refuse_and_enable_sharding")
+    renamed_step = hooks.ResolutionStep("handle_no_such_step", f"{OURS_RESOLUTION}:refuse_and_enable_sharding")
+    broken_step = hooks.ResolutionStep("handle_hicache", f"{OURS_RESOLUTION}:no_such_function")
+    unregistered_step = hooks.ResolutionStep("handle_dwdp", f"{OURS_RESOLUTION}:refuse_and_enable_sharding")
     hooks.install_resolution_steps([renamed_step, broken_step])
     missing = hooks.missing_resolution_steps([renamed_step, broken_step, unregistered_step])
     assert missing[0].startswith("resolution step handle_no_such_step (ValueError: 'handle_no_such_step' is not")
-    assert missing[1].startswith(f"resolution step handle_hicache ({OURS_ARGS}:no_such_function: AttributeError")
+    assert missing[1].startswith(f"resolution step handle_hicache ({OURS_RESOLUTION}:no_such_function: AttributeError")
     assert missing[2] == "resolution step handle_dwdp (never registered in this process)"
     assert hooks.missing_resolution_steps([broken_step], import_targets=False) == []
     # SGLang's list lost our wrapper (a reset registry): named, and registering again heals it.

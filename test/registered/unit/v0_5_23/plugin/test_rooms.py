@@ -21,9 +21,9 @@ ALLOWED: Dict[Tuple[str, str], str] = {
     ("selftest", "launch"): "the mode decides whether a runner self-tests",
     ("storage", "launch"): "the mode and the flag's name in refusals",
     ("storage", "cache"): "the extension: start owners, anchor skips, host side",
-    ("storage", "eviction"): "host room for a storage hit (backup_room)",
+    ("storage", "eviction"): "host room for a storage hit (room_for_backup)",
     ("backup", "cache"): "the extension carries the per-layer backup",
-    ("backup", "eviction"): "host room for the per-layer reservation (backup_room)",
+    ("backup", "eviction"): "host room for the per-layer reservation and upstream's backup (room_for_backup, backup_with_lane_room)",
 }
 
 
@@ -59,6 +59,33 @@ def test_rooms_import_each_other_only_along_the_documented_arrows():
     assert ("backup", "cache") in arrows  # the scan is real
     unexpected = {arrow: sorted(files) for arrow, files in arrows.items() if arrow not in ALLOWED}
     assert unexpected == {}
+
+
+def test_no_room_imports_the_line_s_hook_table():
+    """``hooks.py`` joins the rooms; a room reaches the line's check through the plugin's
+    entry point (``plugin.verify_installed``), never by importing the table upward."""
+    upward = sorted(
+        f"{room}/{path.name}"
+        for room in ROOMS
+        for path in sorted((LINE / room).glob("*.py"))
+        if f"{PREFIX}hooks" in _imported_names(path.read_text())
+    )
+    assert upward == []
+
+
+def _imported_names(source: str) -> Set[str]:
+    names: Set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    return names
+
+
+def test_the_upward_scan_sees_a_planted_import():
+    assert f"{PREFIX}hooks" in _imported_names(f"from {PREFIX}hooks import verify_hooks_installed\n")
+    assert f"{PREFIX}hooks" in _imported_names("from sglang_cp_hicache.v0_5_23 import hooks\n")
 
 
 def test_the_scan_finds_a_planted_arrow():

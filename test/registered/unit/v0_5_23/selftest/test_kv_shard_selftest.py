@@ -26,7 +26,7 @@ def _runner(*, flag: bool, pool, is_draft_worker: bool = False, context_len: int
     from sglang.srt.server_args import ServerArgs
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from sglang_cp_hicache.v0_5_23.launch.server_args import set_cp_shared_kv_enabled
+    from sglang_cp_hicache.v0_5_23.launch.flag import set_cp_shared_kv_enabled
 
     server_args = ServerArgs(model_path="dummy")
     if flag:

@@ -78,7 +78,7 @@ def test_other_backends_are_refused_with_the_flag_named():
         UnsupportedShardedStorageError,
         refuse_unless_owner_free,
     )
-    from sglang_cp_hicache.v0_5_23.launch.server_args import CLI_FLAG
+    from sglang_cp_hicache.v0_5_23.launch.flag import CLI_FLAG
 
     refuse_unless_owner_free("file")
     refuse_unless_owner_free("mooncake")
@@ -97,7 +97,7 @@ def test_the_factory_follows_the_flag_on_an_unsharded_host_pool(monkeypatch, fla
         UnsupportedShardedStorageError,
         create_backend_around,
     )
-    from sglang_cp_hicache.v0_5_23.launch.server_args import set_cp_shared_kv_enabled
+    from sglang_cp_hicache.v0_5_23.launch.flag import set_cp_shared_kv_enabled
 
     record = ServerArgs(model_path="dummy")
     set_cp_shared_kv_enabled(record, flag)

@@ -52,7 +52,7 @@ def flag_on() -> List[Dict[str, object]]:
 
 @pytest.mark.parametrize("backend", REFUSED_BACKENDS)
 def test_the_flag_refuses_other_backends_with_the_startup_message(flag_on, backend):
-    from sglang_cp_hicache.v0_5_23.launch.server_args import CLI_FLAG
+    from sglang_cp_hicache.v0_5_23.launch.flag import CLI_FLAG
 
     for rank, report in enumerate(flag_on):
         ok, message, untouched = report[backend]
@@ -71,7 +71,7 @@ def test_flag_off_sharding_keeps_upstreams_refusal():
 
 
 def test_the_flag_refuses_mooncake_on_layer_first_host_pools(flag_on):
-    from sglang_cp_hicache.v0_5_23.launch.server_args import CLI_FLAG
+    from sglang_cp_hicache.v0_5_23.launch.flag import CLI_FLAG
 
     for rank, report in enumerate(flag_on):
         ok, message, untouched = report["mooncake"]
