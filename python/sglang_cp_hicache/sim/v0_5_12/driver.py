@@ -49,8 +49,8 @@ from sglang_cp_hicache.sim.engine import (
     TreeSummary,
     Violations,
 )
+from sglang_cp_hicache.sim.pd import attach as attach_pd_link
 from sglang_cp_hicache.sim.results import LaneUsage, RankCounters, RankResult, SeriesPoint
-from sglang_cp_hicache.sim.v0_5_12 import pd_link
 from sglang_cp_hicache.sim.v0_5_12.checks import poison_owned, tree_summary, verify_hit
 from sglang_cp_hicache.sim.v0_5_12.invariants import PoolLedger
 from sglang_cp_hicache.sim.v0_5_12.observed_cache import CacheObserver
@@ -181,7 +181,7 @@ class RankDriver(StepLoop):
         self.lane_usage = LaneUsage.empty(len(self.ledger.start_lanes)) if shared_kv else None
         self.observer = self._observe(counter)
         # SimConfig.pd: every finished prefill goes to the decode process (prefill roles only).
-        self.pd = pd_link.attach(stack) if shared_kv else None
+        self.pd = attach_pd_link(stack) if shared_kv else None
 
     # ------------------------------------------------------------- plumbing
     def _observe(self, counter: CollectiveCounter) -> CacheObserver:

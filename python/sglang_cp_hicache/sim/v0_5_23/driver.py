@@ -52,6 +52,7 @@ from sglang_cp_hicache.sim.engine import (
     TreeSummary,
     Violations,
 )
+from sglang_cp_hicache.sim.pd import attach as attach_pd_link
 from sglang_cp_hicache.sim.results import LaneUsage, RankCounters, RankResult, SeriesPoint
 from sglang_cp_hicache.sim.v0_5_23.checks import (
     draft_bytes_per_token,
@@ -66,12 +67,11 @@ from sglang_cp_hicache.sim.v0_5_23.checks import (
     write_prefill_kv,
 )
 from sglang_cp_hicache.sim.v0_5_23.invariants import LayerBackupLedger, PoolLedger
-from sglang_cp_hicache.sim.v0_5_23 import pd_link
 from sglang_cp_hicache.sim.v0_5_23.observed_cache import CacheObserver, DeclinedInsert
 from sglang_cp_hicache.sim.workload import Request
 from sglang_cp_hicache.testing import device_module
 from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import fresh_write_plan
-from sglang_cp_hicache.testing.v0_5_23.stack import RankStack
+from sglang_cp_hicache.testing.v0_5_23.rank_stack import RankStack
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class RankDriver(StepLoop):
         self.attention_layers = self._attention_layers() if self.layer_backup is not None else []
         self.draft_attention_layers = self._draft_attention_layers()
         # SimConfig.pd: every finished prefill goes to the decode process (prefill roles only).
-        self.pd = pd_link.attach(stack) if stack.sharded else None
+        self.pd = attach_pd_link(stack) if stack.sharded else None
 
     def _attach_layer_backup(self, per_layer: bool) -> Tuple[Any, Optional[LayerBackupLedger]]:
         """The stack's per-layer D2H backup when the column runs it (the plugin's flag

@@ -1,5 +1,5 @@
 """A line's PD cluster run end to end: the roles of its :class:`PDLine` adapter
-(``<line>.pd_harness.LINE``) started in order (bootstrap server, prefill ranks, decodes),
+(``<line>.pd_harness.line.LINE``) started in order (bootstrap server, prefill ranks, decodes),
 registration awaited, results gathered (:func:`run_pd_cluster`, :func:`run_fault_cluster`,
 :func:`prefill_startup_failure`)."""
 

@@ -25,7 +25,7 @@ import types
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from sglang_cp_hicache.testing.device import CPU_DEVICE_MODULE, CpuDeviceModule
+from sglang_cp_hicache.testing.device import CPU_DEVICE_MODULE
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,6 @@ def warm_import() -> None:
 
 
 __all__ = [
-    "CpuDeviceModule",
     "InstallPlan",
     "RealKernelMissing",
     "apply",

@@ -225,7 +225,8 @@ def time_backups(ctx: RankContext, per_layer: bool, bench: Dict[str, Any]) -> Ba
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import build_sharded_stack
     from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of
 
     apply_plugin_hooks()
@@ -283,7 +284,6 @@ def time_backups(ctx: RankContext, per_layer: bool, bench: Dict[str, Any]) -> Ba
 __all__ = [
     "BackupTimes",
     "BatchItem",
-    "apply_plugin_hooks",
     "extend_batch",
     "forward",
     "forward_batch_of",

@@ -65,7 +65,7 @@ ROUND_TRIP_TARGETS = "sglang.srt.mem_cache."
 
 def apply_check_hooks() -> None:
     """The plugin's hooks applied in this process; those on :data:`ROUND_TRIP_TARGETS`
-    verified in place, importing their modules (``layer_backup_stack.apply_plugin_hooks``
+    verified in place, importing their modules (``stack.apply_plugin_hooks``
     imports every target, ``sglang.srt.entrypoints.engine`` among them): the GPU check's
     own shim."""
     from sglang.srt.plugins.hook_registry import HookRegistry
@@ -127,7 +127,7 @@ class PreparedStores:
 
 def stack_config(device: str, layout: str) -> Any:
     """The round trip's stack on ``device`` with ``layout`` host pools."""
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
 
     return StackConfig(layer_num=LAYERS, cp_shared_kv=True, mem_layout=layout, device=device)
 

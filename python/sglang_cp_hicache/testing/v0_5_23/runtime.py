@@ -56,7 +56,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from sglang_cp_hicache.core.import_watcher import process_watcher
-from sglang_cp_hicache.testing.device import CPU_DEVICE_MODULE, CpuDeviceModule
+from sglang_cp_hicache.testing.device import CPU_DEVICE_MODULE
 from sglang_cp_hicache.testing.reference_sparse_mla import get_mla_kv_buffer_reference
 
 logger = logging.getLogger(__name__)
@@ -427,13 +427,11 @@ def warm_import() -> None:
 
 
 __all__ = [
-    "CpuDeviceModule",
     "InstallPlan",
     "RealKernelMissing",
     "UpstreamLayoutChanged",
     "apply",
     "cuda_kvcacheio_names",
-    "get_mla_kv_buffer_reference",
     "install",
     "patches",
     "plan_install",

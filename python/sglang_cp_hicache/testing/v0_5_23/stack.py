@@ -27,7 +27,7 @@ identical on every rank; the device and host pools are physical, per rank. Call
 and the root ``conftest.py`` do).
 
 The stack's types (:class:`StackConfig`, :class:`RankStack`, :class:`TreeNodeView`) live in
-:mod:`~sglang_cp_hicache.testing.v0_5_23.rank_stack` and are importable from here too.
+:mod:`~sglang_cp_hicache.testing.v0_5_23.rank_stack`.
 """
 
 from __future__ import annotations
@@ -40,11 +40,8 @@ import torch
 
 from sglang_cp_hicache.testing.dist import RankContext
 from sglang_cp_hicache.testing.v0_5_23.rank_stack import (
-    MTP_DRAFT_LAYERS,
-    SCRATCH_PREFIX_CONTEXTS,
     RankStack,
     StackConfig,
-    TreeNodeView,
 )
 from sglang_cp_hicache.testing.v0_5_23.shard_group import GlooShardGroup
 
@@ -314,11 +311,6 @@ def build_unsharded_stack(tp_group: Any, config: StackConfig = StackConfig()) ->
 
 
 __all__ = [
-    "MTP_DRAFT_LAYERS",
-    "RankStack",
-    "SCRATCH_PREFIX_CONTEXTS",
-    "StackConfig",
-    "TreeNodeView",
     "apply_plugin_hooks",
     "build_sharded_stack",
     "build_unsharded_stack",

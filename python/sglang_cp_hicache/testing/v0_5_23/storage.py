@@ -6,7 +6,7 @@ order (the cache's own collectives pair up across ranks); the extra MIN in
 :func:`_all_ranks` is the test's barrier, never product code.
 
 The Mooncake store processes (master, held segment, held writer ranks, free ports) live in
-:mod:`~sglang_cp_hicache.testing.v0_5_23.mooncake_store` and are importable from here too.
+:mod:`~sglang_cp_hicache.testing.v0_5_23.mooncake_store`.
 """
 
 from __future__ import annotations
@@ -18,15 +18,6 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from sglang_cp_hicache.testing.v0_5_23.mooncake_store import (
-    HeldRanks,
-    MooncakeMaster,
-    MooncakeSegmentHolder,
-    free_ports,
-    held_mooncake_store,
-    hold_until_released,
-)
-from sglang_cp_hicache.testing.v0_5_23.stack import apply_plugin_hooks
 
 #: Bounded waits: a hang fails the test instead of stalling CI.
 WAIT_STEPS = 400
@@ -286,20 +277,13 @@ def prefetch_within(stack: Any, rid: str, token_ids: Sequence[int], timeout_s: f
 
 
 __all__ = [
-    "apply_plugin_hooks",
     "attach_at_runtime",
     "attach_storage",
     "detach_storage",
     "evict_everything",
-    "free_ports",
-    "held_mooncake_store",
-    "HeldRanks",
-    "hold_until_released",
     "load_back",
     "logical_kv",
     "LogicalKV",
-    "MooncakeMaster",
-    "MooncakeSegmentHolder",
     "owned_row_mismatches",
     "prefetch",
     "prefetch_within",

@@ -66,7 +66,7 @@ class PDScenario(ScenarioSteps):
 
     def stack_config(self) -> Any:
         """One prefill rank's ``StackConfig`` (the plugin's flag on)."""
-        from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig
+        from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
 
         return StackConfig(
             page_size=PAGE_SIZE,
@@ -167,7 +167,7 @@ def write_owned_kv(
     stack: Any, logical_locs: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, draft_pool: Any = None
 ) -> None:
     """What a sharded forward stores: the tokens whose logical slot this rank owns, at their
-    physical rows (``stack`` a :class:`~sglang_cp_hicache.testing.v0_5_23.stack.RankStack`),
+    physical rows (``stack`` a :class:`~sglang_cp_hicache.testing.v0_5_23.rank_stack.RankStack`),
     in the target pool and, given, the MTP draft's (same logical slots, same owners)."""
     owned = stack.owned_mask(logical_locs)
     rows, ids, pos = stack.physical_rows(logical_locs), token_ids[owned], positions[owned]

@@ -31,7 +31,8 @@ LAYOUTS = ("layer_first", "page_first")
 
 
 def _stack(ctx: RankContext, cp_shared_kv: bool, layout: str):
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
     config = StackConfig(layer_num=LAYERS, cp_shared_kv=cp_shared_kv, mtp_draft=True, mem_layout=layout)
     return sharded_stack(ctx, config)

@@ -56,7 +56,8 @@ def _rank(ctx: RankContext, layout: str) -> Dict[str, object]:
     from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import (
         extend_batch, forward, logical_kv,
     )  # fmt: skip
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
     from sglang_cp_hicache.v0_5_23.backup.layer_backup import reserve_batch
 
     report: Dict[str, object] = {}

@@ -89,7 +89,8 @@ def _evict_read(stack, tokens: List[int], rid: str) -> Dict[str, object]:
 
 def attach_run(ctx: RankContext, backend_name: str, extra: dict) -> Dict[str, object]:
     from sglang_cp_hicache.testing.v0_5_23 import storage
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
     config = StackConfig(cp_shared_kv=True, mem_layout=LAYOUTS[backend_name])
     report: Dict[str, object] = {}
@@ -172,7 +173,7 @@ def test_file_owners_write_only_their_pages_under_owner_free_keys(file_run):
 @pytest.fixture(scope="module")
 def mooncake_reports():
     pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda missing")
-    from sglang_cp_hicache.testing.v0_5_23.storage import MooncakeMaster, free_ports
+    from sglang_cp_hicache.testing.v0_5_23.mooncake_store import free_ports, MooncakeMaster
 
     with MooncakeMaster(*free_ports(2)) as master:
         yield run_ranks(2, attach_run, "mooncake", master.client_config())

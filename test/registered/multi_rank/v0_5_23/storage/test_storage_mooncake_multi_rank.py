@@ -34,7 +34,8 @@ OUTAGE_BOUND_S = 15.0
 
 
 def _stack(ctx: RankContext):
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
     # Mooncake's zero-copy path needs a page-first host layout.
     return sharded_stack(ctx, StackConfig(cp_shared_kv=True, mem_layout="page_first"))
@@ -117,7 +118,7 @@ def _master_killed(ctx: RankContext, stack, backend, master_pid: int) -> Dict[st
 @pytest.fixture(scope="module")
 def master():
     pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda missing")
-    from sglang_cp_hicache.testing.v0_5_23.storage import MooncakeMaster, free_ports
+    from sglang_cp_hicache.testing.v0_5_23.mooncake_store import free_ports, MooncakeMaster
 
     with MooncakeMaster(*free_ports(2)) as running:
         yield running

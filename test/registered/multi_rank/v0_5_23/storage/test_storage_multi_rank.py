@@ -31,7 +31,8 @@ FAULT_PAGE = 2
 
 
 def _stack(ctx: RankContext, layout: str = "layer_first"):
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
     return sharded_stack(ctx, StackConfig(cp_shared_kv=True, mem_layout=layout))
 

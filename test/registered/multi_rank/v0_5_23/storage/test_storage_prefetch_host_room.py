@@ -39,7 +39,8 @@ ROOT_READ = list(range(1, 2 * PAGE + 1))
 def file_storage_stack(ctx: RankContext, folder: str) -> Iterator[object]:
     """One rank's sharded stack with the plugin's hooks and the file backend attached."""
     from sglang_cp_hicache.testing.v0_5_23 import storage
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
     with sharded_stack(ctx, StackConfig(cp_shared_kv=True)) as stack:
         storage.attach_storage(stack, "file", extra={"file_storage_path": folder})

@@ -28,7 +28,7 @@ TOKENS = list(range(1, PAGES * PAGE + 1))
 
 
 def _config(mtp_draft: bool, sharded: bool):
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
 
     return StackConfig(layer_num=LAYERS, cp_shared_kv=sharded, mtp_draft=mtp_draft)
 
@@ -63,10 +63,10 @@ def read_run(ctx: RankContext, folder: str, flag: bool, mtp_draft: bool) -> Dict
     """One cp 1 restart on ``folder``: prefetch TOKENS, load back, compare bytes."""
     from sglang_cp_hicache.testing.v0_5_23 import storage
     from sglang_cp_hicache.testing.v0_5_23.mtp_draft import device_layer_mismatches
-    from sglang_cp_hicache.testing.v0_5_23.stack import build_unsharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.stack import apply_plugin_hooks, build_unsharded_stack
     from sglang_cp_hicache.v0_5_23.launch.cp_mode import cp_mode
 
-    storage.apply_plugin_hooks()
+    apply_plugin_hooks()
     report: Dict[str, object] = {}
     with build_unsharded_stack(ctx.attn_tp_group, _config(mtp_draft, sharded=False)) as stack:
         if flag:

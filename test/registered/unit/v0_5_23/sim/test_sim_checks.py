@@ -13,7 +13,8 @@ from sglang_cp_hicache.testing.server_defaults import upstream_default
 
 @pytest.fixture(scope="module")
 def stack(gloo_world1):
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_unsharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import build_unsharded_stack
 
     with build_unsharded_stack(gloo_world1, StackConfig(device_pages_per_rank=4, context_len=512)) as built:
         yield built
