@@ -23,10 +23,6 @@ NOT_HELD = {
 # (module path under the package, function name or None for the module) -> why it stays.
 KNOWN: Dict[Tuple[str, Optional[str]], str] = {
     ("sim/cli.py", "_parser"): "the CLI's option table: one add_argument per SimConfig option, in --help's order",
-    ("sim/v0_5_12/driver.py", None): "one rank's scheduler step loop, one state machine (RankDriver: waiting "
-    "queue, chunked request, writes in flight, ledger); cut into modules it would pass that state around",
-    ("sim/v0_5_23/driver.py", None): "one rank's scheduler step loop, one state machine (RankDriver: waiting "
-    "queue, chunked requests, rejected keys, ledger); cut into modules it would pass that state around",
     ("testing/kvcacheio.py", None): "registered whole as sgl_kernel.kvcacheio: one module by construction, one "
     "function per real op mirroring its CUDA launcher (a spec table)",
 }

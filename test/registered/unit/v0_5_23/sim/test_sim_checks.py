@@ -36,7 +36,7 @@ def test_the_pattern_passes_and_a_poisoned_or_foreign_row_fails(stack) -> None:
 
 
 def test_declined_keys_price_page_aligned_shared_prefixes() -> None:
-    from sglang_cp_hicache.sim.v0_5_23.driver import RejectedKeys
+    from sglang_cp_hicache.sim.v0_5_23.sim_req import RejectedKeys
 
     keys = RejectedKeys(page_size=4)
     keys.add(DeclinedInsert(tuple(range(10)), matched_len=4))
