@@ -126,17 +126,16 @@ def store_tokens(
     token_ids: torch.Tensor,
     positions: torch.Tensor,
     first_layer: int = 0,
-    pattern: KVPattern = HARNESS_PATTERN,
 ) -> None:
-    """A forward's stores into ``pool``'s own (physical) ``rows``: KV and indexer, every
-    layer (``first_layer``: the pattern's layer of the pool's layer 0)."""
+    """A forward's stores of :data:`HARNESS_PATTERN` into ``pool``'s own (physical) ``rows``:
+    KV and indexer, every layer (``first_layer``: the pattern's layer of the pool's layer 0)."""
     if len(rows) == 0:
         return
     dim = pool.kv_buffer[0].shape[-1]
     page, offsets = _index_offsets(rows, pool.page_size)
     for layer in range(pool.layer_num):
-        pool.kv_buffer[layer][rows] = pattern.kv(token_ids, positions, first_layer + layer, dim)
-        index = pattern.index(token_ids, positions, first_layer + layer)
+        pool.kv_buffer[layer][rows] = HARNESS_PATTERN.kv(token_ids, positions, first_layer + layer, dim)
+        index = HARNESS_PATTERN.index(token_ids, positions, first_layer + layer)
         pool.index_k_with_scale_buffer[layer][page[:, None], offsets] = index
 
 
