@@ -47,12 +47,13 @@ from sglang_cp_hicache.testing.v0_5_23.shard_group import GlooShardGroup
 
 
 def publish_server_args(
-    config: StackConfig, sharded: bool, storage_backend: Optional[str] = None
+    config: StackConfig, sharded: bool, storage_backend: Optional[str] = None, **fields: Any
 ) -> Any:
     """The process's ServerArgs, published the way the cache reads its config (publishing
     resolves it). ``storage_backend``: HiCache with that L3 backend; with
     ``config.cp_shared_kv`` on an unsharded stack it is the flag's one-prefill-rank mode
-    (a ``--tp 1`` server with the owner-free L3 keys), the only unsharded use of the flag."""
+    (a ``--tp 1`` server with the owner-free L3 keys), the only unsharded use of the flag.
+    ``fields``: further ``ServerArgs`` fields (a PD server's)."""
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
     flag_fields = (
@@ -62,6 +63,7 @@ def publish_server_args(
     )
     if storage_backend is not None:
         flag_fields.update(enable_hierarchical_cache=True, hicache_storage_backend=storage_backend)
+    flag_fields.update(fields)
     server_args = ServerArgs(
         model_path="dummy",
         page_size=config.page_size,
