@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import time
 from array import array
-from dataclasses import dataclass, replace
-from typing import Any, List, Optional, Sequence, Tuple
+from dataclasses import replace
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
+from sglang_cp_hicache.testing.v0_5_23.owned_kv import LogicalKV, logical_kv, write_owned_rows
 
 #: Bounded waits: a hang fails the test instead of stalling CI.
 WAIT_STEPS = 400
@@ -66,9 +67,7 @@ def attach_storage(
     return controller.storage_backend
 
 
-def attach_at_runtime(
-    stack: Any, backend: str, *, model_name: str = "test-model", extra: Optional[dict] = None
-) -> Tuple[bool, str]:
+def attach_at_runtime(stack: Any, backend: str, *, extra: Optional[dict] = None) -> Tuple[bool, str]:
     """Attach ``backend`` as the admin API does (``/attach_hicache_storage_backend``: the
     scheduler's ``attach_hicache_storage_wrapped`` calls
     ``UnifiedRadixCache.attach_storage_backend``, upstream's ``StorageAttachment.attach``),
@@ -86,7 +85,7 @@ def attach_at_runtime(
     return stack.cache.attach_storage_backend(
         storage_backend=backend,
         storage_backend_extra_config_json=json.dumps(config),
-        served_model_name=model_name,
+        served_model_name="test-model",
         hicache_storage_prefetch_policy="wait_complete",
     )
 
@@ -148,54 +147,10 @@ def prefetch(stack: Any, rid: str, token_ids: Sequence[int]) -> int:
     return int(stack.match(token_ids).host_hit_length)
 
 
-@dataclass(frozen=True)
-class LogicalKV:
-    """The full logical KV of one request by token position (identical on every rank)."""
-
-    latent: torch.Tensor  # [layer, token, 1, kv_cache_dim]
-    indexer: torch.Tensor  # [layer, page, page bytes] uint8
-
-
-def logical_kv(stack: Any, token_ids: Sequence[int], seed: int) -> LogicalKV:
-    pool, layers, page = stack.kv_pool, stack.config.layer_num, stack.config.page_size
-    generator = torch.Generator().manual_seed(seed + token_ids[0] + len(token_ids))
-    latent = torch.randn((layers, len(token_ids), *pool.kv_buffer[0].shape[1:]), generator=generator)
-    indexer = torch.randint(
-        0, 256, (layers, len(token_ids) // page, *pool.index_k_with_scale_buffer[0].shape[1:]),
-        generator=generator,
-    )  # fmt: skip
-    return LogicalKV(latent.to(pool.kv_buffer[0].dtype), indexer.to(torch.uint8))
-
-
-def _owned_pages(stack: Any, logical_locs: torch.Tensor):
-    page = stack.config.page_size
-    first = logical_locs[::page]
-    positions = torch.nonzero(stack.owned_mask(first)).squeeze(1)
-    return positions, stack.physical_rows(first) // page
-
-
-def write_owned_rows(stack: Any, logical_locs: torch.Tensor, kv: LogicalKV) -> None:
-    """Store the owned share of ``kv`` at ``logical_locs`` (what a forward does)."""
-    owned, rows = stack.owned_mask(logical_locs), stack.physical_rows(logical_locs)
-    positions, page_rows = _owned_pages(stack, logical_locs)
-    for layer in range(stack.config.layer_num):
-        stack.kv_pool.kv_buffer[layer][rows] = kv.latent[layer][owned]
-        stack.kv_pool.index_k_with_scale_buffer[layer][page_rows] = kv.indexer[layer][positions]
-
-
-def owned_row_mismatches(stack: Any, logical_locs: torch.Tensor, kv: LogicalKV) -> List[str]:
-    """Owned latent rows and indexer pages at ``logical_locs`` that differ from ``kv``."""
-    owned, rows = stack.owned_mask(logical_locs), stack.physical_rows(logical_locs)
-    positions, page_rows = _owned_pages(stack, logical_locs)
-    bad: List[str] = []
-    for layer in range(stack.config.layer_num):
-        latent = stack.kv_pool.kv_buffer[layer][rows]
-        wrong = (latent != kv.latent[layer][owned]).flatten(1).any(1)
-        bad += [f"layer {layer} latent row {int(r)}" for r in rows[wrong]]
-        pages = stack.kv_pool.index_k_with_scale_buffer[layer][page_rows]
-        wrong = (pages != kv.indexer[layer][positions]).any(1)
-        bad += [f"layer {layer} indexer page {int(p)}" for p in page_rows[wrong]]
-    return bad
+def request_kv(stack: Any, token_ids: Sequence[int], seed: int) -> LogicalKV:
+    """The target's logical KV of the request ``token_ids``, seeded by ``seed`` and the
+    request (its first token and length): distinct requests draw distinct bytes."""
+    return logical_kv(stack, len(token_ids), stack.config.layer_num, seed + token_ids[0] + len(token_ids))
 
 
 def store_request(
@@ -209,9 +164,7 @@ def store_request(
     locs, base = stack.alloc_extend(torch.empty((0,), dtype=torch.int64), len(token_ids))
     write_owned_rows(stack, locs, kv)
     if draft is not None:
-        from sglang_cp_hicache.testing.v0_5_23.mtp_draft import write_draft_owned_rows
-
-        write_draft_owned_rows(stack, locs, draft)
+        write_owned_rows(stack, locs, draft, stack.draft_kv_pool)
     stack.insert(token_ids, locs, base)
     stack.cache.flush_pending_backups()
     wait_backups_stored(stack)
@@ -282,15 +235,12 @@ __all__ = [
     "detach_storage",
     "evict_everything",
     "load_back",
-    "logical_kv",
-    "LogicalKV",
-    "owned_row_mismatches",
     "prefetch",
     "prefetch_within",
     "publish_prefill_cp_topology",
     "publish_single_rank_flag_record",
+    "request_kv",
     "store_request",
     "wait_backups_acked_within",
     "wait_backups_stored",
-    "write_owned_rows",
 ]

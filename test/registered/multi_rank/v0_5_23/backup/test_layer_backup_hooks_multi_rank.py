@@ -49,7 +49,8 @@ class FakeModel:
         self.calls: List[tuple] = []
 
     def __call__(self, runner, forward_batch, *args, **kwargs):
-        from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import logical_kv, store_layer
+        from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import store_layer
+        from sglang_cp_hicache.testing.v0_5_23.owned_kv import logical_kv
 
         self.calls.append((runner, forward_batch, args, kwargs))
         locs = forward_batch.out_cache_loc

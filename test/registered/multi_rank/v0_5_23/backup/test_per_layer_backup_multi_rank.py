@@ -40,7 +40,7 @@ def _stack(ctx: RankContext, cp_shared_kv: bool, layout: str):
 
 
 def _logical_kv(stack, token_ids: Sequence[int]):
-    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import logical_kv
+    from sglang_cp_hicache.testing.v0_5_23.owned_kv import logical_kv
 
     return logical_kv(stack, len(token_ids), LAYERS, SEED + token_ids[0])
 

@@ -61,7 +61,7 @@ def _kv(stack, seed: int = SEED):
     from sglang_cp_hicache.testing.v0_5_23 import storage
     from sglang_cp_hicache.testing.v0_5_23.mtp_draft import draft_logical_kv
 
-    target = storage.logical_kv(stack, TOKENS, seed)
+    target = storage.request_kv(stack, TOKENS, seed)
     draft = draft_logical_kv(stack, len(TOKENS), seed + 7) if stack.config.mtp_draft else None
     return target, draft
 
@@ -104,7 +104,7 @@ def _read(stack, config: dict, model_name: str) -> Dict[str, object]:
     """Attach, prefetch TOKENS from L3 alone (a fresh stack), load back, compare the owned
     device rows with the logical KV; detach."""
     from sglang_cp_hicache.testing.v0_5_23 import storage
-    from sglang_cp_hicache.testing.v0_5_23.mtp_draft import device_layer_mismatches
+    from sglang_cp_hicache.testing.v0_5_23.owned_kv import owned_row_mismatches
 
     backend = storage.attach_storage(stack, "mooncake", model_name=model_name, extra=config)
     namespace = getattr(backend, "namespace", None)
@@ -123,11 +123,11 @@ def _read(stack, config: dict, model_name: str) -> Dict[str, object]:
 
         def mismatches(kv_target, kv_draft) -> Tuple[List[str], List[str]]:
             latent = (kv_target.latent[:, :hit], kv_target.indexer[:, :pages])
-            found = device_layer_mismatches(stack, stack.kv_pool, locs, latent, range(LAYERS))
+            found = owned_row_mismatches(stack, locs, latent, stack.kv_pool, range(LAYERS))
             if kv_draft is None:
                 return found, []
             rows = (kv_draft[0][:, :hit], kv_draft[1][:, :pages])
-            return found, device_layer_mismatches(stack, stack.draft_kv_pool, locs, rows, range(1))
+            return found, owned_row_mismatches(stack, locs, rows, stack.draft_kv_pool, range(1))
 
         report["loaded"] = len(locs)
         report["owned_pages"] = int(stack.owned_mask(locs[::PAGE]).sum())

@@ -88,7 +88,7 @@ def room_run(ctx: RankContext, folder: str) -> Dict[str, object]:
     with file_storage_stack(ctx, folder) as stack:
         cache, controller = stack.cache, stack.controller
         for tokens in (OLDER, NEWER):  # one host page each; OLDER is the LRU leaf
-            storage.store_request(stack, tokens, storage.logical_kv(stack, tokens, SEED))
+            storage.store_request(stack, tokens, storage.request_kv(stack, tokens, SEED))
         cache.evict(EvictParams(num_tokens=stack.allocator.size))  # host-only leaves
         evictor = HostLaneEvictor(extension_of(cache))
         priority = evictor._component().session_ref_eviction_strategy
