@@ -14,15 +14,16 @@ from __future__ import annotations
 import time
 from array import array
 from dataclasses import replace
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from sglang_cp_hicache.testing.v0_5_23.owned_kv import LogicalKV, logical_kv, write_owned_rows
 
-#: Bounded waits: a hang fails the test instead of stalling CI.
-WAIT_STEPS = 400
-WAIT_STEP_S = 0.01
+#: Between two polls of a bounded wait.
+POLL_S = 0.01
+#: The cache controller's storage threads: one that exited ends every wait on L3 at once.
+STORAGE_THREADS = ("prefetch_thread", "prefetch_io_aux_thread", "prefetch_sync_thread", "backup_thread")
 
 
 def publish_prefill_cp_topology(stack: Any) -> None:
@@ -107,44 +108,93 @@ def detach_storage(stack: Any) -> None:
     stack.cache._storage_attachment.detach()
 
 
-def _all_ranks(stack: Any, done: bool) -> bool:
+def l3_budget_s(stack: Any, pages: int) -> float:
+    """What upstream allows an L3 transfer of ``pages`` pages on this cache: the attached
+    storage's prefetch budget, ``prefetch_timeout_base + pages * prefetch_timeout_per_page``
+    (what its ``timeout`` stop policy gives a prefetch; :func:`attach_storage` sets 30 s + 1 s
+    per 1,024 tokens). A wait-complete prefetch and a backup have no deadline of their own: a
+    test waits that long, which costs time only when the transfer never ends."""
+    return stack.cache.prefetch_timeout_base + pages * stack.cache.prefetch_timeout_per_page
+
+
+def exited_storage_threads(controller: Any) -> List[str]:
+    """The controller's storage threads (:data:`STORAGE_THREADS`) started and no longer alive."""
+    threads = [(name, getattr(controller, name, None)) for name in STORAGE_THREADS]
+    return [name for name, thread in threads if thread is not None and not thread.is_alive()]
+
+
+def wait_on_all_ranks(stack: Any, what: str, done: Callable[[], bool], budget_s: float) -> float:
+    """Poll ``done`` (called on every rank, in step: it may run collectives) until it holds
+    on every rank; the seconds it took. Every rank decides alike from one MIN all-reduce
+    per poll: ``RuntimeError`` at once when a storage thread exited on any rank (nothing
+    can end the wait then), ``TimeoutError`` after ``budget_s``."""
+    started = time.monotonic()
+    while True:
+        finished = done()
+        elapsed = time.monotonic() - started
+        exited = exited_storage_threads(stack.controller)
+        finished, alive, in_time = _all_ranks(stack, finished, not exited, elapsed < budget_s)
+        if finished:
+            return elapsed
+        if not alive:
+            threads = ", ".join(exited) if exited else "on another rank"
+            raise RuntimeError(f"rank {stack.shard_rank}: {what}: storage thread exited ({threads})")
+        if not in_time:
+            raise TimeoutError(f"rank {stack.shard_rank}: {what} not done in {budget_s:.1f} s")
+        time.sleep(POLL_S)
+
+
+def _all_ranks(stack: Any, *flags: bool) -> List[bool]:
+    """Each flag ANDed over the shard group's ranks (one all-reduce)."""
     if stack.shard_group is None:  # an unsharded stack: one rank
-        return done
-    flag = torch.tensor([int(done)], dtype=torch.int)
-    torch.distributed.all_reduce(flag, torch.distributed.ReduceOp.MIN, group=stack.shard_group.cpu_group)
-    return bool(flag.item())
+        return list(flags)
+    values = torch.tensor([int(flag) for flag in flags], dtype=torch.int)
+    torch.distributed.all_reduce(values, torch.distributed.ReduceOp.MIN, group=stack.shard_group.cpu_group)
+    return [bool(v) for v in values.tolist()]
 
 
-def wait_backups_stored(stack: Any) -> None:
-    """Drain until every rank's L3 backup ops are acked."""
-    for _ in range(WAIT_STEPS):
+def wait_backups_acked_within(stack: Any, timeout_s: float) -> float:
+    """Drain until every rank's L3 backup ops are acked; the seconds it took. Raises
+    ``TimeoutError`` after ``timeout_s`` (an ack blocked on a dead store)."""
+
+    def acked() -> bool:
         stack.cache.writing_check()
         stack.cache.drain_storage_control_queues()
-        if _all_ranks(stack, not stack.cache.ongoing_backup):
-            return
-        time.sleep(WAIT_STEP_S)
-    raise TimeoutError(f"rank {stack.shard_rank}: L3 backups never acked")
+        return not stack.cache.ongoing_backup
+
+    return wait_on_all_ranks(stack, "L3 backups acked", acked, timeout_s)
+
+
+def wait_backups_stored(stack: Any, pages: int) -> None:
+    """Drain until every rank's L3 backup ops (``pages`` pages) are acked, within
+    :func:`l3_budget_s`."""
+    wait_backups_acked_within(stack, l3_budget_s(stack, pages))
+
+
+def prefetch_within(stack: Any, rid: str, token_ids: Sequence[int], timeout_s: float) -> Tuple[int, float]:
+    """One L3 prefetch of ``token_ids`` under the root, driven to its end within
+    ``timeout_s``: ``(host hit length the tree then holds for it, identical on every rank;
+    seconds to the prefetch's end)``."""
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+
+    cache, handle = stack.cache, CacheRequestHandle(rid, 0)
+    cache.prefetch_from_storage(
+        handle, cache.root_node_handle(), array("q", token_ids), None, None,
+        matched_prefix_tokens=[],
+    )  # fmt: skip
+
+    def finished() -> bool:
+        cache.drain_storage_control_queues()
+        return cache.check_prefetch_progress(handle)
+
+    elapsed = wait_on_all_ranks(stack, f"prefetch {rid}", finished, timeout_s)
+    return int(stack.match(token_ids).host_hit_length), elapsed
 
 
 def prefetch(stack: Any, rid: str, token_ids: Sequence[int]) -> int:
-    """One L3 prefetch of ``token_ids`` under the root, driven to its end; returns the
-    host hit length the tree then holds for it (identical on every rank)."""
-    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-
-    cache = stack.cache
-    handle = CacheRequestHandle(rid, 0)
-    root = cache.root_node_handle()
-    cache.prefetch_from_storage(
-        handle, root, array("q", token_ids), None, None, matched_prefix_tokens=[]
-    )
-    for _ in range(WAIT_STEPS):
-        cache.drain_storage_control_queues()
-        if _all_ranks(stack, cache.check_prefetch_progress(handle)):
-            break
-        time.sleep(WAIT_STEP_S)
-    else:
-        raise TimeoutError(f"rank {stack.shard_rank}: prefetch {rid} never finished")
-    return int(stack.match(token_ids).host_hit_length)
+    """:func:`prefetch_within` :func:`l3_budget_s` of its pages; the host hit length."""
+    budget_s = l3_budget_s(stack, len(token_ids) // stack.config.page_size)
+    return prefetch_within(stack, rid, token_ids, budget_s)[0]
 
 
 def request_kv(stack: Any, token_ids: Sequence[int], seed: int) -> LogicalKV:
@@ -167,7 +217,7 @@ def store_request(
         write_owned_rows(stack, locs, draft, stack.draft_kv_pool)
     stack.insert(token_ids, locs, base)
     stack.cache.flush_pending_backups()
-    wait_backups_stored(stack)
+    wait_backups_stored(stack, len(token_ids) // stack.config.page_size)
     return locs
 
 
@@ -192,48 +242,13 @@ def load_back(stack: Any, token_ids: Sequence[int]) -> torch.Tensor:
     return stack.cache.path_device_indices(match.last_device_node)
 
 
-# ------------------------------------------------- timed waits (store faults, issue 24)
-def wait_backups_acked_within(stack: Any, timeout_s: float) -> float:
-    """Drain until every rank's L3 backup ops are acked; the seconds it took. Raises
-    ``TimeoutError`` after ``timeout_s`` (an ack blocked on a dead store)."""
-    started = time.monotonic()
-    while True:
-        stack.cache.writing_check()
-        stack.cache.drain_storage_control_queues()
-        elapsed = time.monotonic() - started
-        if _all_ranks(stack, not stack.cache.ongoing_backup):
-            return elapsed
-        if not _all_ranks(stack, elapsed < timeout_s):
-            raise TimeoutError(f"rank {stack.shard_rank}: L3 backups not acked in {timeout_s} s")
-        time.sleep(WAIT_STEP_S)
-
-
-def prefetch_within(stack: Any, rid: str, token_ids: Sequence[int], timeout_s: float):
-    """:func:`prefetch` bounded by ``timeout_s`` instead of a step count: ``(host hit
-    length, seconds to the prefetch's end)``."""
-    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-
-    cache, handle = stack.cache, CacheRequestHandle(rid, 0)
-    started = time.monotonic()
-    cache.prefetch_from_storage(
-        handle, cache.root_node_handle(), array("q", token_ids), None, None,
-        matched_prefix_tokens=[],
-    )  # fmt: skip
-    while True:
-        cache.drain_storage_control_queues()
-        elapsed = time.monotonic() - started
-        if _all_ranks(stack, cache.check_prefetch_progress(handle)):
-            return int(stack.match(token_ids).host_hit_length), elapsed
-        if not _all_ranks(stack, elapsed < timeout_s):
-            raise TimeoutError(f"rank {stack.shard_rank}: prefetch {rid} not done in {timeout_s} s")
-        time.sleep(WAIT_STEP_S)
-
-
 __all__ = [
     "attach_at_runtime",
     "attach_storage",
     "detach_storage",
     "evict_everything",
+    "exited_storage_threads",
+    "l3_budget_s",
     "load_back",
     "prefetch",
     "prefetch_within",
@@ -243,4 +258,5 @@ __all__ = [
     "store_request",
     "wait_backups_acked_within",
     "wait_backups_stored",
+    "wait_on_all_ranks",
 ]
