@@ -170,6 +170,13 @@ class RankStack:
             return torch.ones_like(logical_locs, dtype=torch.bool)
         return self.placement.local_mask(logical_locs, self.shard_rank)
 
+    def owned_pages(self, logical_locs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Of one request's ``logical_locs`` (token order, page-aligned): the positions,
+        among its pages, of those this rank owns, and their physical pages."""
+        page = self.config.page_size
+        first = logical_locs[::page]
+        return torch.nonzero(self.owned_mask(first)).squeeze(1), self.physical_rows(first) // page
+
     def alloc_extend(
         self, prefix_locs: torch.Tensor, seq_len: int, rotation_base: Optional[int] = None
     ) -> Tuple[torch.Tensor, Optional[int]]:

@@ -25,7 +25,6 @@ logger = logging.getLogger(__name__)
 DSA_INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer"
 DSA_BACKEND = "sglang.srt.layers.attention.dsa_backend"
 KV_SHARD_GATE = "sglang.srt.arg_groups.kv_shard_hook"
-ACT_QUANT_TRITON = "sglang.kernels.ops.quantization.act_quant_triton"
 
 ENVIRONMENT = {
     "SGLANG_USE_CPU_ENGINE": "1",  # `--device cpu` alone is not SGLang's CPU mode
