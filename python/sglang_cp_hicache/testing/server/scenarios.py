@@ -552,9 +552,19 @@ class Scenario:
     name: str
     run: Callable[[ServingSession], ScenarioReport]
     needs_storage: bool = False  # an L3 tier under the flag (a line that admits one)
+    releases: Tuple[str, ...] = ()  # the SGLang releases it runs on (empty: every line)
 
     def applies_to(self, line: LineLaunch) -> bool:
-        return not self.needs_storage or line.supports_storage_under_flag
+        storage_ok = not self.needs_storage or line.supports_storage_under_flag
+        return storage_ok and (not self.releases or line.release in self.releases)
+
+
+def bench_serving_concurrency(session: ServingSession) -> ScenarioReport:
+    """``bench_scenario.py``: SGLang's bench_serving at concurrency 4, greedy outputs compared
+    (imported here, when it runs: that module builds on this one)."""
+    from sglang_cp_hicache.testing.server.bench_scenario import bench_serving_concurrency as run
+
+    return run(session)
 
 
 SCENARIOS: Tuple[Scenario, ...] = (
@@ -571,6 +581,7 @@ SCENARIOS: Tuple[Scenario, ...] = (
     Scenario("over_context", over_context),
     Scenario("glm5_checks", glm5_checks),
     Scenario("decode_killed", decode_killed),
+    Scenario("bench_serving_concurrency", bench_serving_concurrency, releases=("0.5.23",)),
 )
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
 
