@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from sglang_cp_hicache.testing.server import bench_scenario
 from sglang_cp_hicache.testing.server.client import TIERS, Completion, RequestFailed, generate, post
 from sglang_cp_hicache.testing.server.cluster import Router, Server
 from sglang_cp_hicache.testing.server.launch import (
@@ -560,11 +561,22 @@ class Scenario:
 
 
 def bench_serving_concurrency(session: ServingSession) -> ScenarioReport:
-    """``bench_scenario.py``: SGLang's bench_serving at concurrency 4, greedy outputs compared
-    (imported here, when it runs: that module builds on this one)."""
-    from sglang_cp_hicache.testing.server.bench_scenario import bench_serving_concurrency as run
-
-    return run(session)
+    """SGLang's ``bench_serving`` at concurrency 4 through the sharded router, the reference
+    router and the reference again: no failed request, every answer's tokens, greedy outputs
+    within the reference's own spread (``bench_scenario.py``)."""
+    rec = Recorder(session, f"bench_serving at concurrency {bench_scenario.CONCURRENCY}: greedy outputs")
+    check = bench_scenario.greedy_under_concurrency(
+        session.sharded_router, session.reference_router, session.cluster.model, session.cluster.run_dir / "bench"
+    )
+    rec.report.requests += check.requests
+    for side, run in check.runs.items():
+        if side in rec.report.cached:
+            rec.report.cached[side] = run.hits()
+    for problem in check.problems:
+        rec.expect(False, problem)
+    for note in check.notes:
+        rec.note(note)
+    return rec.finish()
 
 
 SCENARIOS: Tuple[Scenario, ...] = (
