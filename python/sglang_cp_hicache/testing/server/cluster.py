@@ -146,9 +146,8 @@ class ServingCluster:
         port, bootstrap = free_ports(2)
         endpoint = Endpoint(port, bootstrap)
         argv = launch.prefill_argv(self.line, self.model, endpoint, spec)
-        extra = spec.storage.env() if spec.storage is not None else {}
         process = self._managed(
-            spec.name, argv, self.env.for_tp(spec.tp, extra), healthy(endpoint.url), SERVER_READY_S
+            spec.name, argv, self.env.for_tp(spec.tp, spec.env()), healthy(endpoint.url), SERVER_READY_S
         )
         return Server(spec.name, endpoint, process, spec)
 
