@@ -257,6 +257,12 @@ def writers_within_attention_tp(original: Callable) -> Callable:
         if config.attn_cp_size <= 1:
             return config
         parallel = get_parallel()
+        logger.info(
+            "CPU runtime step (unsharded CP L3 writers): CP rank %d/%d keys its L3 pages as attention "
+            "TP rank %d/%d (upstream: TP rank %d/%d, a writer only at TP rank 0)",
+            config.attn_cp_rank, config.attn_cp_size, parallel.attn_tp_rank, parallel.attn_tp_size,
+            config.tp_rank, config.tp_size,
+        )  # fmt: skip
         return dataclasses.replace(config, tp_rank=parallel.attn_tp_rank, tp_size=parallel.attn_tp_size)
 
     return generate_storage_config
