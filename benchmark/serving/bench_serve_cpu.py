@@ -85,7 +85,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--system-tokens", type=int, default=512)
     parser.add_argument("--question-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=8)
-    parser.add_argument("--conversations", type=int, default=16, help=">= the highest concurrency keeps turns in order")
+    parser.add_argument("--conversations", type=int, default=16, help="a turn is sent this many requests after its conversation's previous one")
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--blocks-per-turn", type=int, default=1, help="Mooncake blocks (258 tokens each) a turn adds")
     parser.add_argument("--run-dir", type=Path, default=None, help="logs, L3 folders, bench_serving output")

@@ -9,8 +9,11 @@
   ``bench_serving`` builds a record's prompt from its ``hash_ids`` (one text block per id,
   :data:`MOONCAKE_BLOCK_TOKENS` tokens with the tiny tokenizer), so a turn whose ids extend
   the earlier turn's is that turn plus new text. Records go turn by turn (every
-  conversation's first turn, then every second turn, ...), a millisecond apart: with at least
-  as many conversations as the concurrency, a turn starts once the earlier one has finished.
+  conversation's first turn, then every second turn, ...), a millisecond apart, so a turn is
+  sent ``conversations`` requests after its conversation's previous one: at concurrency 1
+  once that has finished; at concurrency c only c - 1 requests are still running when it
+  starts, and it overlaps its previous turn only if that is one of them (``bench_serving``
+  keeps no order within a conversation).
 """
 
 from __future__ import annotations
