@@ -216,6 +216,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     print(f"{workload.name}, concurrency {concurrency}, repeat {repeat}:", flush=True)
                     report.add(cells.run(workload, concurrency, repeat, turn))
                     turn += 1
+    except Exception as error:  # e.g. a server killed mid-cell: report the cells that finished
+        logging.getLogger("bench_serve_cpu").exception("stopped")
+        report.stopped = repr(error)
     finally:
         session.close()
     print(report.text())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -118,6 +118,7 @@ class Report:
         self.workloads = list(workloads)
         self.cells: List[List[ConfigRun]] = []
         self.memory: Dict[str, Dict[str, float]] = {}
+        self.stopped: Optional[str] = None  # what ended the run before its last cell, if anything
 
     def add(self, cell: List[ConfigRun]) -> None:
         self.cells.append(cell)
@@ -190,7 +191,8 @@ class Report:
         found += [f"{r.workload} c{r.concurrency} {r.label}: the probe after /flush_cache answered "
                   f"{'nothing (failed)' if r.probe_tokens < 0 else f'{r.probe_tokens} tokens'}"
                   for r in runs if r.probe_tokens != PROBE_TOKENS]  # fmt: skip
-        return found + [f"{c['workload']} c{c['concurrency']}: {c['problem']}" for c in self.criteria() if not c["holds"]]
+        found += [f"{c['workload']} c{c['concurrency']}: {c['problem']}" for c in self.criteria() if not c["holds"]]
+        return found + ([f"stopped before the last cell: {self.stopped}"] if self.stopped else [])
 
     def correct(self) -> bool:
         return not self.problems()

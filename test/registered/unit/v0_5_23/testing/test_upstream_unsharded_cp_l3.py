@@ -34,11 +34,14 @@ def _parallel(tp_rank: int) -> types.SimpleNamespace:
 
 
 def _controller(cp_rank: int, cp_size: int = 2) -> types.SimpleNamespace:
-    """What ``_generate_storage_config`` reads of a HiCacheController: an MLA device pool, a
-    layer-first host pool, its CP rank and size."""
+    """What ``_generate_storage_config`` reads of an unsharded HiCacheController: an MLA device
+    pool, a layer-first host pool, its CP rank and size (``is_kv_sharded`` for the plugin's
+    own writer hook, which wraps the function once plugins are loaded and leaves an unsharded
+    controller's config as upstream makes it)."""
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
     return types.SimpleNamespace(
+        is_kv_sharded=False,
         mem_pool_device=MLATokenToKVPool.__new__(MLATokenToKVPool),
         mem_pool_host=types.SimpleNamespace(layout="layer_first"),
         storage_host_pool=types.SimpleNamespace(storage_format_tag=None),
