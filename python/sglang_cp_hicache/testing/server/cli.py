@@ -1,6 +1,7 @@
 """``python -m sglang_cp_hicache.testing.server`` (``scripts/serve_cpu.sh``): SGLang's own PD
 cluster on this CPU box, the sharded prefill against its unsharded reference, every scenario
-(or the ones named), a table per scenario, exit 1 on any difference or unmet expectation.
+(or the ones named), a table per scenario, exit 1 on any difference or unmet expectation;
+or, with ``--keep``, the cluster kept up for one's own requests (:mod:`.keep`).
 
 Every process it starts runs in its own process group and is ended when it stops (also on
 Ctrl-C); logs stay in the run folder.
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from sglang_cp_hicache.testing.server.client import TIERS
+from sglang_cp_hicache.testing.server.keep import keep
 from sglang_cp_hicache.testing.server.launch import line_launch
 from sglang_cp_hicache.testing.server.scenarios import BY_NAME, Scenario, ScenarioReport, scenarios_for, trace_replay
 from sglang_cp_hicache.testing.server.session import REFERENCE, SHARDED, ServingSession
@@ -37,7 +39,11 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--run-dir", type=Path, default=None, help="logs and L3 folders (default: a new temp folder)")
     parser.add_argument("--json", type=Path, default=None, help="write every report as JSON here")
     parser.add_argument("--model-seed", type=int, default=0, help="the tiny checkpoint's seed")
+    parser.add_argument("--keep", action="store_true", help="run no scenario: serve until Ctrl-C or SIGTERM, then end every process")
+    parser.add_argument("--urls-file", type=Path, default=None, help="with --keep: write the routers' and servers' URLs here as JSON")
     args = parser.parse_args(argv)
+    if args.urls_file is not None and not args.keep:
+        parser.error("--urls-file needs --keep")
     if args.cp is not None and args.cp != args.tp:
         parser.error(f"--cp {args.cp} != --tp {args.tp}: a DSA interleave prefill's CP size is its TP size")
     unknown = [n for n in args.scenarios.split(",") if n and n not in BY_NAME]
@@ -80,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
     model = ensure_checkpoint(TinyDsaSpec(seed=args.model_seed))
     started = time.monotonic()
     print(f"serve_cpu: sglang {line_launch().release}, prefill tp {args.tp}, run folder {run_dir}", flush=True)
+    if args.keep:
+        return keep(run_dir, model, args.tp, args.urls_file)
     session = ServingSession.start(run_dir, model, tp=args.tp)
     reports: List[ScenarioReport] = []
     try:

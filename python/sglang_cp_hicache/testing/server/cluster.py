@@ -87,10 +87,16 @@ class Router:
     process: ManagedProcess
     prefill: Server
     decode: Server
+    metrics_port: int
 
     @property
     def url(self) -> str:
         return self.endpoint.url
+
+    @property
+    def metrics_url(self) -> str:
+        """The router's own Prometheus endpoint (its ``--prometheus-port``)."""
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
 
 @dataclass
@@ -140,9 +146,8 @@ class ServingCluster:
         port, bootstrap = free_ports(2)
         endpoint = Endpoint(port, bootstrap)
         argv = launch.prefill_argv(self.line, self.model, endpoint, spec)
-        extra = spec.storage.env() if spec.storage is not None else {}
         process = self._managed(
-            spec.name, argv, self.env.for_tp(spec.tp, extra), healthy(endpoint.url), SERVER_READY_S
+            spec.name, argv, self.env.for_tp(spec.tp, spec.env()), healthy(endpoint.url), SERVER_READY_S
         )
         return Server(spec.name, endpoint, process, spec)
 
@@ -159,7 +164,7 @@ class ServingCluster:
         process = self._managed(
             name, argv, self.env.plain(), router_ready(endpoint.url, 2), ROUTER_READY_S
         )
-        return Router(name, endpoint, process, prefill, decode)
+        return Router(name, endpoint, process, prefill, decode, prometheus)
 
     def mooncake_master(self, name: str = "mooncake-master") -> "MooncakeMaster":
         """Start a Mooncake master on loopback (a ``mooncake`` L3 tier's store)."""

@@ -27,6 +27,10 @@ CHUNKED_PREFILL_SIZE = 512  # a prompt of more than 512 tokens is prefilled in c
 #: device (a fixed --hicache-size of 1 GB per rank took 2 GB of the box per TP 2 server).
 HICACHE_RATIO = 4
 ROUTER_REQUEST_TIMEOUT_S = 180
+#: Set to "1" for an unsharded CP prefill with an L3 tier: the 0.5.23 runtime then lets every
+#: CP rank write its own pages (``testing/v0_5_23/server_runtime.py``; upstream keys L3 pages
+#: by CP rank but lets only TP rank 0 of an MLA model write, so they never read back).
+UNSHARDED_CP_L3_WRITERS_ENV = "SGLANG_CP_HICACHE_UNSHARDED_CP_L3_WRITERS"
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,14 @@ class PrefillSpec:
     @property
     def max_total_tokens(self) -> int:
         return self.logical_tokens // self.cp if self.sharded and self.cp > 1 else self.logical_tokens
+
+    def env(self) -> Dict[str, str]:
+        """What this prefill's environment adds: its L3 tier's, and for an unsharded CP
+        prefill with one, :data:`UNSHARDED_CP_L3_WRITERS_ENV`."""
+        if self.storage is None:
+            return {}
+        writers = {UNSHARDED_CP_L3_WRITERS_ENV: "1"} if not self.sharded and self.cp > 1 else {}
+        return {**self.storage.env(), **writers}
 
 
 @dataclass(frozen=True)
@@ -216,6 +228,7 @@ __all__ = [
     "SERVER_KEEP_ALIVE_S",
     "ServerEnv",
     "StorageSpec",
+    "UNSHARDED_CP_L3_WRITERS_ENV",
     "decode_argv",
     "line_launch",
     "omp_binding",

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from sglang_cp_hicache.testing.server import bench_scenario
 from sglang_cp_hicache.testing.server.client import TIERS, Completion, RequestFailed, generate, post
 from sglang_cp_hicache.testing.server.cluster import Router, Server
 from sglang_cp_hicache.testing.server.launch import (
@@ -552,9 +553,30 @@ class Scenario:
     name: str
     run: Callable[[ServingSession], ScenarioReport]
     needs_storage: bool = False  # an L3 tier under the flag (a line that admits one)
+    releases: Tuple[str, ...] = ()  # the SGLang releases it runs on (empty: every line)
 
     def applies_to(self, line: LineLaunch) -> bool:
-        return not self.needs_storage or line.supports_storage_under_flag
+        storage_ok = not self.needs_storage or line.supports_storage_under_flag
+        return storage_ok and (not self.releases or line.release in self.releases)
+
+
+def bench_serving_concurrency(session: ServingSession) -> ScenarioReport:
+    """SGLang's ``bench_serving`` at concurrency 4 through the sharded router, the reference
+    router and the reference again: no failed request, every answer's tokens, greedy outputs
+    within the reference's own spread (``bench_scenario.py``)."""
+    rec = Recorder(session, f"bench_serving at concurrency {bench_scenario.CONCURRENCY}: greedy outputs")
+    check = bench_scenario.greedy_under_concurrency(
+        session.sharded_router, session.reference_router, session.cluster.model, session.cluster.run_dir / "bench"
+    )
+    rec.report.requests += check.requests
+    for side, run in check.runs.items():
+        if side in rec.report.cached:
+            rec.report.cached[side] = run.hits()
+    for problem in check.problems:
+        rec.expect(False, problem)
+    for note in check.notes:
+        rec.note(note)
+    return rec.finish()
 
 
 SCENARIOS: Tuple[Scenario, ...] = (
@@ -571,6 +593,7 @@ SCENARIOS: Tuple[Scenario, ...] = (
     Scenario("over_context", over_context),
     Scenario("glm5_checks", glm5_checks),
     Scenario("decode_killed", decode_killed),
+    Scenario("bench_serving_concurrency", bench_serving_concurrency, releases=("0.5.23",)),
 )
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
 
