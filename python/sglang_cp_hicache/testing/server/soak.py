@@ -261,6 +261,8 @@ def soak(session: ServingSession, config: SoakConfig) -> SoakReport:
         config = replace(config, faults=tuple(k for k in config.faults if k != "master_kill"))
     report = SoakReport(config)
     started = time.monotonic()
+    busy = wait_idle(_servers(session, None))  # what ran before (a decode's PD wait) ends
+    report.problems += [f"{name} still holds requests {IDLE_S:.0f} s before the soak" for name in busy]
     for server in (session.sharded, session.reference):
         flush(server)  # their host gauges refresh within 30 s of idleness
     mooncake = MooncakePrefill(session) if "master_kill" in config.faults else None
