@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 from sglang_cp_hicache.v0_5_23.launch.cp_mode import CpMode, cp_mode
 from sglang_cp_hicache.v0_5_23.launch.server_args import CLI_FLAG
@@ -71,7 +71,8 @@ class RequestLimits:
             )
         return None
 
-    def _outside_vocabulary(self, input_ids: Sequence[int]) -> Optional[tuple]:
+    def _outside_vocabulary(self, input_ids: Sequence[int]) -> Optional[Tuple[int, int]]:
+        """The first ``(position, id)`` outside the vocabulary, or None."""
         if not input_ids or (0 <= min(input_ids) and max(input_ids) < self.vocab_size):
             return None  # one pass each way: the common case costs two C loops
         for position, token in enumerate(input_ids):
@@ -80,7 +81,10 @@ class RequestLimits:
         return None
 
 
-#: The one lookup from a tokenizer manager built under the flag to its limits (weak).
+#: The one lookup from a tokenizer manager built under the flag to its limits (weak). Parked
+#: here because SGLang gives no seam to carry it: hooks are resolved by path, a field on the
+#: manager would be an attribute set on SGLang's object, and reading the mode per request
+#: would re-decide it (``cache_extension._EXTENSIONS`` is the same lookup for caches).
 _LIMITS: "weakref.WeakKeyDictionary[Any, RequestLimits]" = weakref.WeakKeyDictionary()
 
 
