@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import random
 import tempfile
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from sglang_cp_hicache.testing.server.keep import keep
 from sglang_cp_hicache.testing.server.launch import line_launch
 from sglang_cp_hicache.testing.server.scenarios import BY_NAME, Scenario, ScenarioReport, scenarios_for, trace_replay
 from sglang_cp_hicache.testing.server.session import REFERENCE, SHARDED, ServingSession
+from sglang_cp_hicache.testing.server.soak import SoakConfig, run_soak
 from sglang_cp_hicache.testing.server.tiny_model import TinyDsaSpec, ensure_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -41,9 +43,14 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--model-seed", type=int, default=0, help="the tiny checkpoint's seed")
     parser.add_argument("--keep", action="store_true", help="run no scenario: serve until Ctrl-C or SIGTERM, then end every process")
     parser.add_argument("--urls-file", type=Path, default=None, help="with --keep: write the routers' and servers' URLs here as JSON")
+    parser.add_argument("--soak", type=float, default=None, metavar="MINUTES", help="run no scenario: a soak with faults (testing/server/soak.py)")
+    parser.add_argument("--soak-seed", type=int, default=None, help="the soak's seed (default: drawn and printed)")
+    parser.add_argument("--soak-concurrency", type=int, default=8)
     args = parser.parse_args(argv)
     if args.urls_file is not None and not args.keep:
         parser.error("--urls-file needs --keep")
+    if args.keep and args.soak is not None:
+        parser.error("--keep and --soak: one at a time")
     if args.cp is not None and args.cp != args.tp:
         parser.error(f"--cp {args.cp} != --tp {args.tp}: a DSA interleave prefill's CP size is its TP size")
     unknown = [n for n in args.scenarios.split(",") if n and n not in BY_NAME]
@@ -88,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"serve_cpu: sglang {line_launch().release}, prefill tp {args.tp}, run folder {run_dir}", flush=True)
     if args.keep:
         return keep(run_dir, model, args.tp, args.urls_file)
+    if args.soak is not None:
+        seed = args.soak_seed if args.soak_seed is not None else random.randrange(1 << 31)
+        return run_soak(run_dir, model, args.tp, SoakConfig(args.soak, seed, args.soak_concurrency), args.json)
     session = ServingSession.start(run_dir, model, tp=args.tp)
     reports: List[ScenarioReport] = []
     try:

@@ -97,6 +97,9 @@ class LineLaunch(Protocol):
     #: TP size of an extra unsharded reference for the decode tokens, where the line's
     #: unsharded CP reference is exact for the first token only (None: exact for all).
     decode_reference_tp: Optional[int]
+    #: The flag's server refuses (HTTP 400) requests upstream would serve wrongly or die on
+    #: (token ids outside the vocabulary, ...: the 0.5.23 line's ``admission`` room).
+    refuses_unservable_requests: bool
 
     def model_args(self, decode: bool) -> List[str]:
         """The attention backend flags of a prefill (``decode=False``) or decode server."""
@@ -143,9 +146,11 @@ class ServerEnv:
     pd: Dict[str, str] = field(default_factory=dict)
 
     def plain(self) -> Dict[str, str]:
-        """This process's environment with temporary files in the run's folder."""
+        """This process's environment with temporary files in the run's folder, torch's JIT
+        extensions too (built there before the servers start: ``jit_prebuild.py``)."""
         self.temp_folder.mkdir(parents=True, exist_ok=True)
-        return {**os.environ, "TMPDIR": str(self.temp_folder)}
+        extensions = self.temp_folder / "torch_extensions"
+        return {**os.environ, "TMPDIR": str(self.temp_folder), "TORCH_EXTENSIONS_DIR": str(extensions)}
 
     def for_tp(self, tp: int, extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
         env = self.plain()

@@ -11,7 +11,6 @@ import json
 import logging
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -264,7 +263,7 @@ class _Fake(http.server.BaseHTTPRequestHandler):
             self.wfile.write(b'{"error": "too long"}')
             return
         meta = {"prompt_tokens": 3, "cached_tokens": 2, "cached_tokens_details": {"device": 0, "host": 2},
-                "output_token_logprobs": [[-1.5, 7, None], [-0.25, 8, None]]}  # fmt: skip
+                "output_token_logprobs": [[-1.5, 7, None], [-0.25, 8, None]], "finish_reason": {"type": "length"}}  # fmt: skip
         self.send_response(200)
         self.end_headers()
         if not body["stream"]:
@@ -283,12 +282,8 @@ class _Fake(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture()
-def fake_server():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Fake)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+def fake_server(fake_http):
+    return fake_http(_Fake)
 
 
 @pytest.mark.parametrize("stream", [True, False])

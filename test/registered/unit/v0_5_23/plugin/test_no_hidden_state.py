@@ -36,6 +36,7 @@ KNOWN = {
     ("resolution_steps.py", "_step_wrappers"): "registration is once per process: the wrappers SGLang holds",
     ("resolution_steps.py", "_step_errors"): "registration is once per process: why a step was refused",
     ("cache/cache_extension.py", "_EXTENSIONS"): "the one lookup from an SGLang object to its cache's extension (weak)",
+    ("admission/request_limits.py", "_LIMITS"): "the one lookup from a tokenizer manager to its request limits (weak)",
 }
 
 # The extension's fields (``CpCacheExtension.__init__``): each replicated and long-lived.
