@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 from sglang_cp_hicache.v0_5_23.launch.cp_mode import CpMode, cp_mode
-from sglang_cp_hicache.v0_5_23.launch.server_args import CLI_FLAG
+from sglang_cp_hicache.v0_5_23.launch.flag import CLI_FLAG
 
 #: ``logprob_start_len``'s default: no prompt logprobs.
 NO_PROMPT_LOGPROBS = -1
