@@ -1,4 +1,5 @@
-"""L3 KV events (``DISK`` for the file backend) on the real 0.5.23 sharded stack, cp 2.
+"""L3 KV events (``DISK`` for the file backend, ``EXTERNAL`` for the Mooncake store) on the
+real 0.5.23 sharded stack, cp 2.
 
 The recorder is on where the scheduler turns it on (shard rank 0, the publisher). A
 request's storage write publishes one ``BlockStored(DISK)`` chain with the node's own
@@ -7,8 +8,9 @@ ranks have acked it: rank 1's writes are slowed, and rank 0 drains with its own 
 queued and publishes nothing until upstream's MIN lets the ack through. A write that fails
 on the publisher's own pages is published up to the logical prefix the other rank's pages
 cover; a clear and a detach of the tier (the admin API's calls) retract every block
-published. Rank 1 publishes nothing. Flag off (an unsharded stack with upstream's file
-backend): no L3 event.
+published. Rank 1 publishes nothing. The same write on a real Mooncake store (a master on
+loopback) publishes ``EXTERNAL``, and its detach retracts it. Flag off (an unsharded stack
+with upstream's file backend): no L3 event.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ def store_watching_acks(stack: Any, tokens: List[int]) -> Dict[str, Any]:
         own_ack_queued = controller.ack_backup_queue.qsize() > 0
         cache.drain_storage_control_queues()
         events += describe(cache.take_events())
-        published = any(e.get("medium") == "DISK" for e in events)
+        published = any(e.get("medium") in ("DISK", "EXTERNAL") for e in events)
         held_back += int(own_ack_queued and not published)
         if storage._all_ranks(stack, not cache.ongoing_backup):
             return {"events": events, "held_back": held_back}
@@ -132,6 +134,20 @@ def events_run(ctx: RankContext, folder: str) -> Dict[str, Any]:
         assert stack.cache.clear_storage_backend()
         report["clear"] = describe(stack.cache.take_events())
         report["third"] = store_watching_acks(stack, THIRD)
+        report["detach_ok"] = stack.cache.detach_storage_backend()[0]
+        report["detach"] = describe(stack.cache.take_events())
+    return report
+
+
+def mooncake_run(ctx: RankContext, config: Dict[str, Any]) -> Dict[str, Any]:
+    from sglang_cp_hicache.testing.v0_5_23 import storage
+    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+
+    # Mooncake's zero-copy path needs a page-first host layout.
+    with sharded_stack(ctx, StackConfig(cp_shared_kv=True, kv_events=True, mem_layout="page_first")) as stack:
+        storage.attach_storage(stack, "mooncake", extra=config)
+        stack.cache.take_events()
+        report = {"first": store_watching_acks(stack, FIRST)}
         report["detach_ok"] = stack.cache.detach_storage_backend()[0]
         report["detach"] = describe(stack.cache.take_events())
     return report
@@ -206,6 +222,19 @@ def test_a_detach_retracts_the_blocks_stored_since(cp2):
     stored = [h for e in _disk_stored(report["third"]["events"]) for h in e["hashes"]]
     assert len(stored) == len(THIRD) // PAGE
     assert report["detach"] == [{"type": "BlockRemoved", "medium": "DISK", "hashes": stored}]
+
+
+def test_a_mooncake_write_publishes_external_and_its_detach_retracts_it():
+    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda missing")
+    from sglang_cp_hicache.testing.v0_5_23.storage import MooncakeMaster, free_ports
+
+    with MooncakeMaster(*free_ports(2)) as master:
+        publisher, other = run_ranks(2, mooncake_run, master.client_config())
+    events = publisher["first"]["events"]
+    assert _media(events) == [("BlockStored", "GPU"), ("BlockStored", "CPU_PINNED"), ("BlockStored", "EXTERNAL")]
+    assert events[2]["hashes"] == events[1]["hashes"] and events[2]["tokens"] == FIRST
+    assert publisher["detach"] == [{"type": "BlockRemoved", "medium": "EXTERNAL", "hashes": events[2]["hashes"]}]
+    assert other["first"]["events"] == [] and other["detach"] == []
 
 
 def test_flag_off_publishes_no_l3_event(tmp_path):
