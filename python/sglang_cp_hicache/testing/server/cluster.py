@@ -137,8 +137,8 @@ class ServingCluster:
         return process
 
     def prefill(self, spec: PrefillSpec) -> Server:
-        port, bootstrap = free_ports(2)
-        endpoint = Endpoint(port, bootstrap)
+        port, bootstrap, events = free_ports(3)
+        endpoint = Endpoint(port, bootstrap, events if spec.kv_events else 0)
         argv = launch.prefill_argv(self.line, self.model, endpoint, spec)
         extra = spec.storage.env() if spec.storage is not None else {}
         process = self._managed(

@@ -63,8 +63,9 @@ class ServingSession:
             if cluster.line.supports_storage_under_flag:
                 storage = StorageSpec("file", directory=run_dir / "l3-file")
             decode = cluster.decode()
-            sharded = cluster.prefill(PrefillSpec(SHARDED, tp=tp, storage=storage))
-            reference = cluster.prefill(PrefillSpec(REFERENCE, tp=tp, sharded=False))
+            events = cluster.line.publishes_kv_events
+            sharded = cluster.prefill(PrefillSpec(SHARDED, tp=tp, storage=storage, kv_events=events))
+            reference = cluster.prefill(PrefillSpec(REFERENCE, tp=tp, sharded=False, kv_events=events))
             prefills = [sharded, reference]
             decode_tp = cluster.line.decode_reference_tp
             if decode_tp is not None:
