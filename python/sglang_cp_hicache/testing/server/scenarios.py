@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from sglang_cp_hicache.testing.server.client import TIERS, Completion, RequestFailed, generate, post
 from sglang_cp_hicache.testing.server.cluster import Router, Server
+from sglang_cp_hicache.testing.server.kv_events_check import check_kv_events
 from sglang_cp_hicache.testing.server.launch import (
     CHUNKED_PREFILL_SIZE,
     CONTEXT_LENGTH,
@@ -511,6 +512,14 @@ def _phase(server: Server) -> str:
     return ", ".join(f"{n.replace('num_', '').replace('_reqs', '')} {metrics.total('sglang:' + n):.0f}" for n in names)
 
 
+def kv_events(session: ServingSession) -> ScenarioReport:
+    """Both prefills' KV event streams over ZMQ: one logical stream equal to the reference's,
+    L3 events, cached tokens predicted from them (``kv_events_check.py``)."""
+    rec = Recorder(session, "KV events: one stream, predicted hits")
+    check_kv_events(rec, session, tokens, flush)
+    return rec.finish()
+
+
 GLM5_SCRIPT = Path(__file__).resolve().parents[4] / "scripts" / "glm5" / "glm5_pd.py"
 GLM5_TIMEOUT_S = 600.0
 
@@ -552,8 +561,11 @@ class Scenario:
     name: str
     run: Callable[[ServingSession], ScenarioReport]
     needs_storage: bool = False  # an L3 tier under the flag (a line that admits one)
+    needs_kv_events: bool = False  # the main prefills publish KV events (0.5.23)
 
     def applies_to(self, line: LineLaunch) -> bool:
+        if self.needs_kv_events and not line.publishes_kv_events:
+            return False
         return not self.needs_storage or line.supports_storage_under_flag
 
 
@@ -571,6 +583,7 @@ SCENARIOS: Tuple[Scenario, ...] = (
     Scenario("over_context", over_context),
     Scenario("glm5_checks", glm5_checks),
     Scenario("decode_killed", decode_killed),
+    Scenario("kv_events", kv_events, needs_storage=True, needs_kv_events=True),
 )
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
 

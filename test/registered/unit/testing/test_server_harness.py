@@ -26,7 +26,7 @@ from sglang_cp_hicache.testing.server.launch import SERVER_KEEP_ALIVE_S, Endpoin
 from sglang_cp_hicache.testing.server.metrics import Metrics
 from sglang_cp_hicache.testing.server.processes import ManagedProcess, NotReady, ProcessDied
 from sglang_cp_hicache.testing.server.runtime import RuntimeStep, ServerRuntime, write_site_folder
-from sglang_cp_hicache.testing.server.scenarios import Recorder, ScenarioReport, scaled_prompt, trace_prompts
+from sglang_cp_hicache.testing.server.scenarios import Recorder, ScenarioReport, scaled_prompt, scenarios_for, trace_prompts
 from sglang_cp_hicache.testing.server.tiny_model import TinyDsaSpec, build_checkpoint, ensure_checkpoint
 from sglang_cp_hicache.testing.v0_5_12.server_launch import LAUNCH as LAUNCH_0512
 from sglang_cp_hicache.testing.v0_5_23.server_launch import LAUNCH as LAUNCH_0523
@@ -350,11 +350,12 @@ def test_recorder_counts_any_id_or_logprob_difference():
 
 # ------------------------------------------------------------------------ KV events
 @pytest.mark.parametrize("line", [LAUNCH_0512, LAUNCH_0523], ids=lambda line: line.release)
-def test_kv_events_publisher_only_where_asked_and_only_on_0_5_23(line):
+def test_kv_events_publisher_only_where_asked_and_the_scenario_only_where_the_line_publishes(line):
     spec = PrefillSpec("p", tp=2)
     plain = prefill_argv(line, Path("m"), Endpoint(1, 2), spec)
     assert "--kv-events-config" not in plain
     argv = prefill_argv(line, Path("m"), Endpoint(1, 2, 5557), spec)
     config = json.loads(argv[argv.index("--kv-events-config") + 1])
     assert config == {"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557", "bind": True}
+    assert ("kv_events" in {s.name for s in scenarios_for(line)}) == line.publishes_kv_events
     assert line.publishes_kv_events == (line.release == "0.5.23")
