@@ -150,8 +150,8 @@ class ServingCluster:
         return process
 
     def prefill(self, spec: PrefillSpec) -> Server:
-        port, bootstrap = free_ports(2)
-        endpoint = Endpoint(port, bootstrap)
+        port, bootstrap, events = free_ports(3)
+        endpoint = Endpoint(port, bootstrap, events if spec.kv_events else 0)
         argv = launch.prefill_argv(self.line, self.model, endpoint, spec)
         process = self._managed(
             spec.name, argv, self.env.for_tp(spec.tp, spec.env()), healthy(endpoint.url), SERVER_READY_S

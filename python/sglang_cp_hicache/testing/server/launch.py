@@ -10,6 +10,7 @@ evict at the same logical fill.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ class PrefillSpec:
     storage: Optional[StorageSpec] = None
     logical_tokens: int = LOGICAL_TOKENS
     extra_args: Tuple[str, ...] = ()
+    kv_events: bool = False  # a KV event publisher (--kv-events-config) on a port of its own
 
     @property
     def cp(self) -> int:
@@ -82,10 +84,16 @@ class Endpoint:
 
     port: int
     bootstrap_port: int = 0
+    kv_events_port: int = 0  # 0: no KV event publisher
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def kv_events_url(self) -> str:
+        """The KV event publisher's ZMQ endpoint (a SUB connects here)."""
+        return f"tcp://127.0.0.1:{self.kv_events_port}"
 
 
 class LineLaunch(Protocol):
@@ -94,6 +102,8 @@ class LineLaunch(Protocol):
     release: str
     supports_storage_under_flag: bool
     lane_decisions_logged: bool
+    #: the main cluster's prefills publish KV events (``--kv-events-config``)
+    publishes_kv_events: bool
     #: TP size of an extra unsharded reference for the decode tokens, where the line's
     #: unsharded CP reference is exact for the first token only (None: exact for all).
     decode_reference_tp: Optional[int]
@@ -196,7 +206,14 @@ def prefill_argv(line: LineLaunch, model: Path, endpoint: Endpoint, spec: Prefil
     ]  # fmt: skip
     if spec.storage is not None:
         args += line.storage_args(spec.storage)
+    if endpoint.kv_events_port:
+        args += ["--kv-events-config", kv_events_config(endpoint)]
     return server_argv(model, endpoint, spec.tp, args + list(spec.extra_args))
+
+
+def kv_events_config(endpoint: Endpoint) -> str:
+    """SGLang's ``KVEventsConfig`` JSON: a ZMQ PUB bound on loopback at the endpoint's port."""
+    return json.dumps({"publisher": "zmq", "endpoint": endpoint.kv_events_url, "bind": True})
 
 
 def decode_argv(line: LineLaunch, model: Path, endpoint: Endpoint) -> List[str]:
@@ -235,6 +252,7 @@ __all__ = [
     "StorageSpec",
     "UNSHARDED_CP_L3_WRITERS_ENV",
     "decode_argv",
+    "kv_events_config",
     "line_launch",
     "omp_binding",
     "prefill_argv",

@@ -24,6 +24,7 @@ from sglang_cp_hicache.testing.server import bench_scenario
 from sglang_cp_hicache.testing.server.client import Completion, RequestFailed, generate, post
 from sglang_cp_hicache.testing.server.cluster import Router, Server
 from sglang_cp_hicache.testing.server.input_scenarios import bad_input, batch_of_300, flush_after_warm_up
+from sglang_cp_hicache.testing.server.kv_events_check import check_kv_events
 from sglang_cp_hicache.testing.server.launch import (
     CHUNKED_PREFILL_SIZE,
     CONTEXT_LENGTH,
@@ -339,6 +340,14 @@ def decode_killed(session: ServingSession) -> ScenarioReport:
 
 
 
+def kv_events(session: ServingSession) -> ScenarioReport:
+    """Both prefills' KV event streams over ZMQ: one logical stream equal to the reference's,
+    L3 events, cached tokens predicted from them (``kv_events_check.py``)."""
+    rec = Recorder(session, "KV events: one stream, predicted hits")
+    check_kv_events(rec, session, tokens, flush)
+    return rec.finish()
+
+
 GLM5_SCRIPT = Path(__file__).resolve().parents[4] / "scripts" / "glm5" / "glm5_pd.py"
 GLM5_TIMEOUT_S = 600.0
 
@@ -381,12 +390,14 @@ class Scenario:
     run: Callable[[ServingSession], ScenarioReport]
     needs_storage: bool = False  # an L3 tier under the flag (a line that admits one)
     needs_refusals: bool = False  # the flag's refusals of unservable requests
+    needs_kv_events: bool = False  # the main prefills publish KV events (0.5.23)
     releases: Tuple[str, ...] = ()  # the SGLang releases it runs on (empty: every line)
 
     def applies_to(self, line: LineLaunch) -> bool:
         storage_ok = not self.needs_storage or line.supports_storage_under_flag
         refusals_ok = not self.needs_refusals or line.refuses_unservable_requests
-        return storage_ok and refusals_ok and (not self.releases or line.release in self.releases)
+        events_ok = not self.needs_kv_events or line.publishes_kv_events
+        return storage_ok and refusals_ok and events_ok and (not self.releases or line.release in self.releases)
 
 
 def bench_serving_concurrency(session: ServingSession) -> ScenarioReport:
@@ -427,6 +438,7 @@ SCENARIOS: Tuple[Scenario, ...] = (
     Scenario("bad_input", bad_input, needs_refusals=True),
     Scenario("batch_of_300", batch_of_300),
     Scenario("soak_short", soak_short, needs_storage=True),
+    Scenario("kv_events", kv_events, needs_storage=True, needs_kv_events=True),
 )
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
 

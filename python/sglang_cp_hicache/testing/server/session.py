@@ -72,9 +72,10 @@ class ServingSession:
             storage = l3_file_tier(run_dir, SHARDED) if cluster.line.supports_storage_under_flag else None
             reference_storage = l3_file_tier(run_dir, REFERENCE) if storage is not None else None
             decode = cluster.decode()
+            events = cluster.line.publishes_kv_events
             specs = [
-                PrefillSpec(SHARDED, tp=tp, storage=storage),
-                PrefillSpec(REFERENCE, tp=tp, sharded=False, storage=reference_storage),
+                PrefillSpec(SHARDED, tp=tp, storage=storage, kv_events=events),
+                PrefillSpec(REFERENCE, tp=tp, sharded=False, storage=reference_storage, kv_events=events),
             ]
             decode_tp = cluster.line.decode_reference_tp
             if decode_tp is not None:

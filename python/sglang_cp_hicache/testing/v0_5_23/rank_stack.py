@@ -61,6 +61,9 @@ class StackConfig:
     # DSA indexer buffer (upstream's ``skip_topk_layers``: a 0-row placeholder on the
     # device, no host layer); None: every layer has an indexer.
     skip_topk_layers: Optional[Tuple[bool, ...]] = None
+    # The cache's KV event recorder on, as a scheduler with --kv-events-config builds it:
+    # on the publisher rank only (shard rank 0; every rank of an unsharded stack).
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_tokens % self.page_size:

@@ -54,6 +54,7 @@ EXTENSION_FIELDS = {
     "_pool_listeners": "which pool feeds which backup stage (attached once)",
     "start_owners": "each L3 prefetch's start owner, weakly by operation (dies with it)",
     "anchor_skips": "prefetches not issued under a pending backup, counted",
+    "l3_events": "storage writes' KV events held until their ack; the L3 blocks published as stored",
 }
 
 _MUTABLE_CALLS = {
