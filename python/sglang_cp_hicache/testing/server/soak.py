@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
 from sglang_cp_hicache.testing.server.cluster import PD_BOOTSTRAP_TIMEOUT_S, Router, Server
 from sglang_cp_hicache.testing.server.launch import PAGE_SIZE, PrefillSpec, StorageSpec
@@ -44,6 +44,8 @@ LEAK_LOG = "memory leak detected"  # SGLang's own idle check of its pools
 IDLE_S = PD_BOOTSTRAP_TIMEOUT_S + 30.0  # a request orphaned by a dead decode is freed by then
 GAUGE_REFRESH_S = 32.0  # an idle scheduler refreshes its Prometheus gauges every 30 s
 METRICS_S = 75.0
+DEVICE_SETTLE_S = 30.0  # an idle server's last request ends well within it
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -94,13 +96,17 @@ def host_used(server: Server) -> PerRank:
     return Metrics.fetch(server.url).per_rank(HOST_USED)
 
 
-def settled_host(server: Server, want: PerRank, timeout_s: float = METRICS_S) -> PerRank:
-    """Host tokens in use per rank once they equal ``want`` (else after ``timeout_s``)."""
+def settled(read: Callable[[], T], want: T, timeout_s: float = METRICS_S) -> T:
+    """``read()`` once it equals ``want`` (else its value after ``timeout_s``): a leaked
+    slot stays, a request still finishing lets go (a prefill's request between chunks, or
+    in a batch whose result is not processed yet, is in none of the queues ``/v1/loads``
+    counts: a disconnected client's prompt can still be in prefill when the idle wait
+    returns)."""
     deadline = time.monotonic() + timeout_s
-    now = host_used(server)
+    now = read()
     while now != want and time.monotonic() < deadline:
         time.sleep(2.0)
-        now = host_used(server)
+        now = read()
     return now
 
 
@@ -125,7 +131,7 @@ class Accounting:
     def check(self, servers: List[Server], prefills: List[Server], report: "SoakReport") -> None:
         """Compare each server with its idle values (device first: a flush frees all)."""
         for server in servers:
-            device = live_load(server)["num_used_tokens"]
+            device = settled(lambda: live_load(server)["num_used_tokens"], self.device[server.name], DEVICE_SETTLE_S)
             leaks = [line for line in server.process.log_text().splitlines()[self.marks[server.name]:] if LEAK_LOG in line]
             report.accounting[server.name] = f"device in use {device} (idle {self.device[server.name]}), {len(leaks)} leak warnings"
             if device != self.device[server.name]:
@@ -134,7 +140,7 @@ class Accounting:
         for server in prefills:
             if not flush(server):
                 report.problems.append(f"/flush_cache refused on {server.name} after the soak")
-            host = settled_host(server, self.host[server.name])
+            host = settled(lambda: host_used(server), self.host[server.name])
             report.accounting[server.name] += f", host in use after a flush {host} (idle {self.host[server.name]})"
             if host != self.host[server.name]:
                 report.problems.append(f"{server.name}: host tokens in use {host} after a flush, idle {self.host[server.name]}")

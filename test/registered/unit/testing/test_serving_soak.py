@@ -1,7 +1,8 @@
 """The soak's parts that need no server (``testing/server/soak*.py``): the fault schedule
 from a seed, conversations that grow by their answers and restart within the context, how
-a failed request is classified, the gate the fault injector closes; and the harness's
-extension prebuild (``jit_prebuild.py``) in the run folder. Runs in both venvs."""
+a failed request is classified, the gate the fault injector closes, an idle value settling;
+and the harness's extension prebuild (``jit_prebuild.py``) in the run folder. Runs in both
+venvs."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from sglang_cp_hicache.testing.server.client import RequestFailed
 from sglang_cp_hicache.testing.server.jit_prebuild import NativeHashPrebuild, PrebuildFailed
 from sglang_cp_hicache.testing.server.launch import CONTEXT_LENGTH, PAGE_SIZE, ServerEnv
+from sglang_cp_hicache.testing.server.soak import settled
 from sglang_cp_hicache.testing.server.soak_faults import KINDS, schedule
 from sglang_cp_hicache.testing.server.soak_traffic import (
     ANSWER_BOUND_S,
@@ -89,6 +91,14 @@ def test_the_gate_waits_for_requests_in_flight_and_holds_new_ones():
     waiter.join(2.0)
     gate.leave()
     assert gate.close(drain_s=0.1) == 0
+
+
+def test_a_value_settles_to_its_idle_one_or_shows_what_stayed():
+    values = iter([64, 64, 0, 99])
+    assert settled(lambda: next(values), 0, timeout_s=30.0) == 0  # a request that finished
+    started = time.monotonic()
+    assert settled(lambda: 64, 0, timeout_s=2.5) == 64  # a leaked page stays and is shown
+    assert time.monotonic() - started < 10.0
 
 
 def test_servers_build_torch_extensions_in_the_run_folder(tmp_path):
