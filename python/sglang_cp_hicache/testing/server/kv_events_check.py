@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Sequence, Set
+from typing import Callable, Dict, Iterable, List, Sequence, Set
 
 from sglang_cp_hicache.testing.kv_events import (
     STORAGE_MEDIA,
@@ -24,12 +24,10 @@ from sglang_cp_hicache.testing.kv_events import (
     PrefixIndex,
 )
 from sglang_cp_hicache.testing.server.client import TIERS
-from sglang_cp_hicache.testing.server.cluster import Server
 from sglang_cp_hicache.testing.server.launch import LOGICAL_TOKENS, PAGE_SIZE
+from sglang_cp_hicache.testing.server.recorder import Recorder, flush, tokens
 from sglang_cp_hicache.testing.server.session import REFERENCE, SHARDED, ServingSession, warm_up
 
-if TYPE_CHECKING:  # scenarios.py runs this check: it hands its own recorder and helpers in
-    from sglang_cp_hicache.testing.server.scenarios import Recorder
 
 #: A SUB socket joins its PUB asynchronously: batches published before this are lost.
 SUBSCRIBE_S = 1.0
@@ -136,16 +134,14 @@ def _send(rec: Recorder, watch: EventsWatch, label: str, ids: List[int], cold: b
             rec.expect(False, f"{label}, {side}: predicted {predicted[side]}, reported {completion.cached_by_tier}")
 
 
-def check_kv_events(
-    rec: Recorder, session: ServingSession, tokens: Callable[[str, int], List[int]], flush: Callable[[Server], bool]
-) -> None:
+def check_kv_events(rec: Recorder, session: ServingSession) -> None:
     """Both prefills' streams while a prompt is cached, extended, evicted to host by fillers and
     loaded back: the sharded group's one stream names the prompt's blocks on GPU and
     CPU_PINNED as the reference's does, in the same order; its L3 events name them on the
     L3 medium; then, the sharded side flushed (the reference kept, so both reuse the same
     prefix length), its storage hit is predicted from them. Every request's cached tokens
     by tier are predicted from each stream before it is sent and must be what it reports
-    (``rec``: the scenario's recorder; ``tokens``, ``flush``: its prompt and flush helpers)."""
+    (``rec``: the scenario's recorder)."""
     prompt = tokens("events", 12 * PAGE_SIZE)
     extended = prompt + tokens("events:page", PAGE_SIZE + 10)
     servers = {SHARDED: session.sharded, REFERENCE: session.reference}

@@ -344,7 +344,7 @@ def kv_events(session: ServingSession) -> ScenarioReport:
     """Both prefills' KV event streams over ZMQ: one logical stream equal to the reference's,
     L3 events, cached tokens predicted from them (``kv_events_check.py``)."""
     rec = Recorder(session, "KV events: one stream, predicted hits")
-    check_kv_events(rec, session, tokens, flush)
+    check_kv_events(rec, session)
     return rec.finish()
 
 
