@@ -11,7 +11,6 @@ the reference's, step by step. Rank 1 records nothing.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -44,15 +43,15 @@ def _prefix(stack: Any, tokens: List[int], shared: int):
 
 
 def _backed_up(stack: Any) -> None:
-    from sglang_cp_hicache.testing.v0_5_23.storage import WAIT_STEP_S, WAIT_STEPS, _all_ranks
+    from sglang_cp_hicache.testing.v0_5_23.storage import wait_on_all_ranks
 
     stack.cache.flush_pending_backups()
-    for _ in range(WAIT_STEPS):
+
+    def acked() -> bool:
         stack.cache.writing_check()
-        if _all_ranks(stack, not stack.cache.ongoing_write_through):
-            return
-        time.sleep(WAIT_STEP_S)
-    raise TimeoutError(f"rank {stack.shard_rank}: write-through never acked")
+        return not stack.cache.ongoing_write_through
+
+    wait_on_all_ranks(stack, "write-through acked", acked, budget_s=60.0)
 
 
 def workload(stack: Any) -> Dict[str, List[tuple]]:
@@ -82,14 +81,16 @@ def workload(stack: Any) -> Dict[str, List[tuple]]:
 
 
 def sharded_run(ctx: RankContext) -> Dict[str, List[tuple]]:
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
     with sharded_stack(ctx, StackConfig(cp_shared_kv=True, kv_events=True)) as stack:
         return workload(stack)
 
 
 def reference_run(ctx: RankContext) -> Dict[str, List[tuple]]:
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, apply_plugin_hooks, build_unsharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import apply_plugin_hooks, build_unsharded_stack
 
     apply_plugin_hooks()
     with build_unsharded_stack(ctx.attn_tp_group, StackConfig(kv_events=True)) as stack:

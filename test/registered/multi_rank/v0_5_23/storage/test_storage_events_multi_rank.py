@@ -84,25 +84,28 @@ def store_watching_acks(stack: Any, tokens: List[int]) -> Dict[str, Any]:
     import torch
 
     from sglang_cp_hicache.testing.v0_5_23 import storage
+    from sglang_cp_hicache.testing.v0_5_23.owned_kv import write_owned_rows
 
     locs, base = stack.alloc_extend(torch.empty((0,), dtype=torch.int64), len(tokens))
-    storage.write_owned_rows(stack, locs, storage.logical_kv(stack, tokens, SEED))
+    write_owned_rows(stack, locs, storage.request_kv(stack, tokens, SEED))
     stack.insert(tokens, locs, base)
     stack.cache.flush_pending_backups()
     cache, controller = stack.cache, stack.controller
     events: List[Dict[str, Any]] = []
-    held_back = 0
-    for _ in range(storage.WAIT_STEPS):
+    held_back: List[int] = []
+
+    def acked() -> bool:
         cache.writing_check()
         own_ack_queued = controller.ack_backup_queue.qsize() > 0
         cache.drain_storage_control_queues()
-        events += describe(cache.take_events())
+        events.extend(describe(cache.take_events()))
         published = any(e.get("medium") in ("DISK", "EXTERNAL") for e in events)
-        held_back += int(own_ack_queued and not published)
-        if storage._all_ranks(stack, not cache.ongoing_backup):
-            return {"events": events, "held_back": held_back}
-        time.sleep(storage.WAIT_STEP_S)
-    raise TimeoutError(f"rank {stack.shard_rank}: L3 backups never acked")
+        held_back.append(int(own_ack_queued and not published))
+        return not cache.ongoing_backup
+
+    budget_s = storage.l3_budget_s(stack, len(tokens) // stack.config.page_size)
+    storage.wait_on_all_ranks(stack, "L3 backups acked", acked, budget_s)
+    return {"events": events, "held_back": sum(held_back)}
 
 
 def publisher_cut(stack: Any, tokens: List[int]) -> int:
@@ -116,7 +119,8 @@ def publisher_cut(stack: Any, tokens: List[int]) -> int:
 
 def events_run(ctx: RankContext, folder: str) -> Dict[str, Any]:
     from sglang_cp_hicache.testing.v0_5_23 import storage
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
     report: Dict[str, Any] = {}
     with sharded_stack(ctx, StackConfig(cp_shared_kv=True, kv_events=True)) as stack:
@@ -141,7 +145,8 @@ def events_run(ctx: RankContext, folder: str) -> Dict[str, Any]:
 
 def mooncake_run(ctx: RankContext, config: Dict[str, Any]) -> Dict[str, Any]:
     from sglang_cp_hicache.testing.v0_5_23 import storage
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
     # Mooncake's zero-copy path needs a page-first host layout.
     with sharded_stack(ctx, StackConfig(cp_shared_kv=True, kv_events=True, mem_layout="page_first")) as stack:
@@ -155,9 +160,10 @@ def mooncake_run(ctx: RankContext, config: Dict[str, Any]) -> Dict[str, Any]:
 
 def flag_off_run(ctx: RankContext, folder: str) -> Dict[str, Any]:
     from sglang_cp_hicache.testing.v0_5_23 import storage
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_unsharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import apply_plugin_hooks, build_unsharded_stack
 
-    storage.apply_plugin_hooks()
+    apply_plugin_hooks()
     with build_unsharded_stack(ctx.attn_tp_group, StackConfig(kv_events=True)) as stack:
         storage.attach_storage(stack, "file", extra={"file_storage_path": folder})
         report = {"backend": type(stack.controller.storage_backend).__name__}
@@ -226,7 +232,7 @@ def test_a_detach_retracts_the_blocks_stored_since(cp2):
 
 def test_a_mooncake_write_publishes_external_and_its_detach_retracts_it():
     pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda missing")
-    from sglang_cp_hicache.testing.v0_5_23.storage import MooncakeMaster, free_ports
+    from sglang_cp_hicache.testing.v0_5_23.mooncake_store import MooncakeMaster, free_ports
 
     with MooncakeMaster(*free_ports(2)) as master:
         publisher, other = run_ranks(2, mooncake_run, master.client_config())
