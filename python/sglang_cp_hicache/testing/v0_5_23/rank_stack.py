@@ -61,6 +61,10 @@ class StackConfig:
     # DSA indexer buffer (upstream's ``skip_topk_layers``: a 0-row placeholder on the
     # device, no host layer); None: every layer has an indexer.
     skip_topk_layers: Optional[Tuple[bool, ...]] = None
+    # The cache's Prometheus collector (``--enable-metrics``): upstream's radix-cache
+    # metrics and, with the plugin's flag, the plugin's own (one stack per process: the
+    # collectors register in the process's default registry).
+    enable_metrics: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_tokens % self.page_size:

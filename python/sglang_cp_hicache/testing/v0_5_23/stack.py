@@ -131,6 +131,7 @@ def _build_cache(
         page_size=config.page_size,
         tree_components=(ComponentType.FULL,),
         mtp_draft_device_pools=() if draft_kv_pool is None else (draft_kv_pool,),
+        enable_metrics=config.enable_metrics,
         **groups,
     )
     # Sharding forces the Python core (kv_shard_hook.py:132-144); so does the reference.

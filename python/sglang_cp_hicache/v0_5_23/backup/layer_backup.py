@@ -50,6 +50,7 @@ from sglang_cp_hicache.v0_5_23.backup.l2_transfer import (
     L2LayerTransfers,
     MergedTransfer,
     ReservedWrite,
+    backup_events_timed,
     per_layer_problem,
 )
 
@@ -74,9 +75,10 @@ class CacheLayerBackup:
         self.page_size = cache.page_size
         self.lanes = cache.token_to_kv_pool_allocator.shard_size  # owner lanes of the rotation
         self.reservations: ForwardReservations[ReservedWrite, int] = ForwardReservations()
+        timed = backup_events_timed(cache)  # decided once: upstream's metrics read the acks' times
         self.pipeline: PerLayerBackup[ReservedWrite, MergedTransfer] = PerLayerBackup(
-            L2LayerTransfers(controller),
-            DeviceBackupStreams(controller),
+            L2LayerTransfers(controller, timed),
+            DeviceBackupStreams(controller, timed),
             layer_num=layer_num,
             draft_layer_num=draft_layer_num,
             rank_label=rank_label,
