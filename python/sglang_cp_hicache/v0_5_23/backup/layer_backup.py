@@ -100,7 +100,7 @@ class CacheLayerBackup:
         sidecar = cache._build_backup_sidecar(device_locs, {})
         need = len(device_locs) - cc.mem_pool_host.available_size()
         if need > 0:  # room on short lanes only
-            room = room_for_backup(cache, start_owner, len(device_locs))
+            room = room_for_backup(cache, start_owner, len(device_locs), path="layer_backup")
             evict_host_for_backup(cache.evict_host, room, need)
         allocation = cc.allocate_host_transfers(device_locs, sidecar or None, start_owner=start_owner)
         if allocation is None:
