@@ -35,9 +35,10 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from sglang_cp_hicache.sim import SimConfig, SimReport, run_simulation
-from sglang_cp_hicache.sim.config import WORKLOADS
-from sglang_cp_hicache.sim.report import max_over_mean
+from sglang_cp_hicache.sim.config import WORKLOADS, SimConfig
+from sglang_cp_hicache.sim.report.balance import max_over_mean
+from sglang_cp_hicache.sim.report.records import SimReport
+from sglang_cp_hicache.sim.simulation import run_simulation
 
 # (PooledBalance field, limit, column title)
 SKEW_TARGETS: Tuple[Tuple[str, float, str], ...] = (

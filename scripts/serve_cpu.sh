@@ -7,6 +7,7 @@
 #   scripts/serve_cpu.sh                          # SGLang 0.5.23
 #   scripts/serve_cpu.sh --sglang 0.5.12.post1    # the older line
 #   scripts/serve_cpu.sh --scenarios host_load_back,l3_file --trace trace.jsonl
+#   scripts/serve_cpu.sh --soak 20 [--soak-seed N]  # a soak with faults (docs/serving_on_cpu.md)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/lines.sh"

@@ -344,7 +344,7 @@ def _admitted_batch(stack: Any, prompt: List[int]) -> Any:
 
 
 def _stack_config(num_nodes: int, cfg: RunConfig, shape: TreeShape, sharded: bool, plugin: bool):
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
 
     pages = num_nodes + 4 * cfg.reps + max(8, num_nodes // 50)  # + the timed new leaves
     depth = max(len(shape.path(node)) for node in range(len(shape))) + 8  # leaves go deeper

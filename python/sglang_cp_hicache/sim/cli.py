@@ -219,7 +219,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         except PlotUnavailable as exc:
             parser.error(str(exc))
 
-    from sglang_cp_hicache.sim.report import format_table
+    from sglang_cp_hicache.sim.report.table import format_table
     from sglang_cp_hicache.sim.simulation import run_simulation
     from sglang_cp_hicache.sim.workload import TraceError
     from sglang_cp_hicache.testing.dist import RankFailed

@@ -43,10 +43,6 @@ class CollectiveCounter:
         self._depth = 0
         self._originals: List[Tuple[Any, str, Callable]] = []
 
-    @property
-    def hot_path_total(self) -> int:
-        return sum(self.hot_path.values())
-
     def install(self) -> None:
         for module in (dist, c10d):
             for name in COLLECTIVE_NAMES:

@@ -200,6 +200,24 @@ def plant_match_prefix_barrier(cache: Any, cp_group: Any) -> None:
     cache.match_prefix = match_prefix_with_barrier
 
 
+@dataclass(eq=False)
+class TraceAttempt:
+    """One attempt of a trace request (a retraction re-queues the next one): what a line's
+    request record shares; ``started`` once its first chunk ran (its hit counted and checked)."""
+
+    request: Request
+    attempt: int = 0
+    started: bool = False
+
+    @property
+    def rid(self) -> str:
+        return f"{self.request.index}:{self.attempt}"
+
+    @property
+    def prompt(self) -> Sequence[int]:
+        return self.request.token_ids
+
+
 class StepLoop:
     """The replay loop and bookkeeping both lines' ``RankDriver`` share.
 

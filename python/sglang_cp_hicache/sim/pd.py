@@ -1,7 +1,7 @@
 """PD in the simulator (``SimConfig.pd``): the main column's ranks as PD prefill servers.
 
 With ``pd`` on, the main column's cp ranks run as processes of a :class:`~sglang_cp_hicache.
-testing.pd.PDCluster` instead of ``run_ranks``: the same rank body (the line's real stack and
+testing.pd.roles.PDCluster` instead of ``run_ranks``: the same rank body (the line's real stack and
 driver, the same trace), plus, for every request whose prefill finishes, a real transfer
 through upstream's PD prefill path (bootstrap queue, ``MooncakeKVSender``, the plugin's owner
 filters) over Mooncake on loopback to one decode process with a full, unsharded pool, which
@@ -77,7 +77,7 @@ class PrefillLink:
         the CP-wide outcome; a failure is recorded, the run goes on."""
         import torch
 
-        from sglang_cp_hicache.testing.pd import PDRequest
+        from sglang_cp_hicache.testing.pd.scenario import PDRequest
 
         spec = PDRequest(rid, tuple(token_ids), room=_ROOM_BASE + self.stats.requests)
         if self.rank == 0:
@@ -166,7 +166,7 @@ def run_pd_column(
     transferred to (and checked on) one decode process. Raises ``RankFailed`` naming the
     role that failed or timed out; every process is ended on return."""
     from sglang_cp_hicache.testing.dist import RankFailed
-    from sglang_cp_hicache.testing.pd import PDCluster, RoleFailed
+    from sglang_cp_hicache.testing.pd.roles import PDCluster, RoleFailed
 
     names = [f"prefill{r}" for r in range(cfg.cp_size)]
     try:
@@ -189,7 +189,7 @@ def _relay(cluster, names: List[str], decode, timeout_s: float) -> dict:
     """Forward rank 0's transfer announcements to the decode role until every prefill
     rank returned its result; any role's failure (decode's included) raises at once, and
     ``timeout_s`` without a transfer or a result raises naming the silent ranks."""
-    from sglang_cp_hicache.testing.pd import RoleFailed
+    from sglang_cp_hicache.testing.pd.roles import RoleFailed
 
     deadline = time.monotonic() + timeout_s
     ranks = [cluster.roles[n] for n in names]

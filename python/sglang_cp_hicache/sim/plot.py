@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sglang_cp_hicache.sim.report import SimReport
+from sglang_cp_hicache.sim.report.records import SimReport
 
 MATPLOTLIB_HINT = (
     "--plot needs matplotlib, which is not installed in this environment; "

@@ -61,6 +61,21 @@ class RankCounters:
     draft_kv_checked_tokens: int = 0  # the same tokens' MTP draft KV (SimConfig.draft)
     draft_kv_mismatches: int = 0
 
+    def count_first_chunk(
+        self, prompt_tokens: int, device_hit: int, host_matched: int, loaded: int, mismatches: int, checked: int
+    ) -> None:
+        """A request's first chunk ran: its prompt, its hit (on device, matched on host,
+        loaded back) and the check of its owned hit tokens."""
+        self.kv_mismatches += mismatches
+        self.kv_checked_tokens += checked
+        self.requests += 1
+        self.prompt_tokens += prompt_tokens
+        self.device_hit_tokens += device_hit
+        self.host_matched_tokens += host_matched
+        self.host_hit_tokens += loaded
+        self.load_backs += int(loaded > 0)
+        self.load_back_failures += int(host_matched > 0 and loaded == 0)
+
 
 @dataclass
 class SeriesPoint:

@@ -11,7 +11,8 @@ from sglang_cp_hicache.core.releases import line_package
 from sglang_cp_hicache.sim.config import SimConfig
 from sglang_cp_hicache.sim.lines import installed_line
 from sglang_cp_hicache.sim.pd import line_pd, run_pd_column
-from sglang_cp_hicache.sim.report import SimReport, build_report
+from sglang_cp_hicache.sim.report.build import build_report
+from sglang_cp_hicache.sim.report.records import SimReport
 from sglang_cp_hicache.sim.workload import load_workload, plan_steps
 
 logger = logging.getLogger(__name__)

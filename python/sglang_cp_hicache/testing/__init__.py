@@ -40,4 +40,4 @@ def device_module() -> CpuDeviceModule:
     return CPU_DEVICE_MODULE
 
 
-__all__ = ["CpuDeviceModule", "device_module", "install", "line_runtime", "warm_import"]
+__all__ = ["device_module", "install", "line_runtime", "warm_import"]

@@ -90,7 +90,7 @@ def init_rank_groups(rank: int, world_size: int, port: int, timeout_s: float) ->
     return RankContext(rank, world_size, cp_group, attn_tp_group)
 
 
-def single_rank_world(timeout_s: float = 60.0) -> Any:
+def single_rank_world() -> Any:
     """This process as a one-rank gloo world (created once); returns its WORLD group.
 
     For single-process tests and benchmarks that build rank ``r`` of a larger CP layout:
@@ -105,7 +105,7 @@ def single_rank_world(timeout_s: float = 60.0) -> Any:
             store=dist.HashStore(),
             rank=0,
             world_size=1,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=datetime.timedelta(seconds=60),
         )
     return dist.group.WORLD
 

@@ -45,7 +45,7 @@ or misreads, the stand-in raises (``ValueError``/``TypeError``/``IndexError`` na
 from __future__ import annotations
 
 import ctypes
-from typing import List, Sequence, Tuple, Union
+from typing import Callable, List, Sequence, Tuple, Union
 
 import torch
 
@@ -410,6 +410,40 @@ def transfer_kv_per_layer_mla_pf_lf(
 # --------------------------------------------------------------------------------------
 
 
+def _from_table(
+    src_table: Tensor,
+    num_layers: int,
+    item_size: int,
+    src_what: str,
+    dst_items: Callable[[int], _Items],
+    src_idx: Tensor,
+    dst_idx: Tensor,
+) -> None:
+    """Each layer ``l``: the items at ``src_table[l] + i * item_size`` into ``dst_items(l)``."""
+    for layer_id, src_addr in enumerate(_table_addresses(src_table, num_layers, src_what)):
+        src = _table_items(src_addr, item_size, src_idx, src_what)
+        _copy_items(src, dst_items(layer_id), src_idx, dst_idx)
+
+
+def _table_to_table(
+    src_table: Tensor,
+    dst_table: Tensor,
+    num_layers: int,
+    item_size: int,
+    what: str,
+    src_idx: Tensor,
+    dst_idx: Tensor,
+) -> None:
+    """tbl -> tbl: for each layer ``l``, ``table[l] + i * item_size`` on both sides (``what``
+    formats ``src``/``dst`` into the messages)."""
+    dst_addrs = _table_addresses(dst_table, num_layers, what.format("dst"))
+
+    def dst_items(layer_id: int) -> _StridedItems:
+        return _table_items(dst_addrs[layer_id], item_size, dst_idx, what.format("dst"))
+
+    _from_table(src_table, num_layers, item_size, what.format("src"), dst_items, src_idx, dst_idx)
+
+
 def transfer_kv_all_layer(
     src_k_layers: Tensor,
     dst_k_layers: Tensor,
@@ -430,15 +464,7 @@ def transfer_kv_all_layer(
     tables = (("k", src_k_layers, dst_k_layers), ("v", src_v_layers, dst_v_layers))
     for name, src_tbl, dst_tbl in tables:
         what = f"transfer_kv_all_layer {{}}_{name}_layers"
-        src_addrs = _table_addresses(src_tbl, num_layers, what.format("src"))
-        dst_addrs = _table_addresses(dst_tbl, num_layers, what.format("dst"))
-        for src_addr, dst_addr in zip(src_addrs, dst_addrs):
-            _copy_items(
-                _table_items(src_addr, item_size, src_idx, what.format("src")),
-                _table_items(dst_addr, item_size, dst_idx, what.format("dst")),
-                src_idx,
-                dst_idx,
-            )
+        _table_to_table(src_tbl, dst_tbl, num_layers, item_size, what, src_idx, dst_idx)
 
 
 def transfer_kv_all_layer_lf_pf(
@@ -462,14 +488,10 @@ def transfer_kv_all_layer_lf_pf(
     )
     for name, src_tbl, dst in (("k", src_k_layers, dst_k), ("v", src_v_layers, dst_v)):
         what = f"transfer_kv_all_layer_lf_pf {{}}_{name}"
-        src_addrs = _table_addresses(src_tbl, num_layers, what.format("src"))
-        for layer_id, src_addr in enumerate(src_addrs):
-            _copy_items(
-                _table_items(src_addr, item_size, src_idx, what.format("src")),
-                _pf_items(dst, layer_id, item_size, dst_layout_dim, what.format("dst")),
-                src_idx,
-                dst_idx,
-            )
+        dst_items = lambda layer_id: _pf_items(  # noqa: E731
+            dst, layer_id, item_size, dst_layout_dim, what.format("dst")
+        )
+        _from_table(src_tbl, num_layers, item_size, what.format("src"), dst_items, src_idx, dst_idx)
 
 
 def transfer_kv_all_layer_lf_ph(
@@ -495,22 +517,10 @@ def transfer_kv_all_layer_lf_ph(
     )
     for name, src_tbl, dst in (("k", src_k_layers, dst_k), ("v", src_v_layers, dst_v)):
         what = f"transfer_kv_all_layer_lf_ph {{}}_{name}"
-        src_addrs = _table_addresses(src_tbl, num_layers, what.format("src"))
-        for layer_id, src_addr in enumerate(src_addrs):
-            _copy_items(
-                _table_items(src_addr, item_size, src_idx, what.format("src")),
-                _ph_items(
-                    dst,
-                    layer_id,
-                    item_size,
-                    dst_layout_dim,
-                    page_size,
-                    head_num,
-                    what.format("dst"),
-                ),
-                src_idx,
-                dst_idx,
-            )
+        dst_items = lambda layer_id: _ph_items(  # noqa: E731
+            dst, layer_id, item_size, dst_layout_dim, page_size, head_num, what.format("dst")
+        )
+        _from_table(src_tbl, num_layers, item_size, what.format("src"), dst_items, src_idx, dst_idx)
 
 
 def transfer_kv_all_layer_mla(
@@ -529,15 +539,7 @@ def transfer_kv_all_layer_mla(
         "transfer_kv_all_layer_mla", src_indices, dst_indices, item_size
     )
     what = "transfer_kv_all_layer_mla {}_layers"
-    src_addrs = _table_addresses(src_layers, num_layers, what.format("src"))
-    dst_addrs = _table_addresses(dst_layers, num_layers, what.format("dst"))
-    for src_addr, dst_addr in zip(src_addrs, dst_addrs):
-        _copy_items(
-            _table_items(src_addr, item_size, src_idx, what.format("src")),
-            _table_items(dst_addr, item_size, dst_idx, what.format("dst")),
-            src_idx,
-            dst_idx,
-        )
+    _table_to_table(src_layers, dst_layers, num_layers, item_size, what, src_idx, dst_idx)
 
 
 def transfer_kv_all_layer_mla_lf_pf(
@@ -558,14 +560,11 @@ def transfer_kv_all_layer_mla_lf_pf(
         "transfer_kv_all_layer_mla_lf_pf", src_indices, dst_indices, item_size
     )
     what = "transfer_kv_all_layer_mla_lf_pf {}"
-    src_addrs = _table_addresses(src_layers, num_layers, what.format("src_layers"))
-    for layer_id, src_addr in enumerate(src_addrs):
-        _copy_items(
-            _table_items(src_addr, item_size, src_idx, what.format("src_layers")),
-            _pf_items(dst, layer_id, item_size, dst_layout_dim, what.format("dst")),
-            src_idx,
-            dst_idx,
-        )
+    dst_items = lambda layer_id: _pf_items(  # noqa: E731
+        dst, layer_id, item_size, dst_layout_dim, what.format("dst")
+    )
+    src_what = what.format("src_layers")
+    _from_table(src_layers, num_layers, item_size, src_what, dst_items, src_idx, dst_idx)
 
 
 # --------------------------------------------------------------------------------------

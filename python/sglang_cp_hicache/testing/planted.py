@@ -34,9 +34,9 @@ def patched(owner: type, name: str, make: Callable[[Any], Any]) -> Iterator[None
         setattr(owner, name, original)
 
 
-def events_without_wait(owner: type, method: str = "new_event") -> Any:
-    """The planted missing wait: every event ``owner.method`` makes ignores ``wait``."""
-    return patched(owner, method, lambda new_event: lambda self: EventWithoutWait(new_event(self)))
+def events_without_wait(owner: type) -> Any:
+    """The planted missing wait: every event ``owner.new_event`` makes ignores ``wait``."""
+    return patched(owner, "new_event", lambda new_event: lambda self: EventWithoutWait(new_event(self)))
 
 
 @contextlib.contextmanager

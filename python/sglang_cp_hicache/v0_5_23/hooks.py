@@ -5,7 +5,8 @@ Each room exports its seams by path (importing a room's package imports none of 
 modules): ``launch`` (the flag, the mode, the DSA backend rule, PD bootstrap; and the
 resolution steps), ``cache`` (one extension per sharded cache), ``eviction`` (lane-aware
 device and host room), ``selftest`` (the startup self-test), ``storage`` (L3 owner I/O and
-backends) and ``backup`` (per-layer D2H). Two kinds of seams:
+backends), ``backup`` (per-layer D2H) and ``admission`` (requests refused under the flag).
+Two kinds of seams:
 
 * :data:`HOOKS`, ``HookRegistry`` hooks (``module:qualname`` targets), handed over by
   :mod:`sglang_cp_hicache.hook_table`;
@@ -25,7 +26,7 @@ from typing import Any, Iterable, List, Optional, Tuple
 
 from sglang_cp_hicache import hook_table
 from sglang_cp_hicache.hook_table import HookSpec, PluginNotInstalledError, resolve
-from sglang_cp_hicache.v0_5_23 import backup, cache, eviction, launch, selftest, storage
+from sglang_cp_hicache.v0_5_23 import admission, backup, cache, eviction, launch, selftest, storage
 from sglang_cp_hicache.v0_5_23.resolution_steps import (
     ResolutionStep,
     install_resolution_steps,
@@ -35,7 +36,13 @@ from sglang_cp_hicache.v0_5_23.resolution_steps import (
 RELEASE = "0.5.23"
 
 HOOKS: Tuple[HookSpec, ...] = (
-    launch.HOOKS + cache.HOOKS + eviction.HOOKS + selftest.HOOKS + storage.HOOKS + backup.HOOKS
+    launch.HOOKS
+    + cache.HOOKS
+    + eviction.HOOKS
+    + selftest.HOOKS
+    + storage.HOOKS
+    + backup.HOOKS
+    + admission.HOOKS
 )
 RESOLUTION_STEPS: Tuple[ResolutionStep, ...] = launch.RESOLUTION_STEPS
 

@@ -6,6 +6,9 @@ unsharded reference, scenario by scenario (``testing/server/scenarios.py``,
 
 The cluster starts once for this module (in both venvs: each line's launch adapter spells its
 servers) and every process it started is ended, and checked gone, when the module ends.
+Issue 42's short forms run here too, on this cluster: ``flush_after_warm_up``,
+``bad_input`` and ``soak_short`` (0.5.23: they need its L3 tier and the flag's refusals)
+and ``batch_of_300`` (both lines).
 """
 
 from __future__ import annotations

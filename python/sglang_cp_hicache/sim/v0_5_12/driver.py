@@ -4,13 +4,14 @@ Per step (``Scheduler._get_new_batch_prefill_raw`` -> ``PrefillAdder`` ->
 ``alloc_for_extend`` -> forward -> ``cache_finished_req``):
 
 1. ``check_hicache_events`` (write acks: the one allowed all-reduce; load acks);
-2. per request: ``match_prefix``, then under a temporary lock ``init_load_back`` when the
-   match ended on host, then the request's own lock on its last node;
+2. per request: ``match_prefix``, ``PrefillAdder``'s checks (``admission.py``), then under
+   a temporary lock ``init_load_back`` when the match ended on host, then the request's own
+   lock on its last node;
 3. ``ready_to_load_host_cache`` (starts the H2D copies);
 4. SGLang's own ``alloc_for_extend`` (with the plugin's hooks around it in CP ranks): a
    req slot, ``alloc_paged_token_slots_extend`` (``evict_from_tree_cache`` +
    ``alloc_extend``), the ``req_to_token`` rows (and, under CP, their host mirror);
-5. "forward": pattern KV for the new tokens into owned slots (with the MTP draft: its
+5. "forward" (``forward.py``): pattern KV for the new tokens into owned slots (with the MTP draft: its
    pattern into the draft pool too, its layer reported after the target forward's end);
    the hit is verified, target and draft bytes;
 6. with ``SimConfig.pd``, a finished prefill goes to the decode process first (upstream's
@@ -18,7 +19,8 @@ Per step (``Scheduler._get_new_batch_prefill_raw`` -> ``PrefillAdder`` ->
 7. ``release_kv_cache``: the cache's own ``cache_finished_req`` (insert the page-aligned
    key, free duplicates and the unaligned tail, unlock), then the req slot.
 
-Only the cache calls are timed, with collectives counted; checks, KV writes and the
+Requests are ``sim_req.SimReq``. Only the cache calls are timed, here (each
+``self._op(name)`` block, ``engine.OpTimer``), with collectives counted; checks, KV writes and the
 per-step cross-rank agreement check run outside. ``cache.evict`` is timed as ``evict``
 wherever the scheduler path calls it, and that time is not counted twice in its caller.
 All ranks make identical calls, so the decision log (hashed per step) must agree.
@@ -26,8 +28,6 @@ All ranks make identical calls, so the decision log (hashed per step) must agree
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
@@ -49,82 +49,18 @@ from sglang_cp_hicache.sim.engine import (
     TreeSummary,
     Violations,
 )
+from sglang_cp_hicache.sim.pd import attach as attach_pd_link
 from sglang_cp_hicache.sim.results import LaneUsage, RankCounters, RankResult, SeriesPoint
-from sglang_cp_hicache.sim.v0_5_12 import pd_link
-from sglang_cp_hicache.sim.v0_5_12.checks import poison_owned, tree_summary, verify_hit
+from sglang_cp_hicache.sim.v0_5_12.admission import PrefillBudget
+from sglang_cp_hicache.sim.v0_5_12.checks import poison_owned, tree_summary
+from sglang_cp_hicache.sim.v0_5_12.forward import BatchForward
 from sglang_cp_hicache.sim.v0_5_12.invariants import PoolLedger
 from sglang_cp_hicache.sim.v0_5_12.observed_cache import CacheObserver
+from sglang_cp_hicache.sim.v0_5_12.sim_req import SimReq
 from sglang_cp_hicache.sim.workload import Request
 from sglang_cp_hicache.testing import device_module
 from sglang_cp_hicache.testing.v0_5_12 import scheduler_batch
-from sglang_cp_hicache.testing.v0_5_12.nsa_stack import (
-    RankStack,
-    device_run_mismatches,
-    write_prefill_kv,
-)
-from sglang_cp_hicache.v0_5_12.mem_cache import cp_layer_backup
-
-logger = logging.getLogger(__name__)
-
-@dataclass(eq=False)
-class SimReq:
-    """The fields of SGLang's ``Req`` that the cache path reads and writes.
-
-    Prefill only: the request finishes after its (last chunk's) forward, with its prompt as
-    committed KV (no output tokens).
-    """
-
-    request: Request
-    attempt: int = 0  # retractions so far (each retry draws anew)
-    started: bool = False  # its first chunk ran (counters and the hit check are done)
-    fill_len: int = 0  # prompt tokens scheduled so far (chunked prefill: grows per chunk)
-    req_pool_idx: Optional[int] = None
-    is_chunked: int = 0
-    kv_committed_len: int = 0
-    kv_committed_freed: bool = False
-    extra_key: Optional[str] = None
-    priority: int = 0
-    prefix_indices: Optional[torch.Tensor] = None
-    last_node: Any = None
-    best_match_node: Any = None
-    host_hit_length: int = 0
-    cache_protected_len: int = 0
-    device_hit: int = 0
-    loaded: int = 0
-
-    @property
-    def rid(self) -> str:
-        return f"{self.request.index}:{self.attempt}"
-
-    @property
-    def prompt(self) -> Sequence[int]:
-        return self.request.token_ids
-
-    @property
-    def token_ids(self) -> Sequence[int]:
-        """The tokens scheduled so far (the whole prompt without chunking)."""
-        return self.request.token_ids[: self.fill_len]
-
-    @property
-    def fill_ids(self) -> List[int]:
-        return list(self.token_ids)
-
-    @property
-    def finished_prefill(self) -> bool:
-        return self.fill_len == len(self.prompt)
-
-    @property
-    def origin_input_ids(self) -> List[int]:
-        return list(self.token_ids)
-
-    @property
-    def output_ids(self) -> List[int]:
-        return []
-
-    def pop_committed_kv_cache(self) -> int:
-        assert not self.kv_committed_freed, "committed KV freed twice"
-        self.kv_committed_freed = True
-        return self.kv_committed_len
+from sglang_cp_hicache.testing.v0_5_12.nsa_stack import RankStack, device_run_mismatches
 
 
 class RankDriver(StepLoop):
@@ -179,9 +115,14 @@ class RankDriver(StepLoop):
         self.host_peak_physical = 0
         self.host_peak_logical = 0
         self.lane_usage = LaneUsage.empty(len(self.ledger.start_lanes)) if shared_kv else None
+        self.budget = PrefillBudget(
+            self.cache, self.allocator, self.req_pool, self.page_size, len(self.ledger.start_lanes or [1]),
+            self.features.chunked_prefill_size,
+        )  # fmt: skip
+        self.forward = BatchForward(stack, self.counters, self._violation)
         self.observer = self._observe(counter)
         # SimConfig.pd: every finished prefill goes to the decode process (prefill roles only).
-        self.pd = pd_link.attach(stack) if shared_kv else None
+        self.pd = attach_pd_link(stack) if shared_kv else None
 
     # ------------------------------------------------------------- plumbing
     def _observe(self, counter: CollectiveCounter) -> CacheObserver:
@@ -230,7 +171,8 @@ class RankDriver(StepLoop):
                 self.counters.deferred_requests += 1
                 records.append(("deferred", req.rid))
                 continue
-            if not self._fits(reqs, req) or self._second_chunked(reqs, req):
+            fits = self.budget.fits(reqs, req, self._chunked)
+            if not fits or self.budget.second_chunked(reqs, req, self._chunked):
                 self._waiting.append(req)
                 records.append(("no_room", req.rid))
                 continue
@@ -252,7 +194,7 @@ class RankDriver(StepLoop):
             # Opened before the forward: per-layer backups are submitted during it.
             hold = device_module().hold_events() if self.features.inflight_steps else None
             try:
-                self._forward(reqs, out_cache_loc)
+                self.forward.run(reqs, out_cache_loc)
                 records += [self._finish(req) for req in reqs]
             finally:
                 if hold is not None:
@@ -273,7 +215,7 @@ class RankDriver(StepLoop):
         its next chunk it waits, keeping its lock."""
         chunked, self._chunked = self._chunked, []
         for req in chunked:
-            if self._fits(reqs, req):
+            if self.budget.fits(reqs, req, self._chunked):
                 reqs.append(req)
             else:
                 self._chunked.append(req)
@@ -295,52 +237,8 @@ class RankDriver(StepLoop):
         take = getattr(self.cache, "take_split_deferral", None)  # not on the baseline
         return take is not None and take(req)
 
-    def _fits(self, planned: List[SimReq], req: SimReq) -> bool:
-        """PrefillAdder's token budget: the batch's new pages fit in free plus evictable
-        device memory (locked pages, e.g. of writes in flight, do not count), with one page
-        per owner lane of slack. Without it a request waits, as upstream's NO_TOKEN; so
-        does one without a free request slot (upstream's running-request limit)."""
-        new_slots = sum(1 for other in (*planned, req) if other.req_pool_idx is None)
-        if new_slots > self.req_pool.available_size():
-            return False
-        budget = self.allocator.available_size() + self.cache.evictable_size()
-        budget -= self.page_size * len(self.ledger.start_lanes or [1])
-        budget -= self._lock_cost(req.last_node)  # admission locks its device prefix
-        for other in (*planned, req):
-            # Not yet admitted (req): its host hit still needs device pages for the load.
-            host_hit = other.host_hit_length if other is req else 0
-            end = self._chunk_end(other, len(other.prefix_indices) + host_hit)
-            new_tokens = end - len(other.prefix_indices)
-            budget -= -(-new_tokens // self.page_size) * self.page_size
-        return budget >= 0 or not (planned or self.cache.ongoing_write_through or self._chunked)
-
-    def _second_chunked(self, planned: List[SimReq], req: SimReq) -> bool:
-        """Upstream runs one chunked request at a time: another one that needs chunking
-        waits (PrefillAdder with ``has_chunked_req``)."""
-        if not self._chunks_left(req, len(req.prefix_indices) + req.host_hit_length):
-            return False
-        chunked = (o for o in planned if self._chunks_left(o, len(o.prefix_indices)))
-        return any(True for _ in chunked) or bool(self._chunked)
-
-    def _chunks_left(self, req: SimReq, start: int) -> bool:
-        return self._chunk_end(req, start) < len(req.prompt)
-
-    def _lock_cost(self, node: Any) -> int:
-        """Evictable tokens that locking ``node`` (and so its ancestors) takes away."""
-        cost = 0
-        while node is not self.cache.root_node:
-            if node.lock_ref == 0:
-                cost += len(node.key)
-            node = node.parent
-        return cost
-
-    def _chunk_end(self, req: SimReq, start: int) -> int:
-        """PrefillAdder's chunking: at most ``chunked_prefill_size`` new tokens per step."""
-        size = self.features.chunked_prefill_size
-        return len(req.prompt) if size == 0 else min(len(req.prompt), start + size)
-
     def _next_chunk(self, req: SimReq) -> None:
-        req.fill_len = self._chunk_end(req, len(req.prefix_indices))
+        req.fill_len = self.budget.chunk_end(req, len(req.prefix_indices))
 
     def _match(self, req: SimReq) -> None:
         key = RadixKey(list(req.prompt[: len(req.prompt) - 1]))  # SGLang: input_len - 1
@@ -396,64 +294,6 @@ class RankDriver(StepLoop):
             for req, seq_len in zip(reqs, seq_lens):
                 req.kv_committed_len = seq_len
         return out_cache_loc, ("alloc", available_before, self.allocator.available_size())
-
-    def _forward(self, reqs: List[SimReq], out_cache_loc: torch.Tensor) -> None:
-        """What the model does with the batch: read the hit, write the new tokens' KV."""
-        offset = 0
-        for req in reqs:
-            tokens = torch.tensor(req.token_ids, dtype=torch.int64)
-            prefix_len, seq_len = len(req.prefix_indices), len(tokens)
-            new_locs = out_cache_loc[offset : offset + seq_len - prefix_len]
-            offset += seq_len - prefix_len
-            mismatches, checked = 0, 0
-            draft_mismatches, draft_checked = 0, 0
-            if not req.started:
-                mismatches, checked = verify_hit(self.stack, req.prefix_indices, tokens[:prefix_len])
-                if self.stack.draft_pool is not None:
-                    # Every hit checks the draft's bytes too: a target hit with lost draft
-                    # KV is a mismatch, never a good hit.
-                    draft_mismatches, draft_checked = verify_hit(
-                        self.stack, req.prefix_indices, tokens[:prefix_len], draft=True
-                    )
-            if mismatches:
-                self._violation(
-                    f"request {req.request.index}: {mismatches} of {checked} owned hit tokens "
-                    f"have wrong KV/indexer bytes"
-                )
-            if draft_mismatches:
-                self._violation(
-                    f"request {req.request.index}: {draft_mismatches} of {draft_checked} owned "
-                    f"hit tokens have wrong draft KV/indexer bytes"
-                )
-            new_positions = torch.arange(prefix_len, seq_len)
-            write_prefill_kv(self.stack, new_locs, tokens[prefix_len:], new_positions)
-            if req.started:
-                continue  # a later chunk: its prefix is this request's own KV, not a hit
-            req.started = True
-            c = self.counters
-            c.kv_mismatches += mismatches
-            c.kv_checked_tokens += checked
-            c.draft_kv_mismatches += draft_mismatches
-            c.draft_kv_checked_tokens += draft_checked
-            c.requests += 1
-            c.prompt_tokens += len(req.prompt)
-            c.device_hit_tokens += req.device_hit
-            c.host_matched_tokens += req.host_hit_length
-            c.host_hit_tokens += req.loaded
-            c.load_backs += int(req.loaded > 0)
-            c.load_back_failures += int(req.host_hit_length > 0 and req.loaded == 0)
-        self._report_layers()
-
-    def _report_layers(self) -> None:
-        """The NSA hooks' notifications of one forward: each layer's end (its KV and index K
-        stored; here all were written above), then the forward's end; with the MTP draft,
-        the same for the draft forward, which SGLang runs after the target's."""
-        for pool in (self.stack.kv_pool, self.stack.draft_pool):
-            if pool is None:
-                continue
-            for layer in range(pool.start_layer, pool.start_layer + pool.layer_num):
-                cp_layer_backup.notify_layer_stored(pool, layer)
-            cp_layer_backup.notify_forward_end(pool)
 
     def _finish(self, req: SimReq) -> tuple:
         """After the forward: retraction (KV freed uninserted, re-queued), the chunked

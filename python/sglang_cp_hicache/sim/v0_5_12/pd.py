@@ -26,11 +26,12 @@ def prefill_role(
     """Role: rank ``rank`` of the main column (``rank.cp_rank_main``) with its transfers."""
     from sglang_cp_hicache.sim.v0_5_12.rank import cp_rank_main
     from sglang_cp_hicache.testing.dist import init_rank_groups
-    from sglang_cp_hicache.testing.v0_5_12 import pd_harness
+    from sglang_cp_hicache.testing.v0_5_12.pd_harness.context import install_parallel_state
+    from sglang_cp_hicache.testing.v0_5_12.pd_harness.scenario import plant_bug
 
     ctx = init_rank_groups(rank, cfg.cp_size, ports.gloo, timeout_s=cfg.timeout_s)
-    pd_harness.install_parallel_state(cfg.cp_size, rank)  # what upstream's PD managers read
-    pd_harness.plant_bug(_PD_FAULTS.get(cfg.fault), rank, cfg.cp_size)
+    install_parallel_state(cfg.cp_size, rank)  # what upstream's PD managers read
+    plant_bug(_PD_FAULTS.get(cfg.fault), rank, cfg.cp_size)
     pd_link.expect(channel, ctx, cfg, ports)  # the driver attaches it to the stack it runs
     return cp_rank_main(ctx, cfg, steps, shard_impl)
 
@@ -38,16 +39,20 @@ def prefill_role(
 def decode_role(channel: Any, cfg: SimConfig, ports: Any, decode_pages: int) -> PDDecodeStats:
     """Role: the decode server; receives and checks each relayed request, then releases
     it, until the harness sends None; the stats cover every request."""
-    from sglang_cp_hicache.testing.v0_5_12 import pd_harness, scheduler_batch
+    from sglang_cp_hicache.testing.pd.steps import load_plugins
+    from sglang_cp_hicache.testing.v0_5_12 import scheduler_batch
+    from sglang_cp_hicache.testing.v0_5_12.pd_harness.context import install_parallel_state
+    from sglang_cp_hicache.testing.v0_5_12.pd_harness.decode import DecodeServer
+    from sglang_cp_hicache.testing.v0_5_12.pd_harness.scenario import PDScenario
 
-    pd_harness.load_plugins()  # installed beside SGLang on the decode server too (flag off)
-    pd_harness.install_parallel_state(1, 0)
-    scenario = pd_harness.PDScenario(
+    load_plugins()  # installed beside SGLang on the decode server too (flag off)
+    install_parallel_state(1, 0)
+    scenario = PDScenario(
         cp_size=1, steps=(), draft=cfg.draft, layer_num=cfg.layer_num,
         decode_pages=decode_pages, seed=cfg.seed,
     )  # fmt: skip
     with scheduler_batch.cpu_scheduler_server_args(cfg.page_size):
-        server = pd_harness.DecodeServer(scenario, ports)
+        server = DecodeServer(scenario, ports)
         return serve_relayed(channel, cfg.timeout_s, server, server.stack.allocator.available_size)
 
 

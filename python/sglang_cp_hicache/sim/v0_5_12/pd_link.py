@@ -18,19 +18,21 @@ import torch.distributed
 from sglang_cp_hicache.core.rotation import lane_of
 from sglang_cp_hicache.sim import pd as sim_pd
 from sglang_cp_hicache.sim.config import SimConfig
-from sglang_cp_hicache.sim.pd import PrefillLink, attach
+from sglang_cp_hicache.sim.pd import PrefillLink
 
 
 def open_link(channel: Any, ctx: Any, cfg: SimConfig, ports: Any, stack: Any) -> PrefillLink:
     """The harness's ``PrefillRank`` over ``stack`` (the plugin's CP shared-KV stack), once
     every rank registered with the bootstrap server."""
-    from sglang_cp_hicache.testing.v0_5_12 import pd_harness, scheduler_batch
+    from sglang_cp_hicache.testing.v0_5_12 import scheduler_batch
+    from sglang_cp_hicache.testing.v0_5_12.pd_harness.prefill import PrefillRank
+    from sglang_cp_hicache.testing.v0_5_12.pd_harness.scenario import PDScenario
 
-    scenario = pd_harness.PDScenario(
+    scenario = PDScenario(
         cp_size=cfg.cp_size, steps=(), draft=cfg.draft, layer_num=cfg.layer_num,
     )  # fmt: skip
     with scheduler_batch.cpu_scheduler_server_args(cfg.page_size):
-        server = pd_harness.PrefillRank(ctx, scenario, ports, stack=stack)
+        server = PrefillRank(ctx, scenario, ports, stack=stack)
     torch.distributed.barrier(group=ctx.cp_group)
 
     def owned(page_locs: torch.Tensor) -> torch.Tensor:
@@ -44,4 +46,4 @@ def expect(channel: Any, ctx: Any, cfg: SimConfig, ports: Any) -> None:
     sim_pd.expect(functools.partial(open_link, channel, ctx, cfg, ports))
 
 
-__all__ = ["PrefillLink", "attach", "expect", "open_link"]
+__all__ = ["expect", "open_link"]

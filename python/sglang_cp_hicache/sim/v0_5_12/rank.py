@@ -118,8 +118,8 @@ def baseline_rank_main(ctx: RankContext, cfg: SimConfig, steps: List[List[Reques
     """
     from sglang.srt.mem_cache import allocator as upstream_allocator
 
+    from sglang_cp_hicache.sim.engine import FaultHooks
     from sglang_cp_hicache.sim.v0_5_12.driver import RankDriver
-    from sglang_cp_hicache.sim.v0_5_12.faults import FaultHooks
     from sglang_cp_hicache.sim.v0_5_12.observed_cache import ObservedUpstreamHiRadixCache
     from sglang_cp_hicache.testing.v0_5_12.allocators import NaiveExtendLaunch
     from sglang_cp_hicache.testing.v0_5_12.nsa_stack import build_rank_stack

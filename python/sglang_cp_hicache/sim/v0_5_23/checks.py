@@ -17,7 +17,7 @@ import torch
 
 from sglang_cp_hicache.core.rotation import lane_of, owner_of
 from sglang_cp_hicache.sim.engine import TreeSummary
-from sglang_cp_hicache.testing.v0_5_23.stack import RankStack
+from sglang_cp_hicache.testing.v0_5_23.rank_stack import RankStack
 
 # The DSA indexer's paged buffer: per page, ``page_size`` keys of 128 B, then as many
 # 4-byte scales (the layout ``DSATokenToKVPool.index_k_with_scale_buffer`` stores).

@@ -16,29 +16,26 @@ Per step (``Scheduler.get_next_batch_to_run`` -> ``_get_new_batch_prefill_raw`` 
 4. SGLang's own ``alloc_for_extend`` on a ``ScheduleBatch`` (req slots,
    ``alloc_paged_token_slots_extend`` with its eviction and, sharded, the rotation bases,
    the ``req_to_token`` rows);
-5. "forward": the hit's bytes checked on this rank's owned rows, the pattern KV and
-   indexer bytes of the new tokens written into them; with per-layer D2H backup (the
-   plugin column's default), ``Scheduler.run_batch``'s hook first reserves host slots
-   for the batch's new leaves, and the forward stores layer by layer through the pool's
-   own ``set_mla_kv_buffer`` (its store hook backs each layer up) inside
+5. "forward" (``forward.py``): the hit's bytes checked on this rank's owned rows, the
+   pattern KV and indexer bytes of the new tokens written into them; with per-layer D2H
+   backup (the plugin column's default), ``Scheduler.run_batch``'s hook first reserves host
+   slots for the batch's new leaves, and the forward stores layer by layer through the
+   pool's own ``set_mla_kv_buffer`` (its store hook backs each layer up) inside
    ``ModelRunner.forward``'s hook (the forward's end), as ``layer_backup.py`` expects;
 6. a middle chunk: ``checkpoint_kv_cache``; the last chunk: ``checkpoint_kv_cache``, then
    (the KV transfer done) ``release_kv_cache(checkpoint=True)`` and ``finish``; a
    retraction: ``release_kv_cache(checkpoint=False)``, the request re-queued.
 
-Requests are real ``Req`` objects. Only cache calls are timed, with collectives counted;
+Requests are real ``Req`` objects (``sim_req.py``). Only cache calls are timed, here (each
+``self._op(name)`` block, ``engine.OpTimer``), with collectives counted;
 checks, KV writes and the cross-rank agreement check run outside. All ranks make identical
 calls, so the decision log (hashed per step) must agree.
 """
 
 from __future__ import annotations
 
-import logging
-from array import array
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 
 from sglang_cp_hicache.sim.collectives import CollectiveCounter
@@ -52,95 +49,25 @@ from sglang_cp_hicache.sim.engine import (
     TreeSummary,
     Violations,
 )
+from sglang_cp_hicache.sim.pd import attach as attach_pd_link
 from sglang_cp_hicache.sim.results import LaneUsage, RankCounters, RankResult, SeriesPoint
 from sglang_cp_hicache.sim.v0_5_23.checks import (
     draft_bytes_per_token,
     poison_owned,
     rotation_problems,
-    store_draft_layer,
-    store_prefill_layer,
     tree_summary,
-    verify_draft_hit,
-    verify_hit,
-    write_draft_kv,
-    write_prefill_kv,
 )
-from sglang_cp_hicache.sim.v0_5_23.invariants import LayerBackupLedger, PoolLedger
-from sglang_cp_hicache.sim.v0_5_23 import pd_link
-from sglang_cp_hicache.sim.v0_5_23.observed_cache import CacheObserver, DeclinedInsert
+from sglang_cp_hicache.sim.v0_5_23.forward import BatchForward
+from sglang_cp_hicache.sim.v0_5_23.invariants import PoolLedger
+from sglang_cp_hicache.sim.v0_5_23.observed_cache import CacheObserver
+from sglang_cp_hicache.sim.v0_5_23.sim_req import RejectedKeys, SimReq
 from sglang_cp_hicache.sim.workload import Request
 from sglang_cp_hicache.testing import device_module
-from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import fresh_write_plan
-from sglang_cp_hicache.testing.v0_5_23.stack import RankStack
-
-logger = logging.getLogger(__name__)
+from sglang_cp_hicache.testing.v0_5_23.rank_stack import RankStack
 
 #: ``--max-prefill-tokens``' default: the input tokens one prefill batch may carry.
 MAX_PREFILL_TOKENS = 16384
 _OUTPUT_TOKEN = 0  # the one token a PD prefill server generates (never cached)
-
-
-@dataclass(eq=False)
-class SimReq:
-    """One trace request and its real ``Req`` (one per attempt: a retraction re-queues a
-    fresh one), with what the driver records of its first chunk."""
-
-    request: Request
-    attempt: int = 0
-    req: Any = None  # sglang.srt.managers.schedule_batch.Req
-    started: bool = False  # its first chunk ran (counters and the hit check are done)
-    device_hit: int = 0
-    host_hit: int = 0
-
-    def __post_init__(self) -> None:
-        from sglang.srt.managers.schedule_batch import Req
-        from sglang.srt.sampling.sampling_params import SamplingParams
-
-        if self.req is None:
-            self.req = Req(
-                rid=self.rid,
-                origin_input_text="",
-                origin_input_ids=array("q", self.request.token_ids),
-                sampling_params=SamplingParams(temperature=0, max_new_tokens=1),
-            )
-
-    @property
-    def rid(self) -> str:
-        return f"{self.request.index}:{self.attempt}"
-
-    @property
-    def prompt(self) -> Sequence[int]:
-        return self.request.token_ids
-
-    @property
-    def last_chunk(self) -> bool:
-        return self.req.extend_end == len(self.prompt)
-
-
-@dataclass
-class RejectedKeys:
-    """Keys of inserts the tree declined, to price the hits they cost: the page-aligned
-    prompt prefix a later request shares with a declined key, beyond what it matched.
-    Indexed by first page (only keys with the same first page can share a prefix)."""
-
-    page_size: int
-    by_first_page: Dict[Tuple[int, ...], List[np.ndarray]] = field(default_factory=dict)
-
-    def add(self, declined: DeclinedInsert) -> None:
-        key = np.asarray(declined.token_ids, dtype=np.int64)
-        if len(key) >= self.page_size:
-            self.by_first_page.setdefault(tuple(key[: self.page_size]), []).append(key)
-
-    def potential_match(self, prompt: Sequence[int]) -> int:
-        """The longest page-aligned prefix of ``prompt[:-1]`` any declined key holds."""
-        tokens = np.asarray(prompt[: len(prompt) - 1], dtype=np.int64)
-        best = 0
-        for key in self.by_first_page.get(tuple(tokens[: self.page_size]), ()):
-            n = min(len(key), len(tokens))
-            differ = np.nonzero(key[:n] != tokens[:n])[0]
-            common = int(differ[0]) if len(differ) else n
-            best = max(best, common // self.page_size * self.page_size)
-        return best
 
 
 class RankDriver(StepLoop):
@@ -197,46 +124,13 @@ class RankDriver(StepLoop):
             before_load=lambda locs: poison_owned(stack, locs),
         )
         self.observer.attach(stack)
-        self.layer_backup, self.layer_ledger = self._attach_layer_backup(features.per_layer_backup)
-        self.attention_layers = self._attention_layers() if self.layer_backup is not None else []
-        self.draft_attention_layers = self._draft_attention_layers()
+        self.forward = BatchForward(
+            stack, features.per_layer_backup, self.observer, self.counters, self._violation, self._count_first_chunk,
+            self.timer.untimed,
+        )
+        self.layer_ledger = self.forward.layer_ledger
         # SimConfig.pd: every finished prefill goes to the decode process (prefill roles only).
-        self.pd = pd_link.attach(stack) if stack.sharded else None
-
-    def _attach_layer_backup(self, per_layer: bool) -> Tuple[Any, Optional[LayerBackupLedger]]:
-        """The stack's per-layer D2H backup when the column runs it (the plugin's flag
-        attaches it at ``init_hicache`` on either host layout, or the stack's start-up
-        failed with ``PerLayerBackupUnavailable``), observed and checked;
-        (None, None) for upstream's all-layer path."""
-        from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of
-
-        if not per_layer:
-            return None, None
-        backup = layer_backup_of(self.cache)
-        if backup is None:
-            raise SimulationError("per_layer_backup: the stack has no per-layer D2H backup attached")
-        self.observer.attach_layer_backup(backup, self.stack)
-        return backup, LayerBackupLedger(backup, self.stack, self.counters, self._violation, self.timer.untimed)
-
-    def _attention_layers(self) -> List[Any]:
-        """The model's attention layers, as the pool's store door takes them."""
-        from sglang.srt.layers.radix_attention import RadixAttention
-
-        dim = self.stack.config.kv_cache_dim
-        return [
-            RadixAttention(num_heads=1, head_dim=dim, scaling=1.0, num_kv_heads=1, layer_id=layer_id)
-            for layer_id in range(self.stack.config.layer_num)
-        ]
-
-    def _draft_attention_layers(self) -> List[Any]:
-        """The MTP draft's attention layers (its own pool's layer ids); none without it."""
-        from sglang.srt.layers.radix_attention import RadixAttention
-
-        dim = self.stack.config.kv_cache_dim
-        return [
-            RadixAttention(num_heads=1, head_dim=dim, scaling=1.0, num_kv_heads=1, layer_id=layer_id)
-            for layer_id in range(self.stack.config.draft_layer_num)
-        ]
+        self.pd = attach_pd_link(stack) if stack.sharded else None
 
     # ----------------------------------------------------------------- steps
     def run(self, steps: Sequence[Sequence[Request]], progress: Any = None) -> RankResult:
@@ -284,7 +178,7 @@ class RankDriver(StepLoop):
             # Opened before the forward: per-layer backups are submitted during it.
             hold = device_module().hold_events() if self.features.inflight_steps else None
             try:
-                self._run_batch(schedule_batch, batch)
+                self.forward.run_batch(schedule_batch, batch)
                 records += [self._finish(sreq) for sreq in batch]
             finally:
                 if hold is not None:
@@ -429,104 +323,11 @@ class RankDriver(StepLoop):
         return schedule_batch, ("alloc", available_before, self.allocator.available_size())
 
     # --------------------------------------------------------------- forward
-    def _run_batch(self, schedule_batch: Any, batch: List[SimReq]) -> None:
-        """``Scheduler.run_batch``. With per-layer backup, through the plugin's hooks as a
-        scheduler runs them: ``run_batch``'s reserves host slots for the batch's new leaves
-        (``reserve_batch``), then the model forward inside ``ModelRunner.forward``'s (the
-        forward's end); only what they read of the scheduler and the model runner is
-        stood in. A forward the backup refuses (a layer skipped) stops every rank."""
-        if self.layer_backup is None:
-            self._forward(batch)
-            return
-        from types import SimpleNamespace
-
-        from sglang_cp_hicache.core.per_layer_backup import PerLayerBackupIncomplete
-        from sglang_cp_hicache.v0_5_23.backup.layer_backup import model_forward_around, run_batch_around
-
-        runner = SimpleNamespace(token_to_kv_pool=self.stack.kv_pool)  # the pool is the runner's
-        new_kv: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-
-        def model_forward(runner: Any, fb: Any) -> None:
-            new_kv.append(self._forward(batch))
-
-        def draft_forward(runner: Any, fb: Any) -> None:
-            fresh_write_plan(self.stack.draft_kv_pool)  # the draft pool caches its own plan
-            for layer in self.draft_attention_layers:
-                store_draft_layer(self.stack, layer, *new_kv[0])
-
-        def upstream_run_batch(scheduler: Any, sb: Any) -> None:
-            with self.layer_ledger.forward():
-                model_forward_around(model_forward, runner, None)
-                if self.stack.draft_kv_pool is not None:  # the EAGLE draft's extend, after the target's
-                    draft_runner = SimpleNamespace(token_to_kv_pool=self.stack.draft_kv_pool)
-                    model_forward_around(draft_forward, draft_runner, None)
-
-        try:
-            run_batch_around(upstream_run_batch, SimpleNamespace(tree_cache=self.cache), schedule_batch)
-        except PerLayerBackupIncomplete as exc:
-            raise SimulationError(f"per-layer backup refused the forward: {exc}") from None
-
-    def _forward(self, batch: List[SimReq]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What the model does with the batch: read the hit (target and MTP draft bytes),
-        write the new tokens' KV (with per-layer backup, layer by layer over the whole batch
-        through the pool; the draft's layer is then the draft forward's, in
-        :meth:`_run_batch`). Returns the batch's new (locs, tokens, positions)."""
-        rows = self.req_pool.req_to_token
-        new_kv: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        for sreq in batch:
-            req = sreq.req
-            locs = rows[req.kv.req_pool_idx, : req.extend_end].to(torch.int64)
-            tokens = torch.tensor(sreq.prompt[: req.extend_end], dtype=torch.int64)
-            prefix_len = req.prefix_len
-            if not sreq.started:
-                mismatches, checked = verify_hit(self.stack, locs[:prefix_len], tokens[:prefix_len])
-                if mismatches:
-                    self._violation(
-                        f"request {sreq.request.index}: {mismatches} of {checked} owned hit "
-                        "tokens have wrong KV/indexer bytes"
-                    )
-                self._count_first_chunk(sreq, mismatches, checked)
-                if self.stack.draft_kv_pool is not None:
-                    self._check_draft_hit(sreq, locs[:prefix_len], tokens[:prefix_len])
-            positions = torch.arange(prefix_len, req.extend_end)
-            new_kv.append((locs[prefix_len:], tokens[prefix_len:], positions))
-        batch_kv = tuple(torch.cat(parts) for parts in zip(*new_kv))
-        if self.layer_backup is None:
-            for locs, tokens, positions in new_kv:
-                write_prefill_kv(self.stack, locs, tokens, positions)
-                if self.stack.draft_kv_pool is not None:
-                    write_draft_kv(self.stack, locs, tokens, positions)
-            return batch_kv
-        fresh_write_plan(self.stack.kv_pool)  # what begin_shard_extend does to the pool's plan
-        for layer in self.attention_layers:
-            store_prefill_layer(self.stack, layer, *batch_kv)
-        return batch_kv
-
-    def _check_draft_hit(self, sreq: SimReq, hit_locs: torch.Tensor, hit_tokens: torch.Tensor) -> None:
-        """Every hit checks the MTP draft's bytes too: a target hit whose draft bytes were
-        lost (not backed up, not loaded back) is a draft mismatch, never a good hit."""
-        mismatches, checked = verify_draft_hit(self.stack, hit_locs, hit_tokens)
-        if mismatches:
-            self._violation(
-                f"request {sreq.request.index}: {mismatches} of {checked} owned hit tokens "
-                "have wrong MTP draft KV/indexer bytes"
-            )
-        self.counters.draft_kv_mismatches += mismatches
-        self.counters.draft_kv_checked_tokens += checked
-
     def _count_first_chunk(self, sreq: SimReq, mismatches: int, checked: int) -> None:
         sreq.started = True
         loaded = sreq.req.host_loaded_length
         c = self.counters
-        c.kv_mismatches += mismatches
-        c.kv_checked_tokens += checked
-        c.requests += 1
-        c.prompt_tokens += len(sreq.prompt)
-        c.device_hit_tokens += sreq.device_hit
-        c.host_matched_tokens += sreq.host_hit
-        c.host_hit_tokens += loaded
-        c.load_backs += int(loaded > 0)
-        c.load_back_failures += int(sreq.host_hit > 0 and loaded == 0)
+        c.count_first_chunk(len(sreq.prompt), sreq.device_hit, sreq.host_hit, loaded, mismatches, checked)
         if self.storage is not None:
             c.storage_hit_tokens += self.storage.hit_tokens(sreq)
         offered = sreq.device_hit + sreq.host_hit

@@ -11,7 +11,7 @@ import logging
 from typing import Any, Optional
 
 from sglang_cp_hicache.sim.engine import FaultHooks, plant_match_prefix_barrier
-from sglang_cp_hicache.testing.v0_5_23.stack import RankStack
+from sglang_cp_hicache.testing.v0_5_23.rank_stack import RankStack
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Sequence
 
 from sglang_cp_hicache.sim.common_checks import check_lock_refs, pending_io
 from sglang_cp_hicache.sim.engine import TreeSummary
-from sglang_cp_hicache.testing.v0_5_23.stack import RankStack
+from sglang_cp_hicache.testing.v0_5_23.rank_stack import RankStack
 
 
 class PoolLedger:

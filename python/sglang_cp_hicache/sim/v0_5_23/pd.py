@@ -29,7 +29,7 @@ def sim_pattern(cfg: SimConfig) -> Any:
     """The harness's ``KVPattern`` of what the simulator's forward stores (``checks.py``):
     the draft's layer ``i`` is pattern layer ``layer_num + i`` (its host tail layer)."""
     from sglang_cp_hicache.sim.v0_5_23.checks import expected_index_bytes, expected_kv_rows
-    from sglang_cp_hicache.testing.v0_5_23.pd_harness import KVPattern
+    from sglang_cp_hicache.testing.v0_5_23.pd_harness.scenario import KVPattern
 
     return KVPattern(kv=expected_kv_rows, index=expected_index_bytes, draft_first_layer=cfg.layer_num)
 
@@ -42,7 +42,7 @@ def prefill_role(
     (``pd_drop_draft`` is planted on the link, ``pd_link.drop_draft_blocks``)."""
     from sglang_cp_hicache.sim.v0_5_23.rank import sharded_rank_main
     from sglang_cp_hicache.testing.dist import init_rank_groups
-    from sglang_cp_hicache.testing.v0_5_23.pd_harness import planted_filter
+    from sglang_cp_hicache.testing.v0_5_23.pd_harness.scenario import planted_filter
 
     ctx = init_rank_groups(rank, cfg.cp_size, ports.gloo, timeout_s=cfg.timeout_s)
     plant = _PD_FAULTS.get(cfg.fault)
@@ -54,12 +54,13 @@ def prefill_role(
 def decode_role(channel: Any, cfg: SimConfig, ports: Any, decode_pages: int) -> PDDecodeStats:
     """Role: the decode server; receives and checks each relayed request, then releases
     it, until the harness sends None; the stats cover every request."""
-    from sglang_cp_hicache.testing.v0_5_23 import pd_harness
+    from sglang_cp_hicache.testing.pd.steps import load_plugins
+    from sglang_cp_hicache.testing.v0_5_23.pd_harness.decode import DecodeServer
 
-    pd_harness.load_plugins()  # installed beside SGLang on the decode server too (flag off)
+    load_plugins()  # installed beside SGLang on the decode server too (flag off)
     # A request row as long as the whole pool: room for the longest prompt.
     scenario = pd_link.pd_scenario(cfg, decode_pages * cfg.page_size, decode_pages)
-    server = pd_harness.DecodeServer(scenario, ports, pattern=sim_pattern(cfg))
+    server = DecodeServer(scenario, ports, pattern=sim_pattern(cfg))
     return serve_relayed(channel, cfg.timeout_s, server, server.allocator.available_size)
 
 

@@ -18,16 +18,16 @@ import torch.distributed
 
 from sglang_cp_hicache.sim import pd as sim_pd
 from sglang_cp_hicache.sim.config import SimConfig
-from sglang_cp_hicache.sim.pd import PrefillLink, attach
+from sglang_cp_hicache.sim.pd import PrefillLink
 
 
 def pd_scenario(cfg: SimConfig, context_len: int, decode_pages: int = 96) -> Any:
     """The harness scenario of a simulator run: its geometry, no steps of its own. With
     ``cfg.draft`` the prefill ranks send the stack's own MTP draft pool beside the target
     (upstream's ``num_draft_entries``) and the decode checks it too."""
-    from sglang_cp_hicache.testing.v0_5_23 import pd_harness
+    from sglang_cp_hicache.testing.v0_5_23.pd_harness.scenario import PDScenario
 
-    return pd_harness.PDScenario(
+    return PDScenario(
         cp_size=cfg.cp_size, steps=(), draft=cfg.draft, layer_num=cfg.layer_num,
         decode_pages=decode_pages, seed=cfg.seed, context_len=context_len,
     )  # fmt: skip
@@ -36,10 +36,10 @@ def pd_scenario(cfg: SimConfig, context_len: int, decode_pages: int = 96) -> Any
 def open_link(channel: Any, ctx: Any, cfg: SimConfig, ports: Any, stack: Any) -> PrefillLink:
     """The harness's ``PrefillRank`` over ``stack`` (sharded, the plugin's flag on its
     record or not), once every rank registered with the bootstrap server."""
-    from sglang_cp_hicache.testing.v0_5_23 import pd_harness
+    from sglang_cp_hicache.testing.v0_5_23.pd_harness.prefill import PrefillRank
 
     scenario = pd_scenario(cfg, stack.config.context_len)
-    server = pd_harness.PrefillRank(ctx, scenario, ports, stack=stack)
+    server = PrefillRank(ctx, scenario, ports, stack=stack)
     if cfg.fault == "pd_drop_draft":
         drop_draft_blocks(server.kv_manager, server.draft_pool)
     torch.distributed.barrier(group=ctx.cp_group)
@@ -66,4 +66,4 @@ def expect(channel: Any, ctx: Any, cfg: SimConfig, ports: Any) -> None:
     sim_pd.expect(functools.partial(open_link, channel, ctx, cfg, ports))
 
 
-__all__ = ["PrefillLink", "attach", "drop_draft_blocks", "expect", "open_link", "pd_scenario"]
+__all__ = ["drop_draft_blocks", "expect", "open_link", "pd_scenario"]

@@ -60,10 +60,10 @@ def _apply_plugin_hooks() -> None:
 
 
 def stack_config(cfg: SimConfig, steps: List[List[Request]]):
-    """One rank's ``testing.v0_5_23.stack.StackConfig``: the same per-rank device pool and
+    """One rank's ``testing.v0_5_23.rank_stack.StackConfig``: the same per-rank device pool and
     host ratio for every column. The sharded scratch's chunk region is the scheduler's
     chunk budget (``--chunked-prefill-size``) or, without chunking, a full batch."""
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
 
     context_len = max_context_len(steps, cfg.page_size)
     chunk = cfg.chunked_prefill_size or cfg.batch_size * context_len
@@ -163,7 +163,7 @@ def upstream_rank_main(
     """Upstream's unsharded cache (cp 1) with the same per-rank pools (``column``
     ``upstream_logical``: cp_size x them, the cp ranks' logical L1 + L2). No plugin hooks:
     SGLang as shipped; with ``storage_run``, upstream's own L3 backend attached."""
-    from sglang_cp_hicache.sim.v0_5_23.faults import FaultHooks
+    from sglang_cp_hicache.sim.engine import FaultHooks
     from sglang_cp_hicache.testing.v0_5_23.stack import build_unsharded_stack
 
     setup_rank_process(cfg, column)

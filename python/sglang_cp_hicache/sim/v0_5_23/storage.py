@@ -104,7 +104,7 @@ def open_storage(cfg: SimConfig) -> Iterator[Optional[StorageRun]]:
             if temporary:
                 shutil.rmtree(root, ignore_errors=True)
         return
-    from sglang_cp_hicache.testing.v0_5_23.storage import MooncakeMaster, free_ports
+    from sglang_cp_hicache.testing.v0_5_23.mooncake_store import free_ports, MooncakeMaster
 
     # One master per column: a master keeps a departed column's client segments
     # registered for a while and would place the next column's objects there.

@@ -1,5 +1,5 @@
 """A line's PD cluster run end to end: the roles of its :class:`PDLine` adapter
-(``<line>.pd_harness.LINE``) started in order (bootstrap server, prefill ranks, decodes),
+(``<line>.pd_harness.line.LINE``) started in order (bootstrap server, prefill ranks, decodes),
 registration awaited, results gathered (:func:`run_pd_cluster`, :func:`run_fault_cluster`,
 :func:`prefill_startup_failure`)."""
 
@@ -71,8 +71,6 @@ def run_pd_cluster(
     line: PDLine,
     scenario: Any,
     timeout_s: float = 150.0,
-    prefill_env: PDEnv = PDEnv(),
-    decode_env: PDEnv = PDEnv(),
 ) -> Dict[str, Any]:
     """Run ``scenario`` on one cluster of ``line``'s roles (bootstrap, ``cp_size`` prefill
     ranks, one decode), every process ended on return. Returns each role's result by name
@@ -83,9 +81,9 @@ def run_pd_cluster(
     with PDCluster() as cluster:
         cluster.start_bootstrap()
         for rank, name in enumerate(names):
-            cluster.start(name, line.prefill_role, rank, scenario, cluster.ports, env=prefill_env)
+            cluster.start(name, line.prefill_role, rank, scenario, cluster.ports)
         wait_registered(cluster, names, timeout_s)
-        cluster.start("decode", line.decode_role, scenario, cluster.ports, env=decode_env)
+        cluster.start("decode", line.decode_role, scenario, cluster.ports)
         results = cluster.results(names + ["decode"], timeout_s)
     results["all_ended"] = all(r.process.exitcode is not None for r in cluster.roles.values())
     results["wall_s"] = time.monotonic() - start

@@ -103,10 +103,11 @@ class RoleChannel:
         """Tell the harness something happened; do not wait."""
         self._conn.send(("event", name, payload))
 
-    def checkpoint(self, name: str, payload: Any = None, timeout_s: float = 60.0) -> Any:
-        """Report ``name`` and block until the harness answers it (its reply's payload)."""
+    def checkpoint(self, name: str, payload: Any = None) -> Any:
+        """Report ``name`` and block until the harness answers it (its reply's payload), 60 s
+        at most."""
         self.event(name, payload)
-        return self.wait(name, timeout_s)
+        return self.wait(name, 60.0)
 
     def wait(self, name: str, timeout_s: float) -> Any:
         """Block until the harness sends ``name``; raise after ``timeout_s``."""
@@ -263,11 +264,12 @@ class PDCluster:
         self.roles[name] = role
         return role
 
-    def start_bootstrap(self, timeout_s: float = 30.0) -> RoleProcess:
-        """The bootstrap server's process; returns once it answers its health check."""
+    def start_bootstrap(self) -> RoleProcess:
+        """The bootstrap server's process; returns once it answers its health check (30 s
+        at most for each of its two signs)."""
         role = self.start("bootstrap", serve_bootstrap, LOOPBACK, self.ports.bootstrap, self.lifetime_s)
-        role.wait_event("serving", timeout_s)
-        wait_until_serving(LOOPBACK, self.ports.bootstrap, timeout_s)
+        role.wait_event("serving", 30.0)
+        wait_until_serving(LOOPBACK, self.ports.bootstrap, 30.0)
         return role
 
     def results(self, names: List[str], timeout_s: float) -> Dict[str, Any]:

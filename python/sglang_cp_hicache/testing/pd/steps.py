@@ -5,11 +5,14 @@
 from __future__ import annotations
 
 import time
-from typing import Any, List
+from typing import Any, Callable, ContextManager, Dict, List, Optional
 
+from sglang_cp_hicache.testing.pd.cluster import hold_if_asked
+from sglang_cp_hicache.testing.pd.roles import REGISTERED, RoleChannel
 from sglang_cp_hicache.testing.pd.scenario import (
     DecodeOutcome,
     DecodeReport,
+    EvictDevice,
     PDRequest,
     PrefillOutcome,
 )
@@ -30,11 +33,44 @@ def load_plugins() -> None:
 class PrefillSteps:
     """What a prefill rank of either line does around upstream's PD prefill path.
 
-    The line's class sets ``ctx`` (its CP group), ``queue`` (upstream's
-    ``PrefillBootstrapQueue``), ``kv_manager``, ``baseline`` (from ``_resources``) and
-    defines ``_resources()`` (what a finished request gives back) and ``_poll(req)`` (the
-    CP-all-reduced poll).
+    The line's class sets ``ctx`` (its CP group), ``scenario``, ``stack`` (its rank stack),
+    ``queue`` (upstream's ``PrefillBootstrapQueue``), ``kv_manager``, ``meter`` (a
+    ``SentBytesMeter``), ``metadata_allocator``, ``baseline`` (from ``_resources``) and
+    defines ``_free_kv()`` (free logical KV tokens), ``_poll(req)`` (the CP-all-reduced
+    poll), ``evict_device()`` and ``serve(channel, spec)``.
     """
+
+    def serve_steps(
+        self, channel: RoleChannel, planted_filter: Callable[[Optional[str], int, int], ContextManager]
+    ) -> List[PrefillOutcome]:
+        """Registered, held if the scenario asks, then the scenario's steps in order: each
+        request (to this cluster's bootstrap) served under its plant, ``EvictDevice`` evicts."""
+        channel.event(REGISTERED)
+        hold_if_asked(channel, self.scenario)
+        outcomes = []
+        for step in self.scenario.steps:
+            if isinstance(step, EvictDevice):
+                self.evict_device()
+            elif step.bootstrap_port is None:  # requests to another bootstrap never reach prefill
+                with planted_filter(self.scenario.plant_for(step.rid), self.ctx.rank, self.scenario.cp_size):
+                    outcomes.append(self.serve(channel, step))
+        return outcomes
+
+    def _resources(self) -> Dict[str, int]:
+        """What a finished request must give back: free + evictable logical KV, request
+        slots, metadata slots, and no locked tree tokens."""
+        cache = self.stack.cache
+        return {
+            "kv_free_or_evictable": self._free_kv() + cache.evictable_size(),
+            "req_slots": self.stack.req_to_token_pool.available_size(),
+            "metadata_slots": self.metadata_allocator.available_size(),
+            "locked_tokens": cache.protected_size(),
+        }
+
+    def _payload_bytes(self, out: PrefillOutcome, bytes_before: int) -> int:
+        """The bytes sent since ``bytes_before`` less the aux data (sent on success only)."""
+        aux_bytes = sum(self.kv_manager.kv_args.aux_item_lens) if out.success else 0
+        return self.meter.total - bytes_before - aux_bytes
 
     def _leaks(self) -> List[str]:
         now = self._resources()

@@ -1,6 +1,7 @@
 """``python -m sglang_cp_hicache.testing.server`` (``scripts/serve_cpu.sh``): SGLang's own PD
 cluster on this CPU box, the sharded prefill against its unsharded reference, every scenario
-(or the ones named), a table per scenario, exit 1 on any difference or unmet expectation.
+(or the ones named), a table per scenario, exit 1 on any difference or unmet expectation;
+or, with ``--keep``, the cluster kept up for one's own requests (:mod:`.keep`).
 
 Every process it starts runs in its own process group and is ended when it stops (also on
 Ctrl-C); logs stay in the run folder.
@@ -11,15 +12,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import random
 import tempfile
 import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
 from sglang_cp_hicache.testing.server.client import TIERS
+from sglang_cp_hicache.testing.server.keep import keep
 from sglang_cp_hicache.testing.server.launch import line_launch
 from sglang_cp_hicache.testing.server.scenarios import BY_NAME, Scenario, ScenarioReport, scenarios_for, trace_replay
 from sglang_cp_hicache.testing.server.session import REFERENCE, SHARDED, ServingSession
+from sglang_cp_hicache.testing.server.soak import SoakConfig, run_soak
 from sglang_cp_hicache.testing.server.tiny_model import TinyDsaSpec, ensure_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -37,7 +41,16 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--run-dir", type=Path, default=None, help="logs and L3 folders (default: a new temp folder)")
     parser.add_argument("--json", type=Path, default=None, help="write every report as JSON here")
     parser.add_argument("--model-seed", type=int, default=0, help="the tiny checkpoint's seed")
+    parser.add_argument("--keep", action="store_true", help="run no scenario: serve until Ctrl-C or SIGTERM, then end every process")
+    parser.add_argument("--urls-file", type=Path, default=None, help="with --keep: write the routers' and servers' URLs here as JSON")
+    parser.add_argument("--soak", type=float, default=None, metavar="MINUTES", help="run no scenario: a soak with faults (testing/server/soak.py)")
+    parser.add_argument("--soak-seed", type=int, default=None, help="the soak's seed (default: drawn and printed)")
+    parser.add_argument("--soak-concurrency", type=int, default=8)
     args = parser.parse_args(argv)
+    if args.urls_file is not None and not args.keep:
+        parser.error("--urls-file needs --keep")
+    if args.keep and args.soak is not None:
+        parser.error("--keep and --soak: one at a time")
     if args.cp is not None and args.cp != args.tp:
         parser.error(f"--cp {args.cp} != --tp {args.tp}: a DSA interleave prefill's CP size is its TP size")
     unknown = [n for n in args.scenarios.split(",") if n and n not in BY_NAME]
@@ -80,6 +93,11 @@ def run(args: argparse.Namespace) -> int:
     model = ensure_checkpoint(TinyDsaSpec(seed=args.model_seed))
     started = time.monotonic()
     print(f"serve_cpu: sglang {line_launch().release}, prefill tp {args.tp}, run folder {run_dir}", flush=True)
+    if args.keep:
+        return keep(run_dir, model, args.tp, args.urls_file)
+    if args.soak is not None:
+        seed = args.soak_seed if args.soak_seed is not None else random.randrange(1 << 31)
+        return run_soak(run_dir, model, args.tp, SoakConfig(args.soak, seed, args.soak_concurrency), args.json)
     session = ServingSession.start(run_dir, model, tp=args.tp)
     reports: List[ScenarioReport] = []
     try:

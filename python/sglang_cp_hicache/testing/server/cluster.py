@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 from sglang_cp_hicache.testing.mooncake_master import master_argv
 from sglang_cp_hicache.testing.server import launch
+from sglang_cp_hicache.testing.server.jit_prebuild import NativeHashPrebuild
 from sglang_cp_hicache.testing.server.launch import Endpoint, LineLaunch, PrefillSpec, ServerEnv
 from sglang_cp_hicache.testing.server.metrics import Metrics
 from sglang_cp_hicache.testing.server.processes import (
@@ -33,9 +34,14 @@ logger = logging.getLogger(__name__)
 SERVER_READY_S = 420.0  # a server start on 2 busy cores takes 20-120 s
 ROUTER_READY_S = 120.0
 MASTER_READY_S = 15.0
-#: PD waits the servers are started with (seconds): a dead decode frees a prefill's request
-#: within the bootstrap timeout; two missed heartbeats are too few on a loaded 2-core box.
-PD_TIMEOUT_S = 30
+#: PD waits the servers are started with (seconds). The prefill's bootstrap wait covers a
+#: request's wait for the decode's admission: the decode admits about 14 requests at once
+#: (8192 tokens, 512 reserved per request), so the last prompts of a 300-prompt batch wait
+#: out the batch (30 s failed it with HTTP 500 on a loaded box). A prefill frees a request
+#: whose decode died before taking it only at this timeout. The decode's wait for the
+#: prefill's KV starts once the prefill has taken the request.
+PD_BOOTSTRAP_TIMEOUT_S = 120
+PD_WAITING_TIMEOUT_S = 60
 LOG_ERRORS = re.compile(r"Traceback \(most recent call last\)|\bERROR\b|KVTransferError|out of memory")
 ANSI_CODES = re.compile(r"\x1b\[[0-9;]*m")  # the router colours its level names
 
@@ -54,7 +60,7 @@ def pd_environment() -> Dict[str, str]:
     """SGLang's Mooncake PD on loopback TCP (``testing/pd.py``'s knobs, the harness's timeouts)."""
     from sglang_cp_hicache.testing.pd import PDEnv, role_env
 
-    return role_env(PDEnv(bootstrap_timeout_s=PD_TIMEOUT_S, waiting_timeout_s=PD_TIMEOUT_S))
+    return role_env(PDEnv(bootstrap_timeout_s=PD_BOOTSTRAP_TIMEOUT_S, waiting_timeout_s=PD_WAITING_TIMEOUT_S))
 
 
 @dataclass
@@ -87,10 +93,16 @@ class Router:
     process: ManagedProcess
     prefill: Server
     decode: Server
+    metrics_port: int
 
     @property
     def url(self) -> str:
         return self.endpoint.url
+
+    @property
+    def metrics_url(self) -> str:
+        """The router's own Prometheus endpoint (its ``--prometheus-port``)."""
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
 
 @dataclass
@@ -124,6 +136,7 @@ class ServingCluster:
         self.env = ServerEnv(
             write_site_folder(self.run_dir / "site"), self.run_dir / "tmp", pd_environment()
         )
+        self.prebuild = NativeHashPrebuild(self.env.plain(), self.run_dir / "logs" / "prebuild.log")
 
     # ------------------------------------------------------------------ components
     def _managed(
@@ -137,12 +150,11 @@ class ServingCluster:
         return process
 
     def prefill(self, spec: PrefillSpec) -> Server:
-        port, bootstrap = free_ports(2)
-        endpoint = Endpoint(port, bootstrap)
+        port, bootstrap, events = free_ports(3)
+        endpoint = Endpoint(port, bootstrap, events if spec.kv_events else 0)
         argv = launch.prefill_argv(self.line, self.model, endpoint, spec)
-        extra = spec.storage.env() if spec.storage is not None else {}
         process = self._managed(
-            spec.name, argv, self.env.for_tp(spec.tp, extra), healthy(endpoint.url), SERVER_READY_S
+            spec.name, argv, self.env.for_tp(spec.tp, spec.env()), healthy(endpoint.url), SERVER_READY_S
         )
         return Server(spec.name, endpoint, process, spec)
 
@@ -159,7 +171,7 @@ class ServingCluster:
         process = self._managed(
             name, argv, self.env.plain(), router_ready(endpoint.url, 2), ROUTER_READY_S
         )
-        return Router(name, endpoint, process, prefill, decode)
+        return Router(name, endpoint, process, prefill, decode, prometheus)
 
     def mooncake_master(self, name: str = "mooncake-master") -> "MooncakeMaster":
         """Start a Mooncake master on loopback (a ``mooncake`` L3 tier's store)."""
@@ -173,8 +185,10 @@ class ServingCluster:
     def start(self, *components) -> Dict[str, float]:
         """Start ``components`` together, then wait for each; their start times (s)."""
         processes = [getattr(c, "process", c) for c in components]
+        self.prebuild.start()  # once, beside the first servers' start
         for process in processes:
             process.start()
+        self.prebuild.wait()  # before any request (upstream builds it at the first storage query)
         for process in processes:
             self.start_times[process.name] = process.wait_ready()
         return {p.name: self.start_times[p.name] for p in processes}
@@ -186,6 +200,7 @@ class ServingCluster:
     def close(self) -> None:
         """End every process this cluster started, newest first; raise naming any leak."""
         leaks = []
+        self.prebuild.stop()
         for process in reversed(list(self.processes.values())):
             try:
                 process.stop()
@@ -217,4 +232,4 @@ class ServingCluster:
         self.close()
 
 
-__all__ = ["MooncakeMaster", "PD_TIMEOUT_S", "Router", "Server", "ServingCluster", "log_errors", "pd_environment"]
+__all__ = ["MooncakeMaster", "PD_BOOTSTRAP_TIMEOUT_S", "PD_WAITING_TIMEOUT_S", "Router", "Server", "ServingCluster", "log_errors", "pd_environment"]

@@ -10,6 +10,7 @@ evict at the same logical fill.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -27,6 +28,10 @@ CHUNKED_PREFILL_SIZE = 512  # a prompt of more than 512 tokens is prefilled in c
 #: device (a fixed --hicache-size of 1 GB per rank took 2 GB of the box per TP 2 server).
 HICACHE_RATIO = 4
 ROUTER_REQUEST_TIMEOUT_S = 180
+#: Set to "1" for an unsharded CP prefill with an L3 tier: the 0.5.23 runtime then lets every
+#: CP rank write its own pages (``testing/v0_5_23/server_runtime.py``; upstream keys L3 pages
+#: by CP rank but lets only TP rank 0 of an MLA model write, so they never read back).
+UNSHARDED_CP_L3_WRITERS_ENV = "SGLANG_CP_HICACHE_UNSHARDED_CP_L3_WRITERS"
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ class PrefillSpec:
     storage: Optional[StorageSpec] = None
     logical_tokens: int = LOGICAL_TOKENS
     extra_args: Tuple[str, ...] = ()
+    kv_events: bool = False  # a KV event publisher (--kv-events-config) on a port of its own
 
     @property
     def cp(self) -> int:
@@ -63,6 +69,14 @@ class PrefillSpec:
     def max_total_tokens(self) -> int:
         return self.logical_tokens // self.cp if self.sharded and self.cp > 1 else self.logical_tokens
 
+    def env(self) -> Dict[str, str]:
+        """What this prefill's environment adds: its L3 tier's, and for an unsharded CP
+        prefill with one, :data:`UNSHARDED_CP_L3_WRITERS_ENV`."""
+        if self.storage is None:
+            return {}
+        writers = {UNSHARDED_CP_L3_WRITERS_ENV: "1"} if not self.sharded and self.cp > 1 else {}
+        return {**self.storage.env(), **writers}
+
 
 @dataclass(frozen=True)
 class Endpoint:
@@ -70,10 +84,16 @@ class Endpoint:
 
     port: int
     bootstrap_port: int = 0
+    kv_events_port: int = 0  # 0: no KV event publisher
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def kv_events_url(self) -> str:
+        """The KV event publisher's ZMQ endpoint (a SUB connects here)."""
+        return f"tcp://127.0.0.1:{self.kv_events_port}"
 
 
 class LineLaunch(Protocol):
@@ -82,9 +102,14 @@ class LineLaunch(Protocol):
     release: str
     supports_storage_under_flag: bool
     lane_decisions_logged: bool
+    #: the main cluster's prefills publish KV events (``--kv-events-config``)
+    publishes_kv_events: bool
     #: TP size of an extra unsharded reference for the decode tokens, where the line's
     #: unsharded CP reference is exact for the first token only (None: exact for all).
     decode_reference_tp: Optional[int]
+    #: The flag's server refuses (HTTP 400) requests upstream would serve wrongly or die on
+    #: (token ids outside the vocabulary, ...: the 0.5.23 line's ``admission`` room).
+    refuses_unservable_requests: bool
 
     def model_args(self, decode: bool) -> List[str]:
         """The attention backend flags of a prefill (``decode=False``) or decode server."""
@@ -131,9 +156,11 @@ class ServerEnv:
     pd: Dict[str, str] = field(default_factory=dict)
 
     def plain(self) -> Dict[str, str]:
-        """This process's environment with temporary files in the run's folder."""
+        """This process's environment with temporary files in the run's folder, torch's JIT
+        extensions too (built there before the servers start: ``jit_prebuild.py``)."""
         self.temp_folder.mkdir(parents=True, exist_ok=True)
-        return {**os.environ, "TMPDIR": str(self.temp_folder)}
+        extensions = self.temp_folder / "torch_extensions"
+        return {**os.environ, "TMPDIR": str(self.temp_folder), "TORCH_EXTENSIONS_DIR": str(extensions)}
 
     def for_tp(self, tp: int, extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
         env = self.plain()
@@ -179,7 +206,14 @@ def prefill_argv(line: LineLaunch, model: Path, endpoint: Endpoint, spec: Prefil
     ]  # fmt: skip
     if spec.storage is not None:
         args += line.storage_args(spec.storage)
+    if endpoint.kv_events_port:
+        args += ["--kv-events-config", kv_events_config(endpoint)]
     return server_argv(model, endpoint, spec.tp, args + list(spec.extra_args))
+
+
+def kv_events_config(endpoint: Endpoint) -> str:
+    """SGLang's ``KVEventsConfig`` JSON: a ZMQ PUB bound on loopback at the endpoint's port."""
+    return json.dumps({"publisher": "zmq", "endpoint": endpoint.kv_events_url, "bind": True})
 
 
 def decode_argv(line: LineLaunch, model: Path, endpoint: Endpoint) -> List[str]:
@@ -216,7 +250,9 @@ __all__ = [
     "SERVER_KEEP_ALIVE_S",
     "ServerEnv",
     "StorageSpec",
+    "UNSHARDED_CP_L3_WRITERS_ENV",
     "decode_argv",
+    "kv_events_config",
     "line_launch",
     "omp_binding",
     "prefill_argv",

@@ -335,10 +335,10 @@ def wipe_device_kv(stack: RankStack) -> None:
             pool.index_k_with_scale_buffer[layer].zero_()
 
 
-def radix_key(token_ids: list, extra_key: Optional[str] = None):
+def radix_key(token_ids: list):
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    return RadixKey(list(token_ids), extra_key)
+    return RadixKey(list(token_ids))
 
 
 def insert_at_root(stack: RankStack, token_ids: list, locs: Optional[torch.Tensor] = None):

@@ -18,18 +18,18 @@ Nothing here is used on a GPU deployment.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import sys
 import types
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
-from sglang_cp_hicache.testing.device import CPU_DEVICE_MODULE, CpuDeviceModule
+from sglang_cp_hicache.testing.device import CPU_DEVICE_MODULE
 
 logger = logging.getLogger(__name__)
 
-_plan: Optional["InstallPlan"] = None
 _CONTROLLER_MODULES = (
     "sglang.srt.managers.cache_controller",
     "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller",
@@ -152,14 +152,12 @@ def apply(plan: InstallPlan) -> None:
         importlib.import_module("sglang_cp_hicache.testing.v0_5_12.selftest_kernels")
 
 
+@functools.cache
 def install() -> InstallPlan:
     """Install what this process is missing of the CPU runtime, once; return the plan."""
-    global _plan
-    if _plan is None:
-        plan = plan_install()
-        apply(plan)
-        _plan = plan
-    return _plan
+    plan = plan_install()
+    apply(plan)
+    return plan
 
 
 def warm_import() -> None:
@@ -168,7 +166,6 @@ def warm_import() -> None:
 
 
 __all__ = [
-    "CpuDeviceModule",
     "InstallPlan",
     "RealKernelMissing",
     "apply",

@@ -335,9 +335,9 @@ class TwinRank:
         return problems
 
 
-def written_slots(pool: Any, layer: int = 0) -> torch.Tensor:
-    """Physical token slots of ``layer`` holding data, padding page excluded (sorted)."""
-    rows = pool.kv_buffer[layer].flatten(1).abs().sum(dim=1)
+def written_slots(pool: Any) -> torch.Tensor:
+    """Physical token slots of layer 0 holding data, padding page excluded (sorted)."""
+    rows = pool.kv_buffer[0].flatten(1).abs().sum(dim=1)
     rows[: pool.page_size] = 0
     return torch.nonzero(rows).flatten()
 

@@ -125,13 +125,13 @@ def env_overrides(values: Dict[str, bool]) -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------ one rank
-def sharded_pool(kv_format: Any, shard_group: GlooShardGroup, device: torch.device, pages: int = 32) -> Any:
-    """A target rank's ``PageInterleaveDSATokenToKVPool`` of ``kv_format`` on ``device``
-    (the pool the hook finds on the runner; the self-test builds its own from its geometry)."""
+def sharded_pool(kv_format: Any, shard_group: GlooShardGroup, device: torch.device) -> Any:
+    """A target rank's ``PageInterleaveDSATokenToKVPool`` of ``kv_format`` on ``device``, 32
+    pages (the pool the hook finds on the runner; the self-test builds its own from its geometry)."""
     from sglang.srt.mem_cache.page_interleave import PageShardSpec
     from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveDSATokenToKVPool
 
-    c, size = kv_format.config, shard_group.world_size
+    c, size, pages = kv_format.config, shard_group.world_size, 32
     spec = PageShardSpec(
         shard_rank=shard_group.rank_in_group,
         shard_size=size,
@@ -266,13 +266,13 @@ def _pointer_table(buffers: Sequence[torch.Tensor], device: torch.device) -> tor
     return torch.tensor([b.data_ptr() for b in buffers], dtype=torch.uint64, device=device)
 
 
-def kvcacheio_round_trip(case: KvcacheioCase, device: torch.device, seed: int = 7) -> List[str]:
+def kvcacheio_round_trip(case: KvcacheioCase, device: torch.device) -> List[str]:
     """sglang-kernel's MLA transfers called as SGLang 0.5.23's DSA host pools call them
     (``pool_host/dsa.py``, ``pool_host/mla.py``; ``kernel`` io backend, indices on the
     device): the all-layer D2H of scattered device rows, then each layer's H2D into a
     cleared device buffer. Problems, empty when every byte arrived where it belongs."""
     ops = kvcacheio_ops(device)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(7)
     pin = device.type == "cuda"
     n, size = case.layers, case.item_size
     device_kv = [

@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import torch
 
 from sglang_cp_hicache.testing.dist import RankContext
+from sglang_cp_hicache.testing.v0_5_23.owned_kv import logical_kv
 from sglang_cp_hicache.testing.v0_5_23.stack import apply_plugin_hooks
 
 #: ``--max-prefill-tokens``' default: the input tokens one prefill batch may carry.
@@ -29,17 +30,6 @@ MAX_PREFILL_TOKENS = 16384
 #: One request of a forward batch: its logical locs and its logical KV, (latent
 #: [layer, token, 1, dim], indexer [layer, page, bytes]) identical on every rank.
 BatchItem = Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
-
-
-def logical_kv(stack: Any, num_tokens: int, layers: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A seeded draw of ``num_tokens`` tokens' latent rows and indexer pages."""
-    pool = stack.kv_pool
-    generator = torch.Generator().manual_seed(seed)
-    latent = torch.randn((layers, num_tokens, *pool.kv_buffer[0].shape[1:]), generator=generator)
-    index_page = pool.index_k_with_scale_buffer[0].shape[1:]
-    pages = num_tokens // stack.config.page_size
-    indexer = torch.randint(0, 256, (layers, pages, *index_page), generator=generator)
-    return latent.to(pool.kv_buffer[0].dtype), indexer.to(torch.uint8)
 
 
 def host_latent_layer(kv_host: Any, host_layer: int) -> torch.Tensor:
@@ -88,24 +78,28 @@ def fresh_write_plan(pool: Any) -> None:
     pool._epoch += 1
 
 
-def store_layer(stack: Any, layer_id: int, batch: Sequence[BatchItem]) -> None:
-    """Layer ``layer_id``'s stores over ``batch``: index K pages (owned ones), then the
-    batch's latent in one ``set_mla_kv_buffer`` (the pool keeps its owned rows)."""
+def store_pool_layer(stack: Any, pool: Any, layer_id: int, batch: Sequence[BatchItem]) -> None:
+    """Layer ``layer_id``'s stores over ``batch`` into ``pool`` (the target's, or the MTP
+    draft's placed like it): index K pages (owned ones), then the batch's latent in one
+    ``set_mla_kv_buffer`` (the pool keeps its owned rows)."""
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-    page = stack.config.page_size
     for locs, (_, indexer) in batch:
-        first_slots = locs[::page]
-        owned_pages = torch.nonzero(stack.owned_mask(first_slots)).squeeze(1)
-        page_rows = stack.physical_rows(first_slots) // page
-        stack.kv_pool.index_k_with_scale_buffer[layer_id][page_rows] = indexer[layer_id][owned_pages]
+        page_positions, page_rows = stack.owned_pages(locs)
+        pool.index_k_with_scale_buffer[layer_id][page_rows] = indexer[layer_id][page_positions]
     locs = torch.cat([locs for locs, _ in batch])
     rows = torch.cat([latent[layer_id] for _, (latent, _) in batch])
-    fresh_write_plan(stack.kv_pool)  # a new locs tensor per call
     rank = stack.config.kv_lora_rank
     layer = RadixAttention(num_heads=1, head_dim=rows.shape[-1], scaling=1.0, num_kv_heads=1, layer_id=layer_id)
-    stack.kv_pool.set_mla_kv_buffer(layer, KVWriteLoc(locs), rows[..., :rank], rows[..., rank:])
+    pool.set_mla_kv_buffer(layer, KVWriteLoc(locs), rows[..., :rank], rows[..., rank:])
+
+
+def store_layer(stack: Any, layer_id: int, batch: Sequence[BatchItem]) -> None:
+    """Layer ``layer_id``'s stores over ``batch`` in the target's pool (a new locs tensor
+    per call: a fresh write plan)."""
+    fresh_write_plan(stack.kv_pool)
+    store_pool_layer(stack, stack.kv_pool, layer_id, batch)
 
 
 def extend_batch(stack: Any, prompts: Sequence[Sequence[int]], rid_prefix: str = "r") -> Any:
@@ -239,7 +233,8 @@ def time_backups(ctx: RankContext, per_layer: bool, bench: Dict[str, Any]) -> Ba
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import build_sharded_stack
     from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of
 
     apply_plugin_hooks()
@@ -297,7 +292,6 @@ def time_backups(ctx: RankContext, per_layer: bool, bench: Dict[str, Any]) -> Ba
 __all__ = [
     "BackupTimes",
     "BatchItem",
-    "apply_plugin_hooks",
     "extend_batch",
     "finish_request",
     "forward",
@@ -306,7 +300,6 @@ __all__ = [
     "host_indexer_layer",
     "host_latent_layer",
     "host_mismatches",
-    "logical_kv",
     "store_layer",
     "time_backups",
 ]

@@ -40,6 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from sglang_cp_hicache.testing.forward_timing import ForwardTiming
+from sglang_cp_hicache.testing.v0_5_23.owned_kv import LogicalKV, logical_kv, owned_row_mismatches
 
 PAGE = 64
 LAYERS = 3
@@ -65,7 +66,7 @@ ROUND_TRIP_TARGETS = "sglang.srt.mem_cache."
 
 def apply_check_hooks() -> None:
     """The plugin's hooks applied in this process; those on :data:`ROUND_TRIP_TARGETS`
-    verified in place, importing their modules (``layer_backup_stack.apply_plugin_hooks``
+    verified in place, importing their modules (``stack.apply_plugin_hooks``
     imports every target, ``sglang.srt.entrypoints.engine`` among them): the GPU check's
     own shim."""
     from sglang.srt.plugins.hook_registry import HookRegistry
@@ -96,15 +97,14 @@ class PreparedStores:
 
         from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import fresh_write_plan
 
-        page = stack.config.page_size
         self._stack = stack
         self.locs = torch.cat([locs for locs, _ in batch])
         self.latent = torch.cat([latent for _, (latent, _) in batch], dim=1)  # [layer, token, 1, dim]
         page_rows, page_values = [], []
         for locs, (_, indexer) in batch:
-            first = locs[::page]
-            page_rows.append(stack.physical_rows(first) // page)
-            page_values.append(indexer[:, torch.nonzero(stack.owned_mask(first)).squeeze(1)])
+            positions, rows = stack.owned_pages(locs)
+            page_rows.append(rows)
+            page_values.append(indexer[:, positions])
         self.page_rows = torch.cat(page_rows)
         self.page_values = torch.cat(page_values, dim=1)
         dim = self.latent.shape[-1]
@@ -127,7 +127,7 @@ class PreparedStores:
 
 def stack_config(device: str, layout: str) -> Any:
     """The round trip's stack on ``device`` with ``layout`` host pools."""
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
 
     return StackConfig(layer_num=LAYERS, cp_shared_kv=True, mem_layout=layout, device=device)
 
@@ -144,8 +144,8 @@ def _settle(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _on_device(kv: tuple, device: str) -> tuple:
-    return tuple(t.to(device) for t in kv)
+def _on_device(kv: LogicalKV, device: str) -> LogicalKV:
+    return LogicalKV(*(t.to(device) for t in kv))
 
 
 def round_trip(
@@ -191,8 +191,6 @@ Planned = Tuple[str, List[int], torch.Tensor, int, Any]
 
 def _reserve(ctx: Any, stack: Any, backup: Any, device: str) -> List[Planned]:
     """Each request's slots allocated and its host slots reserved, before the forward."""
-    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import logical_kv
-
     empty = torch.empty((0,), dtype=torch.int64, device=device)
     plan = []
     for index, (rid, (first, pages)) in enumerate(REQUESTS.items()):
@@ -247,8 +245,6 @@ def _load_back(stack: Any, plan: List[Planned], device: str) -> Dict[str, Any]:
     """Device evicted and wiped, then each request loaded back and compared layer by layer."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    from sglang_cp_hicache.testing.v0_5_23.mtp_draft import device_layer_mismatches
-
     stack.cache.evict(EvictParams(num_tokens=stack.allocator.size))
     for layer in range(LAYERS):  # the load-back must write every byte it is checked on
         stack.kv_pool.kv_buffer[layer].zero_()
@@ -263,7 +259,7 @@ def _load_back(stack: Any, plan: List[Planned], device: str) -> Dict[str, Any]:
         _settle(device)
         stack.cache.loading_check()
         reloaded = stack.cache.path_device_indices(stack.match(tokens).last_device_node)
-        loaded[rid] = device_layer_mismatches(stack, stack.kv_pool, reloaded, kv, range(LAYERS))
+        loaded[rid] = owned_row_mismatches(stack, reloaded, kv, layers=range(LAYERS))
     return loaded
 
 

@@ -130,10 +130,10 @@ class MooncakeSegmentHolder:
 
 
 @contextlib.contextmanager
-def held_mooncake_store(segment_bytes: int = 1 << 30, lease_ttl_ms: int = 5000) -> Iterator[str]:
+def held_mooncake_store(segment_bytes: int = 1 << 30) -> Iterator[str]:
     """A Mooncake store that outlives its clients: a master on loopback and one held
     segment; yields the master's address. Both stopped (by pid) on exit."""
-    with MooncakeMaster(*free_ports(2), lease_ttl_ms=lease_ttl_ms) as master:
+    with MooncakeMaster(*free_ports(2), lease_ttl_ms=5000) as master:
         holder = MooncakeSegmentHolder(master.address, free_ports(1)[0], segment_bytes).start()
         try:
             yield master.address

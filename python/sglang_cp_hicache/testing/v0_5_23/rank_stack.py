@@ -65,6 +65,9 @@ class StackConfig:
     # metrics and, with the plugin's flag, the plugin's own (one stack per process: the
     # collectors register in the process's default registry).
     enable_metrics: bool = False
+    # The cache's KV event recorder on, as a scheduler with --kv-events-config builds it:
+    # on the publisher rank only (shard rank 0; every rank of an unsharded stack).
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_tokens % self.page_size:
@@ -173,6 +176,13 @@ class RankStack:
         if not self.sharded:
             return torch.ones_like(logical_locs, dtype=torch.bool)
         return self.placement.local_mask(logical_locs, self.shard_rank)
+
+    def owned_pages(self, logical_locs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Of one request's ``logical_locs`` (token order, page-aligned): the positions,
+        among its pages, of those this rank owns, and their physical pages."""
+        page = self.config.page_size
+        first = logical_locs[::page]
+        return torch.nonzero(self.owned_mask(first)).squeeze(1), self.physical_rows(first) // page
 
     def alloc_extend(
         self, prefix_locs: torch.Tensor, seq_len: int, rotation_base: Optional[int] = None

@@ -45,18 +45,19 @@ refuses KV sharding on out-of-tree platforms (``kv_cache_configurator.py:417-433
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
 from sglang_cp_hicache.core.import_watcher import process_watcher
-from sglang_cp_hicache.testing.device import CPU_DEVICE_MODULE, CpuDeviceModule
+from sglang_cp_hicache.testing.device import CPU_DEVICE_MODULE
 from sglang_cp_hicache.testing.reference_sparse_mla import get_mla_kv_buffer_reference
 
 logger = logging.getLogger(__name__)
@@ -83,8 +84,6 @@ DSA_INDEX_K_CACHE = "sglang.kernels.ops.kvcache.dsa_index_k_cache"
 HICACHE_JIT = "sglang.kernels.ops.kvcache.hicache"
 MLA_HOST_POOL = "sglang.srt.mem_cache.pool_host.mla"
 _KVCACHEIO = "sgl_kernel.kvcacheio"
-
-_plan: Optional["InstallPlan"] = None
 
 
 @dataclass(frozen=True)
@@ -395,15 +394,13 @@ def apply(plan: InstallPlan) -> None:
     _patched_modules = tuple(sorted(set(_patched_modules) | set(table)))
 
 
+@functools.cache
 def install() -> InstallPlan:
     """Install what this process is missing of the CPU runtime, once; return the plan."""
-    global _plan
-    if _plan is None:
-        plan = plan_install()
-        apply(plan)
-        _plan = plan
-        logger.debug("0.5.23 CPU runtime: %s", plan)
-    return _plan
+    plan = plan_install()
+    apply(plan)
+    logger.debug("0.5.23 CPU runtime: %s", plan)
+    return plan
 
 
 #: The 0.5.23 cache stack, imported by :func:`warm_import` so set-up fails early.
@@ -427,13 +424,11 @@ def warm_import() -> None:
 
 
 __all__ = [
-    "CpuDeviceModule",
     "InstallPlan",
     "RealKernelMissing",
     "UpstreamLayoutChanged",
     "apply",
     "cuda_kvcacheio_names",
-    "get_mla_kv_buffer_reference",
     "install",
     "patches",
     "plan_install",

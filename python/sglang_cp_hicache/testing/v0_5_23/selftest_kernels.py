@@ -37,9 +37,9 @@ class CpuStandInKernels:
                 yield
 
 
-def selftest_runner(rank: Any, *, cp_shared_kv: bool = True) -> Any:
-    """A sharded target rank's model runner as the hook reads it: the record (the plugin's
-    flag on it or not), a fresh ``PageInterleaveDSATokenToKVPool`` of ``rank``'s format on
+def selftest_runner(rank: Any) -> Any:
+    """A sharded target rank's model runner as the hook reads it: the record with the
+    plugin's flag, a fresh ``PageInterleaveDSATokenToKVPool`` of ``rank``'s format on
     its shard group, the published model config, CPU device, no speculative draft."""
     from types import SimpleNamespace
 
@@ -49,8 +49,7 @@ def selftest_runner(rank: Any, *, cp_shared_kv: bool = True) -> Any:
     from sglang_cp_hicache.v0_5_23.launch.flag import set_cp_shared_kv_enabled
 
     server_args = ServerArgs(model_path="dummy")
-    if cp_shared_kv:
-        set_cp_shared_kv_enabled(server_args, True)
+    set_cp_shared_kv_enabled(server_args, True)
     return SimpleNamespace(
         server_args=server_args,
         is_draft_worker=False,

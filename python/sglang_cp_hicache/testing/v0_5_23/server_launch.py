@@ -23,7 +23,9 @@ class Launch0523:
     release: str = "0.5.23"
     supports_storage_under_flag: bool = True
     lane_decisions_logged: bool = True  # the CPU server runtime logs the lane planner's plans
+    publishes_kv_events: bool = True
     decode_reference_tp: Optional[int] = None  # the unsharded reference is exact for every token
+    refuses_unservable_requests: bool = True  # the admission room's refusals under the flag
 
     def model_args(self, decode: bool) -> List[str]:
         args = ["--attention-backend", "dsa", "--dsa-topk-backend", "torch",

@@ -12,12 +12,14 @@ self-test and the GPU checks cover those).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import types
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from sglang_cp_hicache.core.import_watcher import process_watcher
 from sglang_cp_hicache.testing.server import common_steps, dsa_kernels
+from sglang_cp_hicache.testing.server.launch import UNSHARDED_CP_L3_WRITERS_ENV
 from sglang_cp_hicache.testing.server.runtime import RuntimeStep
 
 logger = logging.getLogger(__name__)
@@ -25,7 +27,6 @@ logger = logging.getLogger(__name__)
 DSA_INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer"
 DSA_BACKEND = "sglang.srt.layers.attention.dsa_backend"
 KV_SHARD_GATE = "sglang.srt.arg_groups.kv_shard_hook"
-ACT_QUANT_TRITON = "sglang.kernels.ops.quantization.act_quant_triton"
 
 ENVIRONMENT = {
     "SGLANG_USE_CPU_ENGINE": "1",  # `--device cpu` alone is not SGLang's CPU mode
@@ -235,6 +236,59 @@ def _lane_decisions_logged() -> None:
     logging.getLogger(LANE_EVICTION_LOGGER).setLevel(logging.DEBUG)
 
 
+# -------------------------------------------------------------------- unsharded CP L3
+CACHE_CONTROLLER = "sglang.srt.managers.cache_controller"
+
+
+def writers_within_attention_tp(original: Callable) -> Callable:
+    """``HiCacheController._generate_storage_config`` with the MLA writer rule applied within
+    attention TP under CP: each CP rank writes the pages it keys by its CP rank. Upstream
+    0.5.23 keys an unsharded CP prefill's L3 pages by CP rank (``_cp<rank>_<size>``) but lets
+    only TP rank 0 write them, so CP rank 1 never finds its pages and no storage hit ever
+    comes back (pinned: ``test_upstream_unsharded_cp_l3.py``). The plugin's sharded prefills
+    get the same rule from its own hook (``storage/owner_io.py``)."""
+
+    def generate_storage_config(controller: Any, *args: Any, **kwargs: Any) -> Any:
+        import dataclasses
+
+        from sglang.srt.runtime_context import get_parallel
+
+        config = original(controller, *args, **kwargs)
+        if config.attn_cp_size <= 1:
+            return config
+        parallel = get_parallel()
+        logger.info(
+            "CPU runtime step (unsharded CP L3 writers): CP rank %d/%d keys its L3 pages as attention "
+            "TP rank %d/%d (upstream: TP rank %d/%d, a writer only at TP rank 0)",
+            config.attn_cp_rank, config.attn_cp_size, parallel.attn_tp_rank, parallel.attn_tp_size,
+            config.tp_rank, config.tp_size,
+        )  # fmt: skip
+        return dataclasses.replace(config, tp_rank=parallel.attn_tp_rank, tp_size=parallel.attn_tp_size)
+
+    return generate_storage_config
+
+
+def _unsharded_cp_l3_writers() -> None:
+    def patch(module: Any) -> None:
+        controller = module.HiCacheController
+        controller._generate_storage_config = writers_within_attention_tp(controller._generate_storage_config)
+
+    process_watcher().when_imported(CACHE_CONTROLLER, patch)
+
+
+def _for_this_server() -> Tuple[RuntimeStep, ...]:
+    """Steps only some of the harness's servers get, as their environment says."""
+    if os.environ.get(UNSHARDED_CP_L3_WRITERS_ENV) != "1":
+        return ()
+    return (
+        RuntimeStep(
+            "unsharded CP prefill's L3: every CP rank writes the pages it keys by its CP rank "
+            "(upstream 0.5.23 lets only TP rank 0 write them: no storage hit ever)",
+            _unsharded_cp_l3_writers,
+        ),
+    )
+
+
 def steps() -> Tuple[RuntimeStep, ...]:
     """The 0.5.23 runtime, in the order it is applied."""
     return (
@@ -260,7 +314,8 @@ def steps() -> Tuple[RuntimeStep, ...]:
         RuntimeStep("DeepseekScalingRotaryEmbedding.forward_native fixed for 1-D positions (upstream CPU bug)", common_steps.fixed_rope),
         RuntimeStep("the KV-sharding gate's CUDA-device rule answered for CPU", _gate),
         RuntimeStep("the plugin's device lane-eviction plans logged (DEBUG) for the harness", _lane_decisions_logged),
+        *_for_this_server(),
     )
 
 
-__all__ = ["indexer_forward_native", "steps"]
+__all__ = ["indexer_forward_native", "steps", "writers_within_attention_tp"]

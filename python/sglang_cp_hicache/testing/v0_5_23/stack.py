@@ -27,7 +27,7 @@ identical on every rank; the device and host pools are physical, per rank. Call
 and the root ``conftest.py`` do).
 
 The stack's types (:class:`StackConfig`, :class:`RankStack`, :class:`TreeNodeView`) live in
-:mod:`~sglang_cp_hicache.testing.v0_5_23.rank_stack` and are importable from here too.
+:mod:`~sglang_cp_hicache.testing.v0_5_23.rank_stack`.
 """
 
 from __future__ import annotations
@@ -40,22 +40,20 @@ import torch
 
 from sglang_cp_hicache.testing.dist import RankContext
 from sglang_cp_hicache.testing.v0_5_23.rank_stack import (
-    MTP_DRAFT_LAYERS,
-    SCRATCH_PREFIX_CONTEXTS,
     RankStack,
     StackConfig,
-    TreeNodeView,
 )
 from sglang_cp_hicache.testing.v0_5_23.shard_group import GlooShardGroup
 
 
 def publish_server_args(
-    config: StackConfig, sharded: bool, storage_backend: Optional[str] = None
+    config: StackConfig, sharded: bool, storage_backend: Optional[str] = None, **fields: Any
 ) -> Any:
     """The process's ServerArgs, published the way the cache reads its config (publishing
     resolves it). ``storage_backend``: HiCache with that L3 backend; with
     ``config.cp_shared_kv`` on an unsharded stack it is the flag's one-prefill-rank mode
-    (a ``--tp 1`` server with the owner-free L3 keys), the only unsharded use of the flag."""
+    (a ``--tp 1`` server with the owner-free L3 keys), the only unsharded use of the flag.
+    ``fields``: further ``ServerArgs`` fields (a PD server's)."""
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
     flag_fields = (
@@ -65,6 +63,7 @@ def publish_server_args(
     )
     if storage_backend is not None:
         flag_fields.update(enable_hierarchical_cache=True, hicache_storage_backend=storage_backend)
+    flag_fields.update(fields)
     server_args = ServerArgs(
         model_path="dummy",
         page_size=config.page_size,
@@ -132,6 +131,8 @@ def _build_cache(
         tree_components=(ComponentType.FULL,),
         mtp_draft_device_pools=() if draft_kv_pool is None else (draft_kv_pool,),
         enable_metrics=config.enable_metrics,
+        # upstream's scheduler: pp, attention-TP and attention-CP rank 0 only
+        enable_kv_cache_events=config.kv_events and groups.get("attn_cp_rank", 0) == 0,
         **groups,
     )
     # Sharding forces the Python core (kv_shard_hook.py:132-144); so does the reference.
@@ -315,11 +316,6 @@ def build_unsharded_stack(tp_group: Any, config: StackConfig = StackConfig()) ->
 
 
 __all__ = [
-    "MTP_DRAFT_LAYERS",
-    "RankStack",
-    "SCRATCH_PREFIX_CONTEXTS",
-    "StackConfig",
-    "TreeNodeView",
     "apply_plugin_hooks",
     "build_sharded_stack",
     "build_unsharded_stack",

@@ -6,31 +6,24 @@ order (the cache's own collectives pair up across ranks); the extra MIN in
 :func:`_all_ranks` is the test's barrier, never product code.
 
 The Mooncake store processes (master, held segment, held writer ranks, free ports) live in
-:mod:`~sglang_cp_hicache.testing.v0_5_23.mooncake_store` and are importable from here too.
+:mod:`~sglang_cp_hicache.testing.v0_5_23.mooncake_store`.
 """
 
 from __future__ import annotations
 
 import time
 from array import array
-from dataclasses import dataclass, replace
-from typing import Any, List, Optional, Sequence, Tuple
+from dataclasses import replace
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from sglang_cp_hicache.testing.v0_5_23.mooncake_store import (
-    HeldRanks,
-    MooncakeMaster,
-    MooncakeSegmentHolder,
-    free_ports,
-    held_mooncake_store,
-    hold_until_released,
-)
-from sglang_cp_hicache.testing.v0_5_23.stack import apply_plugin_hooks
+from sglang_cp_hicache.testing.v0_5_23.owned_kv import LogicalKV, logical_kv, write_owned_rows
 
-#: Bounded waits: a hang fails the test instead of stalling CI.
-WAIT_STEPS = 400
-WAIT_STEP_S = 0.01
+#: Between two polls of a bounded wait.
+POLL_S = 0.01
+#: The cache controller's storage threads: one that exited ends every wait on L3 at once.
+STORAGE_THREADS = ("prefetch_thread", "prefetch_io_aux_thread", "prefetch_sync_thread", "backup_thread")
 
 
 def publish_prefill_cp_topology(stack: Any) -> None:
@@ -75,9 +68,7 @@ def attach_storage(
     return controller.storage_backend
 
 
-def attach_at_runtime(
-    stack: Any, backend: str, *, model_name: str = "test-model", extra: Optional[dict] = None
-) -> Tuple[bool, str]:
+def attach_at_runtime(stack: Any, backend: str, *, extra: Optional[dict] = None) -> Tuple[bool, str]:
     """Attach ``backend`` as the admin API does (``/attach_hicache_storage_backend``: the
     scheduler's ``attach_hicache_storage_wrapped`` calls
     ``UnifiedRadixCache.attach_storage_backend``, upstream's ``StorageAttachment.attach``),
@@ -95,7 +86,7 @@ def attach_at_runtime(
     return stack.cache.attach_storage_backend(
         storage_backend=backend,
         storage_backend_extra_config_json=json.dumps(config),
-        served_model_name=model_name,
+        served_model_name="test-model",
         hicache_storage_prefetch_policy="wait_complete",
     )
 
@@ -117,94 +108,99 @@ def detach_storage(stack: Any) -> None:
     stack.cache._storage_attachment.detach()
 
 
-def _all_ranks(stack: Any, done: bool) -> bool:
+def l3_budget_s(stack: Any, pages: int) -> float:
+    """What upstream allows an L3 transfer of ``pages`` pages on this cache: the attached
+    storage's prefetch budget, ``prefetch_timeout_base + pages * prefetch_timeout_per_page``
+    (what its ``timeout`` stop policy gives a prefetch; :func:`attach_storage` sets 30 s + 1 s
+    per 1,024 tokens). A wait-complete prefetch and a backup have no deadline of their own: a
+    test waits that long, which costs time only when the transfer never ends."""
+    return stack.cache.prefetch_timeout_base + pages * stack.cache.prefetch_timeout_per_page
+
+
+def exited_storage_threads(controller: Any) -> List[str]:
+    """The controller's storage threads (:data:`STORAGE_THREADS`) started and no longer alive."""
+    threads = [(name, getattr(controller, name, None)) for name in STORAGE_THREADS]
+    return [name for name, thread in threads if thread is not None and not thread.is_alive()]
+
+
+def wait_on_all_ranks(stack: Any, what: str, done: Callable[[], bool], budget_s: float) -> float:
+    """Poll ``done`` (called on every rank, in step: it may run collectives) until it holds
+    on every rank; the seconds it took. Every rank decides alike from one MIN all-reduce
+    per poll: ``RuntimeError`` at once when a storage thread exited on any rank (nothing
+    can end the wait then), ``TimeoutError`` after ``budget_s``."""
+    started = time.monotonic()
+    while True:
+        finished = done()
+        elapsed = time.monotonic() - started
+        exited = exited_storage_threads(stack.controller)
+        finished, alive, in_time = _all_ranks(stack, finished, not exited, elapsed < budget_s)
+        if finished:
+            return elapsed
+        if not alive:
+            threads = ", ".join(exited) if exited else "on another rank"
+            raise RuntimeError(f"rank {stack.shard_rank}: {what}: storage thread exited ({threads})")
+        if not in_time:
+            raise TimeoutError(f"rank {stack.shard_rank}: {what} not done in {budget_s:.1f} s")
+        time.sleep(POLL_S)
+
+
+def _all_ranks(stack: Any, *flags: bool) -> List[bool]:
+    """Each flag ANDed over the shard group's ranks (one all-reduce)."""
     if stack.shard_group is None:  # an unsharded stack: one rank
-        return done
-    flag = torch.tensor([int(done)], dtype=torch.int)
-    torch.distributed.all_reduce(flag, torch.distributed.ReduceOp.MIN, group=stack.shard_group.cpu_group)
-    return bool(flag.item())
+        return list(flags)
+    values = torch.tensor([int(flag) for flag in flags], dtype=torch.int)
+    torch.distributed.all_reduce(values, torch.distributed.ReduceOp.MIN, group=stack.shard_group.cpu_group)
+    return [bool(v) for v in values.tolist()]
 
 
-def wait_backups_stored(stack: Any) -> None:
-    """Drain until every rank's L3 backup ops are acked."""
-    for _ in range(WAIT_STEPS):
+def wait_backups_acked_within(stack: Any, timeout_s: float) -> float:
+    """Drain until every rank's L3 backup ops are acked; the seconds it took. Raises
+    ``TimeoutError`` after ``timeout_s`` (an ack blocked on a dead store)."""
+
+    def acked() -> bool:
         stack.cache.writing_check()
         stack.cache.drain_storage_control_queues()
-        if _all_ranks(stack, not stack.cache.ongoing_backup):
-            return
-        time.sleep(WAIT_STEP_S)
-    raise TimeoutError(f"rank {stack.shard_rank}: L3 backups never acked")
+        return not stack.cache.ongoing_backup
+
+    return wait_on_all_ranks(stack, "L3 backups acked", acked, timeout_s)
+
+
+def wait_backups_stored(stack: Any, pages: int) -> None:
+    """Drain until every rank's L3 backup ops (``pages`` pages) are acked, within
+    :func:`l3_budget_s`."""
+    wait_backups_acked_within(stack, l3_budget_s(stack, pages))
+
+
+def prefetch_within(stack: Any, rid: str, token_ids: Sequence[int], timeout_s: float) -> Tuple[int, float]:
+    """One L3 prefetch of ``token_ids`` under the root, driven to its end within
+    ``timeout_s``: ``(host hit length the tree then holds for it, identical on every rank;
+    seconds to the prefetch's end)``."""
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+
+    cache, handle = stack.cache, CacheRequestHandle(rid, 0)
+    cache.prefetch_from_storage(
+        handle, cache.root_node_handle(), array("q", token_ids), None, None,
+        matched_prefix_tokens=[],
+    )  # fmt: skip
+
+    def finished() -> bool:
+        cache.drain_storage_control_queues()
+        return cache.check_prefetch_progress(handle)
+
+    elapsed = wait_on_all_ranks(stack, f"prefetch {rid}", finished, timeout_s)
+    return int(stack.match(token_ids).host_hit_length), elapsed
 
 
 def prefetch(stack: Any, rid: str, token_ids: Sequence[int]) -> int:
-    """One L3 prefetch of ``token_ids`` under the root, driven to its end; returns the
-    host hit length the tree then holds for it (identical on every rank)."""
-    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-
-    cache = stack.cache
-    handle = CacheRequestHandle(rid, 0)
-    root = cache.root_node_handle()
-    cache.prefetch_from_storage(
-        handle, root, array("q", token_ids), None, None, matched_prefix_tokens=[]
-    )
-    for _ in range(WAIT_STEPS):
-        cache.drain_storage_control_queues()
-        if _all_ranks(stack, cache.check_prefetch_progress(handle)):
-            break
-        time.sleep(WAIT_STEP_S)
-    else:
-        raise TimeoutError(f"rank {stack.shard_rank}: prefetch {rid} never finished")
-    return int(stack.match(token_ids).host_hit_length)
+    """:func:`prefetch_within` :func:`l3_budget_s` of its pages; the host hit length."""
+    budget_s = l3_budget_s(stack, len(token_ids) // stack.config.page_size)
+    return prefetch_within(stack, rid, token_ids, budget_s)[0]
 
 
-@dataclass(frozen=True)
-class LogicalKV:
-    """The full logical KV of one request by token position (identical on every rank)."""
-
-    latent: torch.Tensor  # [layer, token, 1, kv_cache_dim]
-    indexer: torch.Tensor  # [layer, page, page bytes] uint8
-
-
-def logical_kv(stack: Any, token_ids: Sequence[int], seed: int) -> LogicalKV:
-    pool, layers, page = stack.kv_pool, stack.config.layer_num, stack.config.page_size
-    generator = torch.Generator().manual_seed(seed + token_ids[0] + len(token_ids))
-    latent = torch.randn((layers, len(token_ids), *pool.kv_buffer[0].shape[1:]), generator=generator)
-    indexer = torch.randint(
-        0, 256, (layers, len(token_ids) // page, *pool.index_k_with_scale_buffer[0].shape[1:]),
-        generator=generator,
-    )  # fmt: skip
-    return LogicalKV(latent.to(pool.kv_buffer[0].dtype), indexer.to(torch.uint8))
-
-
-def _owned_pages(stack: Any, logical_locs: torch.Tensor):
-    page = stack.config.page_size
-    first = logical_locs[::page]
-    positions = torch.nonzero(stack.owned_mask(first)).squeeze(1)
-    return positions, stack.physical_rows(first) // page
-
-
-def write_owned_rows(stack: Any, logical_locs: torch.Tensor, kv: LogicalKV) -> None:
-    """Store the owned share of ``kv`` at ``logical_locs`` (what a forward does)."""
-    owned, rows = stack.owned_mask(logical_locs), stack.physical_rows(logical_locs)
-    positions, page_rows = _owned_pages(stack, logical_locs)
-    for layer in range(stack.config.layer_num):
-        stack.kv_pool.kv_buffer[layer][rows] = kv.latent[layer][owned]
-        stack.kv_pool.index_k_with_scale_buffer[layer][page_rows] = kv.indexer[layer][positions]
-
-
-def owned_row_mismatches(stack: Any, logical_locs: torch.Tensor, kv: LogicalKV) -> List[str]:
-    """Owned latent rows and indexer pages at ``logical_locs`` that differ from ``kv``."""
-    owned, rows = stack.owned_mask(logical_locs), stack.physical_rows(logical_locs)
-    positions, page_rows = _owned_pages(stack, logical_locs)
-    bad: List[str] = []
-    for layer in range(stack.config.layer_num):
-        latent = stack.kv_pool.kv_buffer[layer][rows]
-        wrong = (latent != kv.latent[layer][owned]).flatten(1).any(1)
-        bad += [f"layer {layer} latent row {int(r)}" for r in rows[wrong]]
-        pages = stack.kv_pool.index_k_with_scale_buffer[layer][page_rows]
-        wrong = (pages != kv.indexer[layer][positions]).any(1)
-        bad += [f"layer {layer} indexer page {int(p)}" for p in page_rows[wrong]]
-    return bad
+def request_kv(stack: Any, token_ids: Sequence[int], seed: int) -> LogicalKV:
+    """The target's logical KV of the request ``token_ids``, seeded by ``seed`` and the
+    request (its first token and length): distinct requests draw distinct bytes."""
+    return logical_kv(stack, len(token_ids), stack.config.layer_num, seed + token_ids[0] + len(token_ids))
 
 
 def store_request(
@@ -218,12 +214,10 @@ def store_request(
     locs, base = stack.alloc_extend(torch.empty((0,), dtype=torch.int64), len(token_ids))
     write_owned_rows(stack, locs, kv)
     if draft is not None:
-        from sglang_cp_hicache.testing.v0_5_23.mtp_draft import write_draft_owned_rows
-
-        write_draft_owned_rows(stack, locs, draft)
+        write_owned_rows(stack, locs, draft, stack.draft_kv_pool)
     stack.insert(token_ids, locs, base)
     stack.cache.flush_pending_backups()
-    wait_backups_stored(stack)
+    wait_backups_stored(stack, len(token_ids) // stack.config.page_size)
     return locs
 
 
@@ -248,65 +242,21 @@ def load_back(stack: Any, token_ids: Sequence[int]) -> torch.Tensor:
     return stack.cache.path_device_indices(match.last_device_node)
 
 
-# ------------------------------------------------- timed waits (store faults, issue 24)
-def wait_backups_acked_within(stack: Any, timeout_s: float) -> float:
-    """Drain until every rank's L3 backup ops are acked; the seconds it took. Raises
-    ``TimeoutError`` after ``timeout_s`` (an ack blocked on a dead store)."""
-    started = time.monotonic()
-    while True:
-        stack.cache.writing_check()
-        stack.cache.drain_storage_control_queues()
-        elapsed = time.monotonic() - started
-        if _all_ranks(stack, not stack.cache.ongoing_backup):
-            return elapsed
-        if not _all_ranks(stack, elapsed < timeout_s):
-            raise TimeoutError(f"rank {stack.shard_rank}: L3 backups not acked in {timeout_s} s")
-        time.sleep(WAIT_STEP_S)
-
-
-def prefetch_within(stack: Any, rid: str, token_ids: Sequence[int], timeout_s: float):
-    """:func:`prefetch` bounded by ``timeout_s`` instead of a step count: ``(host hit
-    length, seconds to the prefetch's end)``."""
-    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-
-    cache, handle = stack.cache, CacheRequestHandle(rid, 0)
-    started = time.monotonic()
-    cache.prefetch_from_storage(
-        handle, cache.root_node_handle(), array("q", token_ids), None, None,
-        matched_prefix_tokens=[],
-    )  # fmt: skip
-    while True:
-        cache.drain_storage_control_queues()
-        elapsed = time.monotonic() - started
-        if _all_ranks(stack, cache.check_prefetch_progress(handle)):
-            return int(stack.match(token_ids).host_hit_length), elapsed
-        if not _all_ranks(stack, elapsed < timeout_s):
-            raise TimeoutError(f"rank {stack.shard_rank}: prefetch {rid} not done in {timeout_s} s")
-        time.sleep(WAIT_STEP_S)
-
-
 __all__ = [
-    "apply_plugin_hooks",
     "attach_at_runtime",
     "attach_storage",
     "detach_storage",
     "evict_everything",
-    "free_ports",
-    "held_mooncake_store",
-    "HeldRanks",
-    "hold_until_released",
+    "exited_storage_threads",
+    "l3_budget_s",
     "load_back",
-    "logical_kv",
-    "LogicalKV",
-    "MooncakeMaster",
-    "MooncakeSegmentHolder",
-    "owned_row_mismatches",
     "prefetch",
     "prefetch_within",
     "publish_prefill_cp_topology",
     "publish_single_rank_flag_record",
+    "request_kv",
     "store_request",
     "wait_backups_acked_within",
     "wait_backups_stored",
-    "write_owned_rows",
+    "wait_on_all_ranks",
 ]

@@ -13,8 +13,9 @@ It owns: the chains started per rotation base (:class:`ChainStarts`), the device
 lane-eviction stats and candidate heaps (``core.leaf_heap.LazyLeafHeap``: persistent
 across plans, over the tree core's own leaf sets), the L3 prefetches' start owners (weakly keyed by operation: an
 entry dies with its operation, whichever way it ends) and the
-prefetches not issued under a pending backup, and the per-layer backup and which pool
-feeds which of its stages. Nothing of one call is kept here: a decision one hook makes and
+prefetches not issued under a pending backup, the L3 KV events between a storage write
+and its ack (``core.l3_event_log``), and the per-layer backup and which pool feeds which of
+its stages. Nothing of one call is kept here: a decision one hook makes and
 another applies (an extend's rotation bases, a load-back's or a backup's per-lane room, the
 device plan being evicted) travels with the call as a frozen value or a view of the cache
 (``eviction/device_views.py``, ``host_lane_eviction.BackupRoom``). Every hook finds
@@ -30,6 +31,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from sglang_cp_hicache.core.l3_event_log import L3EventLog
 from sglang_cp_hicache.core.leaf_heap import LazyLeafHeap
 from sglang_cp_hicache.v0_5_23.launch.cp_mode import CpMode, cp_mode
 
@@ -134,6 +136,9 @@ class CpCacheExtension:
             weakref.WeakKeyDictionary()
         )
         self.anchor_skips = 0
+        # L3 KV events on the publisher rank: storage writes' events held until their ack,
+        # the blocks published as stored on the tier (storage/l3_events.py).
+        self.l3_events: L3EventLog = L3EventLog()
 
     # ---------------------------------------------------------------- the layer backup
     def attach_layer_backup(self, backup: Any, listeners: Sequence[Tuple[Any, Any]]) -> None:

@@ -2,7 +2,8 @@
 (``file_backend``, ``mooncake_backend``) chosen by the factory (``backend_factory``) at
 startup and at runtime attach (``runtime_attach``); owner writes and owner reads of every
 storage operation (``owner_io``); where an L3 prefetch is anchored and which owner its pages
-start at (``prefetch_anchor``). Exports its hook specs by path only.
+start at (``prefetch_anchor``); the L3 tier's KV events, ``DISK`` / ``EXTERNAL``
+(``l3_events``). Exports its hook specs by path only.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from sglang_cp_hicache.hook_table import HookSpec
 
 _OWNER_IO = "sglang_cp_hicache.v0_5_23.storage.owner_io"
 _ANCHOR = "sglang_cp_hicache.v0_5_23.storage.prefetch_anchor"
+_EVENTS = "sglang_cp_hicache.v0_5_23.storage.l3_events"
 _HCC = "sglang.srt.managers.cache_controller:HiCacheController"
 _HYBRID = "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller:HybridCacheController"
 _URC = "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"
@@ -50,6 +52,16 @@ HOOKS: Tuple[HookSpec, ...] = (
     HookSpec(
         f"{_URC}._handle_prefetch_result", f"{_ANCHOR}:handle_prefetch_result_around", "AROUND"
     ),
+    # L3 KV events (DISK / EXTERNAL) on the publisher rank: held at the write, published
+    # at its ack (upstream's MIN drain), retracted by a clear or a detach of the tier.
+    HookSpec(f"{_URC}.write_backup_storage", f"{_EVENTS}:write_backup_storage_around", "AROUND"),
+    HookSpec(
+        f"{_URC}._drain_storage_control_queues_impl",
+        f"{_EVENTS}:drain_storage_control_queues_impl_around",
+        "AROUND",
+    ),
+    HookSpec(f"{_URC}.clear_storage_backend", f"{_EVENTS}:clear_storage_backend_around", "AROUND"),
+    HookSpec(f"{_URC}.detach_storage_backend", f"{_EVENTS}:detach_storage_backend_around", "AROUND"),
     # Attached at runtime (admin API): file / mooncake as at startup, others refused.
     HookSpec(
         "sglang.srt.mem_cache.unified_cache.storage_attachment:StorageAttachment.attach",

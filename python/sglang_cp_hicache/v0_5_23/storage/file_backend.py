@@ -18,9 +18,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
+from sglang.srt.disaggregation.kv_events import StorageMedium
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
 
 from sglang_cp_hicache.core.storage_keys import StorageNamespace, component_of_pool
@@ -50,6 +51,9 @@ class OwnerFreeHiCacheFile(HiCacheFile):
     Invariant: every object this backend writes or reads is named
     ``<page hash>.<component>__<namespace id>``, whatever rank or cp size wrote it.
     """
+
+    #: The KV events' medium of this tier (``storage/l3_events.py``).
+    EVENT_MEDIUM: ClassVar[str] = StorageMedium.DISK
 
     def __init__(self, storage_config: HiCacheStorageConfig, namespace: StorageNamespace):
         self.namespace = namespace

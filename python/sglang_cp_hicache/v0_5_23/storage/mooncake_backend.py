@@ -31,8 +31,9 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, ClassVar, List, Optional, Tuple
 
+from sglang.srt.disaggregation.kv_events import StorageMedium
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
 
@@ -156,6 +157,9 @@ class MasterOutage:
 class OwnerFreeMooncakeStore(MooncakeStore):
     """Invariant: every key this store touches starts with ``<namespace id>_``; no batch
     reaches the client while :attr:`outage` knows the master is down."""
+
+    #: The KV events' medium of this tier (``storage/l3_events.py``).
+    EVENT_MEDIUM: ClassVar[str] = StorageMedium.EXTERNAL
 
     def __init__(self, storage_config: HiCacheStorageConfig, namespace: StorageNamespace):
         self.namespace = namespace

@@ -18,18 +18,17 @@ from typing import Any, Dict, Tuple
 
 import pytest
 
-from sglang_cp_hicache.testing.pd import (
-    PDCluster,
-    PDEnv,
-    RoleFailed,
+from sglang_cp_hicache.testing.pd.cluster import (
     decode_killed_problems,
-    free_port,
     prefill_names,
     prefill_startup_failure,
     run_fault_cluster,
     run_pd_cluster,
 )
-from sglang_cp_hicache.testing.v0_5_12.pd_harness import LINE, EvictDevice, PDRequest, PDScenario
+from sglang_cp_hicache.testing.pd.roles import free_port, PDCluster, PDEnv, RoleFailed
+from sglang_cp_hicache.testing.pd.scenario import EvictDevice, PDRequest
+from sglang_cp_hicache.testing.v0_5_12.pd_harness.line import LINE
+from sglang_cp_hicache.testing.v0_5_12.pd_harness.scenario import PDScenario
 
 PS = 64
 RUN_TIMEOUT_S = 150.0

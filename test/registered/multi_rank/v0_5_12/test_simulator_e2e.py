@@ -9,21 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from sglang_cp_hicache.sim import (
-    FAULTS,
-    WORKLOADS,
-    SimConfig,
-    SimReport,
-    TraceError,
-    generate_workload,
-    load_trace,
-    run_simulation,
-)
 from sglang_cp_hicache.sim.cli import config_from_args, parse_args
-from sglang_cp_hicache.sim.report import max_over_mean
+from sglang_cp_hicache.sim.config import FAULTS, SimConfig, WORKLOADS
+from sglang_cp_hicache.sim.report.balance import max_over_mean
+from sglang_cp_hicache.sim.report.records import SimReport
 from sglang_cp_hicache.sim.results import OPS
+from sglang_cp_hicache.sim.simulation import run_simulation
 from sglang_cp_hicache.sim.v0_5_12.rank import LINE
-from sglang_cp_hicache.sim.workload import plan_steps
+from sglang_cp_hicache.sim.workload import generate_workload, load_trace, plan_steps, TraceError
 
 REPO = Path(__file__).resolve().parents[4]
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_cp_hicache.sim import SimConfig, run_simulation
 from sglang_cp_hicache.sim.cli import config_from_args, parse_args
-from sglang_cp_hicache.testing.pd import SIM_PD_SMALL_TRACE
+from sglang_cp_hicache.sim.config import SimConfig
+from sglang_cp_hicache.sim.simulation import run_simulation
+from sglang_cp_hicache.testing.pd.scenario import SIM_PD_SMALL_TRACE
 
 SMALL = SIM_PD_SMALL_TRACE
 

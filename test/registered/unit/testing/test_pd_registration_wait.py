@@ -13,13 +13,13 @@ from __future__ import annotations
 import pytest
 import requests
 
-from sglang_cp_hicache.testing.pd import (
+from sglang_cp_hicache.testing.pd.cluster import wait_registered
+from sglang_cp_hicache.testing.pd.roles import (
     LOOPBACK,
-    REGISTERED,
     PDCluster,
+    REGISTERED,
     RoleChannel,
     RoleFailed,
-    wait_registered,
 )
 
 #: The row upstream's ``register_to_bootstrap`` PUTs for a one-rank prefill (the fields

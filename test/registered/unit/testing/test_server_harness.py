@@ -11,7 +11,6 @@ import json
 import logging
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -22,12 +21,14 @@ from sglang_cp_hicache.testing.device import CPU_DEVICE_MODULE, CpuEvent
 from sglang_cp_hicache.testing.server import sgl_kernel_stand_in
 from sglang_cp_hicache.testing.server.cluster import ServingCluster, log_errors
 from sglang_cp_hicache.testing.server.client import Completion, RequestFailed, generate, post
-from sglang_cp_hicache.testing.server.launch import SERVER_KEEP_ALIVE_S, ServerEnv
+from sglang_cp_hicache.testing.server.launch import SERVER_KEEP_ALIVE_S, Endpoint, PrefillSpec, ServerEnv, prefill_argv
 from sglang_cp_hicache.testing.server.metrics import Metrics
 from sglang_cp_hicache.testing.server.processes import ManagedProcess, NotReady, ProcessDied
 from sglang_cp_hicache.testing.server.runtime import RuntimeStep, ServerRuntime, write_site_folder
-from sglang_cp_hicache.testing.server.scenarios import Recorder, ScenarioReport, scaled_prompt, trace_prompts
+from sglang_cp_hicache.testing.server.scenarios import Recorder, ScenarioReport, scaled_prompt, scenarios_for, trace_prompts
 from sglang_cp_hicache.testing.server.tiny_model import TinyDsaSpec, build_checkpoint, ensure_checkpoint
+from sglang_cp_hicache.testing.v0_5_12.server_launch import LAUNCH as LAUNCH_0512
+from sglang_cp_hicache.testing.v0_5_23.server_launch import LAUNCH as LAUNCH_0523
 
 
 # ------------------------------------------------------------------------ processes
@@ -264,7 +265,7 @@ class _Fake(http.server.BaseHTTPRequestHandler):
             self.wfile.write(b'{"error": "too long"}')
             return
         meta = {"prompt_tokens": 3, "cached_tokens": 2, "cached_tokens_details": {"device": 0, "host": 2},
-                "output_token_logprobs": [[-1.5, 7, None], [-0.25, 8, None]]}  # fmt: skip
+                "output_token_logprobs": [[-1.5, 7, None], [-0.25, 8, None]], "finish_reason": {"type": "length"}}  # fmt: skip
         self.send_response(200)
         self.end_headers()
         if not body["stream"]:
@@ -283,12 +284,8 @@ class _Fake(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture()
-def fake_server():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Fake)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+def fake_server(fake_http):
+    return fake_http(_Fake)
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -344,3 +341,16 @@ def test_recorder_counts_any_id_or_logprob_difference():
     recorder.compare("ids", _completion([1, 3], [-1.0, -2.0]), _completion([1, 2], [-1.0, -2.0]))
     assert len(recorder.report.mismatches) == 2 and not recorder.report.ok
     assert recorder.report.max_logprob_diff == pytest.approx(2e-7, rel=0.5)
+
+
+# ------------------------------------------------------------------------ KV events
+@pytest.mark.parametrize("line", [LAUNCH_0512, LAUNCH_0523], ids=lambda line: line.release)
+def test_kv_events_publisher_only_where_asked_and_the_scenario_only_where_the_line_publishes(line):
+    spec = PrefillSpec("p", tp=2)
+    plain = prefill_argv(line, Path("m"), Endpoint(1, 2), spec)
+    assert "--kv-events-config" not in plain
+    argv = prefill_argv(line, Path("m"), Endpoint(1, 2, 5557), spec)
+    config = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert config == {"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557", "bind": True}
+    assert ("kv_events" in {s.name for s in scenarios_for(line)}) == line.publishes_kv_events
+    assert line.publishes_kv_events == (line.release == "0.5.23")

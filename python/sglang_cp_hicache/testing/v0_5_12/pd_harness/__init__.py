@@ -22,50 +22,6 @@ below carry exactly the fields upstream's PD queues read. SGLang's parallel-stat
 stand-ins of the same kind (:class:`GroupShape`): the PD managers read only their sizes and
 ranks; the collectives run on the real gloo groups.
 
-Modules: ``scenario`` (the scenario, the planted filter, the pools' buffers), ``context``
+Import from the module that defines a name. Modules: ``scenario`` (the scenario, the planted filter, the pools' buffers), ``line`` (:data:`LINE`, the roles for ``testing.pd.cluster``'s runners), ``context``
 (the SGLang stand-ins), ``prefill``, ``decode``.
 """
-
-from __future__ import annotations
-
-from sglang_cp_hicache.testing.pd.cluster import PDLine
-from sglang_cp_hicache.testing.pd.scenario import (
-    PLANTS,
-    DecodeOutcome,
-    DecodeReport,
-    EvictDevice,
-    PDRequest,
-    PrefillOutcome,
-)
-from sglang_cp_hicache.testing.pd.steps import load_plugins
-from sglang_cp_hicache.testing.v0_5_12.pd_harness.context import install_parallel_state
-from sglang_cp_hicache.testing.v0_5_12.pd_harness.decode import decode_role, DecodeServer
-from sglang_cp_hicache.testing.v0_5_12.pd_harness.prefill import prefill_rank_role, PrefillRank
-from sglang_cp_hicache.testing.v0_5_12.pd_harness.scenario import (
-    PDScenario,
-    plant_bug,
-    planted_filter,
-)
-
-#: This line's roles for the line-agnostic cluster runners of ``testing.pd``
-#: (``run_pd_cluster``, ``run_fault_cluster``, ``prefill_startup_failure``).
-LINE = PDLine(prefill_role=prefill_rank_role, decode_role=decode_role)
-
-__all__ = [
-    "LINE",
-    "DecodeOutcome",
-    "DecodeReport",
-    "EvictDevice",
-    "PDRequest",
-    "PDScenario",
-    "PLANTS",
-    "PrefillOutcome",
-    "planted_filter",
-    "decode_role",
-    "prefill_rank_role",
-    "DecodeServer",
-    "PrefillRank",
-    "install_parallel_state",
-    "load_plugins",
-    "plant_bug",
-]

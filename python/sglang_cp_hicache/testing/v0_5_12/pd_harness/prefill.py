@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import time
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 from sglang_cp_hicache.core.rotation import lane_of
-from sglang_cp_hicache.testing.pd.cluster import hold_if_asked
 from sglang_cp_hicache.testing.pd.engine import SentBytesMeter, init_transfer_engine
-from sglang_cp_hicache.testing.pd.roles import LOOPBACK, PDPorts, REGISTERED, RoleChannel
-from sglang_cp_hicache.testing.pd.scenario import EvictDevice, PDRequest, PrefillOutcome
+from sglang_cp_hicache.testing.pd.roles import LOOPBACK, PDPorts, RoleChannel
+from sglang_cp_hicache.testing.pd.scenario import PDRequest, PrefillOutcome
 from sglang_cp_hicache.testing.pd.steps import PrefillSteps, load_plugins
 from sglang_cp_hicache.testing.v0_5_12.pd_harness.context import (
     PrefillSchedulerFields,
@@ -86,16 +85,8 @@ class PrefillRank(PrefillSteps):
         self.baseline = self._resources()
 
     # -- bookkeeping
-    def _resources(self) -> Dict[str, int]:
-        """What a finished request must give back: free + evictable KV (logical), request
-        slots, metadata slots, and no locked tree tokens."""
-        cache = self.stack.cache
-        return {
-            "kv_free_or_evictable": self.stack.allocator.available_size() + cache.evictable_size(),
-            "req_slots": self.stack.req_to_token_pool.available_size(),
-            "metadata_slots": self.metadata_allocator.available_size(),
-            "locked_tokens": cache.protected_size(),
-        }
+    def _free_kv(self) -> int:
+        return self.stack.allocator.available_size()
 
     def _snapshot(self) -> List[torch.Tensor]:
         pools = pool_buffers([self.stack.kv_pool, self.stack.draft_pool])
@@ -248,8 +239,7 @@ class PrefillRank(PrefillSteps):
         self._close_sender(req, out, poll)
         req.req_pool_idx = None  # the row stays the caller's
         release_req_to_metadata_buffer(req, self.metadata_allocator)
-        aux_bytes = sum(self.kv_manager.kv_args.aux_item_lens) if out.success else 0
-        out.payload_bytes = self.meter.total - bytes_before - aux_bytes
+        out.payload_bytes = self._payload_bytes(out, bytes_before)
         return out
 
     def serve(self, channel: RoleChannel, spec: PDRequest) -> PrefillOutcome:
@@ -280,8 +270,7 @@ class PrefillRank(PrefillSteps):
         release_kv_cache(req, self.stack.cache)
         release_req_to_metadata_buffer(req, self.metadata_allocator)
         self.stack.cache.check_hicache_events()
-        aux_bytes = sum(self.kv_manager.kv_args.aux_item_lens) if out.success else 0
-        out.payload_bytes = self.meter.total - bytes_before - aux_bytes
+        out.payload_bytes = self._payload_bytes(out, bytes_before)
         out.leaked = self._leaks()
         return out
 
@@ -305,16 +294,7 @@ def prefill_rank_role(channel: RoleChannel, rank: int, scenario: PDScenario, por
         problems = unsupported_serving_modes(server.server_args)
         if problems:  # the plugin's launch check would refuse this prefill server
             raise RuntimeError("; ".join(problems))
-        channel.event(REGISTERED)
-        hold_if_asked(channel, scenario)
-        outcomes = []
-        for step in scenario.steps:
-            if isinstance(step, EvictDevice):
-                server.evict_device()
-            elif step.bootstrap_port is None:  # requests to another bootstrap never reach prefill
-                with planted_filter(scenario.plant_for(step.rid), rank, scenario.cp_size):
-                    outcomes.append(server.serve(channel, step))
-        return outcomes
+        return server.serve_steps(channel, planted_filter)
 
 
 __all__ = [

@@ -30,11 +30,11 @@ upstream's PD code reads of them), and the runtime context's parallel groups (gl
 
 Entry points (stable names):
 
-* :data:`LINE` -- this line's roles for ``testing.pd``'s line-agnostic runners
+* :data:`~.line.LINE` -- this line's roles for ``testing.pd.cluster``'s line-agnostic runners
   (``run_pd_cluster(LINE, scenario)``: one scenario on a fresh cluster, bootstrap,
   ``cp_size`` prefill rank processes, one decode, every process ended on return);
 * :func:`prefill_rank_role` / :func:`decode_role` -- the roles, for a
-  :class:`~sglang_cp_hicache.testing.pd.PDCluster` a caller arranges itself (faults);
+  :class:`~sglang_cp_hicache.testing.pd.roles.PDCluster` a caller arranges itself (faults);
 * in-process, for another harness that already runs the prefill ranks (the simulator's
   ``--pd``), in each rank process (``os.environ.update(role_env(PDEnv()))`` before the KV
   manager is built; the CP group of a :class:`~sglang_cp_hicache.testing.dist.RankContext`):
@@ -48,56 +48,6 @@ Entry points (stable names):
   against a :class:`KVPattern`: the caller's own (``HARNESS_PATTERN``, what
   :func:`write_owned_kv` stores, by default).
 
-Modules: ``scenario`` (the scenario, the byte pattern, the draft pool, the planted filter),
-``context`` (the published runtime, the scheduler stand-ins), ``prefill``, ``decode``.
+Import from the module that defines a name. Modules: ``scenario`` (the scenario, the byte pattern, the draft pool, the planted filter),
+``line`` (:data:`LINE`, the roles for ``testing.pd.cluster``'s runners), ``context`` (the published runtime, the scheduler stand-ins), ``prefill``, ``decode``.
 """
-
-from __future__ import annotations
-
-from sglang_cp_hicache.testing.pd.cluster import PDLine
-from sglang_cp_hicache.testing.pd.scenario import PLANTS
-from sglang_cp_hicache.testing.pd.steps import load_plugins
-from sglang_cp_hicache.testing.v0_5_23.pd_harness.decode import (
-    decode_role,
-    DecodeServer,
-)
-from sglang_cp_hicache.testing.v0_5_23.pd_harness.prefill import (
-    prefill_rank_role,
-    PrefillRank,
-)
-from sglang_cp_hicache.testing.v0_5_23.pd_harness.scenario import (
-    build_draft_pool,
-    count_kv_mismatches,
-    DRAFT_LAYERS,
-    expected_hidden_state,
-    HARNESS_PATTERN,
-    KVPattern,
-    PDScenario,
-    planted_filter,
-    store_tokens,
-    write_owned_kv,
-)
-
-#: This line's roles for the line-agnostic cluster runners of ``testing.pd``
-#: (``run_pd_cluster``, ``run_fault_cluster``, ``prefill_startup_failure``).
-LINE = PDLine(prefill_role=prefill_rank_role, decode_role=decode_role)
-
-__all__ = [
-    "LINE",
-    "PDScenario",
-    "PLANTS",
-    "planted_filter",
-    "DRAFT_LAYERS",
-    "HARNESS_PATTERN",
-    "KVPattern",
-    "DecodeServer",
-    "build_draft_pool",
-    "expected_hidden_state",
-    "PrefillRank",
-    "count_kv_mismatches",
-    "decode_role",
-    "prefill_rank_role",
-    "store_tokens",
-    "write_owned_kv",
-    "load_plugins",
-]

@@ -10,42 +10,26 @@ from typing import Any, List, Optional, Set
 
 from sglang_cp_hicache.testing.pd.roles import LOOPBACK
 from sglang_cp_hicache.testing.v0_5_23.pd_harness.scenario import PAGE_SIZE
+from sglang_cp_hicache.testing.v0_5_23.stack import publish_server_args
 
 
 # ------------------------------------------------------------------ runtime context
 def publish_pd_record(mode: str, bootstrap_port: int, config: Any = None) -> Any:
     """Publish the ``ServerArgs`` a PD server of ``mode`` runs with: prefill, the sharded
-    stack's record plus the PD fields, and the plugin's flag where the stack has it
-    (``config.cp_shared_kv``; off: upstream's native sharding alone); decode, a plain cp-1
-    record."""
+    stack's record (``config``, a ``StackConfig``) plus the PD fields, and the plugin's flag
+    where the stack has it (``config.cp_shared_kv``; off: upstream's native sharding alone);
+    decode, a plain cp-1 record."""
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
-    fields = dict(
-        model_path="dummy",
+    pd_fields = dict(
         host=LOOPBACK,
-        page_size=PAGE_SIZE,
         disaggregation_mode=mode,
         disaggregation_transfer_backend="mooncake",
         disaggregation_bootstrap_port=bootstrap_port,
     )
     if mode == "prefill":
-        fields.update(
-            context_length=config.context_len,
-            chunked_prefill_size=config.chunk_tokens,
-            hicache_ratio=config.host_to_device_ratio,
-            hicache_io_backend=config.io_backend,
-            hicache_mem_layout=config.mem_layout,
-            hicache_write_policy=config.write_policy,
-            hicache_host_memory_mode="cache",
-            enable_kv_cache_sharding=True,
-            enable_prefill_cp=True,
-            cp_strategy="interleave",
-        )
-    server_args = ServerArgs(**fields)
-    if mode == "prefill" and config.cp_shared_kv:
-        from sglang_cp_hicache.v0_5_23.launch.flag import set_cp_shared_kv_enabled
-
-        set_cp_shared_kv_enabled(server_args, True)
+        return publish_server_args(config, True, enable_prefill_cp=True, cp_strategy="interleave", **pd_fields)
+    server_args = ServerArgs(model_path="dummy", page_size=PAGE_SIZE, **pd_fields)
     set_global_server_args_for_scheduler(server_args)
     return server_args
 

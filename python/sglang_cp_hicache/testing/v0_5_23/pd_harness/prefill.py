@@ -6,14 +6,13 @@ from __future__ import annotations
 import time
 from array import array
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
-from sglang_cp_hicache.testing.pd.cluster import hold_if_asked
 from sglang_cp_hicache.testing.pd.engine import SentBytesMeter, init_transfer_engine
-from sglang_cp_hicache.testing.pd.roles import LOOPBACK, PDPorts, REGISTERED, RoleChannel
-from sglang_cp_hicache.testing.pd.scenario import EvictDevice, PDRequest, PrefillOutcome
+from sglang_cp_hicache.testing.pd.roles import LOOPBACK, PDPorts, RoleChannel
+from sglang_cp_hicache.testing.pd.scenario import PDRequest, PrefillOutcome
 from sglang_cp_hicache.testing.pd.steps import PrefillSteps, load_plugins
 from sglang_cp_hicache.testing.v0_5_23.pd_harness.context import (
     PrefillSchedulerFields,
@@ -93,17 +92,9 @@ class PrefillRank(PrefillSteps):
         self.baseline = self._resources()
 
     # -- bookkeeping
-    def _resources(self) -> Dict[str, int]:
-        """What a finished request must give back: free (every owner class, not the
-        min-class admission floor) + evictable logical KV, request slots, metadata slots,
-        and no locked tree tokens."""
-        cache = self.stack.cache
-        return {
-            "kv_free_or_evictable": self.stack.allocator.aggregate_free_size() + cache.evictable_size(),
-            "req_slots": self.stack.req_to_token_pool.available_size(),
-            "metadata_slots": self.metadata_allocator.available_size(),
-            "locked_tokens": cache.protected_size(),
-        }
+    def _free_kv(self) -> int:
+        """Free logical KV of every owner class, not the min-class admission floor."""
+        return self.stack.allocator.aggregate_free_size()
 
     def _tier_buffers(self) -> List[torch.Tensor]:
         """This rank's device pool and host tier (KV anchor and DSA indexer host pools)."""
@@ -235,8 +226,7 @@ class PrefillRank(PrefillSteps):
         self._close_sender(req, out, poll)
         req.kv.req_pool_idx = None  # the row stays the caller's
         maybe_release_metadata_buffer(req, self.metadata_allocator)
-        aux_bytes = sum(self.kv_manager.kv_args.aux_item_lens) if out.success else 0
-        out.payload_bytes = self.meter.total - bytes_before - aux_bytes
+        out.payload_bytes = self._payload_bytes(out, bytes_before)
         return out
 
     def _new_req(self, spec: PDRequest) -> Any:
@@ -291,8 +281,7 @@ class PrefillRank(PrefillSteps):
         self._close_sender(req, out, poll)
         self._release(req, spec, locs, base, lock, cached_len)
         maybe_release_metadata_buffer(req, self.metadata_allocator)
-        aux_bytes = sum(self.kv_manager.kv_args.aux_item_lens) if out.success else 0
-        out.payload_bytes = self.meter.total - bytes_before - aux_bytes
+        out.payload_bytes = self._payload_bytes(out, bytes_before)
         out.leaked = self._leaks()
         return out
 
@@ -319,15 +308,7 @@ def prefill_rank_role(channel: RoleChannel, rank: int, scenario: PDScenario, por
     load_plugins()
     ctx = init_rank_groups(rank, scenario.cp_size, ports.gloo, timeout_s=scenario.transfer_timeout_s + 30)
     server = PrefillRank(ctx, scenario, ports)
-    channel.event(REGISTERED)
-    hold_if_asked(channel, scenario)
-    outcomes = []
-    for step in scenario.steps:
-        if isinstance(step, EvictDevice):
-            server.evict_device()
-        elif step.bootstrap_port is None:  # requests to another bootstrap never reach prefill
-            with planted_filter(scenario.plant_for(step.rid), rank, scenario.cp_size):
-                outcomes.append(server.serve(channel, step))
+    outcomes = server.serve_steps(channel, planted_filter)
     server.stack.close()
     return outcomes
 

@@ -66,7 +66,7 @@ class PDScenario(ScenarioSteps):
 
     def stack_config(self) -> Any:
         """One prefill rank's ``StackConfig`` (the plugin's flag on)."""
-        from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig
+        from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
 
         return StackConfig(
             page_size=PAGE_SIZE,
@@ -126,17 +126,16 @@ def store_tokens(
     token_ids: torch.Tensor,
     positions: torch.Tensor,
     first_layer: int = 0,
-    pattern: KVPattern = HARNESS_PATTERN,
 ) -> None:
-    """A forward's stores into ``pool``'s own (physical) ``rows``: KV and indexer, every
-    layer (``first_layer``: the pattern's layer of the pool's layer 0)."""
+    """A forward's stores of :data:`HARNESS_PATTERN` into ``pool``'s own (physical) ``rows``:
+    KV and indexer, every layer (``first_layer``: the pattern's layer of the pool's layer 0)."""
     if len(rows) == 0:
         return
     dim = pool.kv_buffer[0].shape[-1]
     page, offsets = _index_offsets(rows, pool.page_size)
     for layer in range(pool.layer_num):
-        pool.kv_buffer[layer][rows] = pattern.kv(token_ids, positions, first_layer + layer, dim)
-        index = pattern.index(token_ids, positions, first_layer + layer)
+        pool.kv_buffer[layer][rows] = HARNESS_PATTERN.kv(token_ids, positions, first_layer + layer, dim)
+        index = HARNESS_PATTERN.index(token_ids, positions, first_layer + layer)
         pool.index_k_with_scale_buffer[layer][page[:, None], offsets] = index
 
 
@@ -167,7 +166,7 @@ def write_owned_kv(
     stack: Any, logical_locs: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, draft_pool: Any = None
 ) -> None:
     """What a sharded forward stores: the tokens whose logical slot this rank owns, at their
-    physical rows (``stack`` a :class:`~sglang_cp_hicache.testing.v0_5_23.stack.RankStack`),
+    physical rows (``stack`` a :class:`~sglang_cp_hicache.testing.v0_5_23.rank_stack.RankStack`),
     in the target pool and, given, the MTP draft's (same logical slots, same owners)."""
     owned = stack.owned_mask(logical_locs)
     rows, ids, pos = stack.physical_rows(logical_locs), token_ids[owned], positions[owned]

@@ -33,7 +33,8 @@ LAYOUTS = ("layer_first", "page_first")
 
 
 def _stack(ctx: RankContext, cp_shared_kv: bool, layout: str):
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
     return sharded_stack(ctx, StackConfig(layer_num=LAYERS, cp_shared_kv=cp_shared_kv, mem_layout=layout))
 
@@ -48,7 +49,8 @@ class FakeModel:
         self.calls: List[tuple] = []
 
     def __call__(self, runner, forward_batch, *args, **kwargs):
-        from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import logical_kv, store_layer
+        from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import store_layer
+        from sglang_cp_hicache.testing.v0_5_23.owned_kv import logical_kv
 
         self.calls.append((runner, forward_batch, args, kwargs))
         locs = forward_batch.out_cache_loc

@@ -31,7 +31,8 @@ LAYOUTS = ("layer_first", "page_first")
 
 
 def _stack(ctx: RankContext, cp_shared_kv: bool, layout: str):
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
     config = StackConfig(layer_num=LAYERS, cp_shared_kv=cp_shared_kv, mtp_draft=True, mem_layout=layout)
     return sharded_stack(ctx, config)
@@ -39,7 +40,7 @@ def _stack(ctx: RankContext, cp_shared_kv: bool, layout: str):
 
 def _kv(stack, tokens):
     """(target KV, draft KV) of one request: independent draws."""
-    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import logical_kv
+    from sglang_cp_hicache.testing.v0_5_23.owned_kv import logical_kv
     from sglang_cp_hicache.testing.v0_5_23.mtp_draft import draft_logical_kv
 
     return (
@@ -75,7 +76,8 @@ def one_step(ctx: RankContext, cp_shared_kv: bool, layout: str) -> Dict[str, obj
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import store_layer
-    from sglang_cp_hicache.testing.v0_5_23.mtp_draft import device_layer_mismatches, draft_forward
+    from sglang_cp_hicache.testing.v0_5_23.mtp_draft import draft_forward
+    from sglang_cp_hicache.testing.v0_5_23.owned_kv import owned_row_mismatches
     from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of, notify_forward_end
 
     report: Dict[str, object] = {}
@@ -132,8 +134,8 @@ def one_step(ctx: RankContext, cp_shared_kv: bool, layout: str) -> Dict[str, obj
             locs = stack.cache.path_device_indices(stack.match(tokens).last_device_node)
             reloads.append(
                 {
-                    "target": device_layer_mismatches(stack, stack.kv_pool, locs, kv[0], range(LAYERS)),
-                    "draft": device_layer_mismatches(stack, stack.draft_kv_pool, locs, kv[1], range(1)),
+                    "target": owned_row_mismatches(stack, locs, kv[0], stack.kv_pool, range(LAYERS)),
+                    "draft": owned_row_mismatches(stack, locs, kv[1], stack.draft_kv_pool, range(1)),
                 }
             )
         report["reload"] = reloads

@@ -33,13 +33,14 @@ LAYOUTS = ("layer_first", "page_first")
 
 
 def _stack(ctx: RankContext, cp_shared_kv: bool, layout: str):
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
     return sharded_stack(ctx, StackConfig(layer_num=LAYERS, cp_shared_kv=cp_shared_kv, mem_layout=layout))
 
 
 def _logical_kv(stack, token_ids: Sequence[int]):
-    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import logical_kv
+    from sglang_cp_hicache.testing.v0_5_23.owned_kv import logical_kv
 
     return logical_kv(stack, len(token_ids), LAYERS, SEED + token_ids[0])
 

@@ -53,10 +53,10 @@ def _rank(ctx: RankContext, layout: str) -> Dict[str, object]:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
-    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import (
-        extend_batch, forward, logical_kv,
-    )  # fmt: skip
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import extend_batch, forward
+    from sglang_cp_hicache.testing.v0_5_23.owned_kv import logical_kv
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
     from sglang_cp_hicache.v0_5_23.backup.layer_backup import reserve_batch
 
     report: Dict[str, object] = {}

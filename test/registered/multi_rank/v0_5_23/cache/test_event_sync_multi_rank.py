@@ -40,7 +40,8 @@ def _checks(ctx: RankContext, plant: bool) -> Dict[str, List[Check]]:
     import torch.distributed as dist
 
     from sglang_cp_hicache.testing import device_module
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
     from sglang_cp_hicache.v0_5_23.cache import event_sync
 
     group = dist.new_group(

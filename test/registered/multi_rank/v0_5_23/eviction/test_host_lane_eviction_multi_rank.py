@@ -45,7 +45,8 @@ def _host_node(stack, tokens: List[int]) -> Any:
 def _churn(ctx: RankContext) -> Tuple[List[Tuple[str, Tuple[int, ...], Tuple[int, ...]]], Any]:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
     from sglang_cp_hicache.v0_5_23.cache.cache_extension import extension_of
 
     config = StackConfig(device_pages_per_rank=6, host_to_device_ratio=1.0, cp_shared_kv=True)

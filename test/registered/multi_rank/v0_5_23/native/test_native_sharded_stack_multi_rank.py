@@ -132,7 +132,8 @@ def scenario(ctx: RankContext, mem_layout: str) -> Dict[str, object]:
     """One rank's share of the workload; returns what the main process compares."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
     report: Dict[str, object] = {}
     with sharded_stack(ctx, StackConfig(mem_layout=mem_layout), plugin_hooks=False) as stack:
@@ -205,7 +206,8 @@ def test_free_counts_return_after_everything_is_evicted(reports):
 
 def zero_owned_backup(ctx: RankContext) -> Dict[str, object]:
     from sglang_cp_hicache.testing.device import CPU_DEVICE_MODULE
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
     report: Dict[str, object] = {}
     with sharded_stack(ctx, StackConfig(), plugin_hooks=False) as stack:

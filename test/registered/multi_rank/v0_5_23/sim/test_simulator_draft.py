@@ -5,8 +5,10 @@ a load-back too), and a draft-only loss is a draft mismatch, never a good hit.""
 
 import pytest
 
-from sglang_cp_hicache.sim import SimConfig, SimReport, run_simulation
 from sglang_cp_hicache.sim.cli import config_from_args, parse_args
+from sglang_cp_hicache.sim.config import SimConfig
+from sglang_cp_hicache.sim.report.records import SimReport
+from sglang_cp_hicache.sim.simulation import run_simulation
 
 PLUGIN_ONLY = dict(native_column=False, baseline=False, timeout_s=120)
 

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from sglang_cp_hicache.sim import SimConfig, SimReport, run_simulation
 from sglang_cp_hicache.sim.cli import config_from_args, parse_args
+from sglang_cp_hicache.sim.config import SimConfig
+from sglang_cp_hicache.sim.report.records import SimReport
 from sglang_cp_hicache.sim.results import OPS
+from sglang_cp_hicache.sim.simulation import run_simulation
 
 # One column, no comparison replays: what the checker and feature tests need.
 NATIVE_ONLY = dict(shard_impl="native", native_column=False, baseline=False, timeout_s=120)
@@ -62,7 +64,7 @@ def test_three_columns_each_pass_every_check(cp2_report: SimReport) -> None:
 
 
 def test_table_and_json_carry_every_column(cp2_report: SimReport, tmp_path: Path) -> None:
-    from sglang_cp_hicache.sim import format_table
+    from sglang_cp_hicache.sim.report.table import format_table
 
     table = format_table(cp2_report)
     assert "SGLang 0.5.23" in table

@@ -10,8 +10,9 @@ owner below must fail the run on the decode side's check alone.
 
 from __future__ import annotations
 
-from sglang_cp_hicache.sim import SimConfig, run_simulation
-from sglang_cp_hicache.testing.pd import SIM_PD_SMALL_TRACE
+from sglang_cp_hicache.sim.config import SimConfig
+from sglang_cp_hicache.sim.simulation import run_simulation
+from sglang_cp_hicache.testing.pd.scenario import SIM_PD_SMALL_TRACE
 
 SMALL = SIM_PD_SMALL_TRACE
 

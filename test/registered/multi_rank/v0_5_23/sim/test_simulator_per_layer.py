@@ -11,7 +11,9 @@ from typing import Iterator
 
 import pytest
 
-from sglang_cp_hicache.sim import SimConfig, SimReport, run_simulation
+from sglang_cp_hicache.sim.config import SimConfig
+from sglang_cp_hicache.sim.report.records import SimReport
+from sglang_cp_hicache.sim.simulation import run_simulation
 
 LAYERS = 2
 # One column, cp 2: chunks, aborts, retractions and acks landing two steps late, with a
@@ -78,7 +80,7 @@ MOONCAKE = dict(
 @pytest.fixture(scope="module")
 def held_store() -> Iterator[str]:
     """A Mooncake store that outlives the runs (a master and a held segment)."""
-    from sglang_cp_hicache.testing.v0_5_23.storage import held_mooncake_store
+    from sglang_cp_hicache.testing.v0_5_23.mooncake_store import held_mooncake_store
 
     with held_mooncake_store(256 << 20) as master:
         yield master

@@ -18,9 +18,10 @@ import shutil
 
 import pytest
 
-from sglang_cp_hicache.sim import SimConfig, run_simulation
+from sglang_cp_hicache.sim.config import SimConfig
 from sglang_cp_hicache.sim.lines import LineSim
-from sglang_cp_hicache.sim.report import format_table
+from sglang_cp_hicache.sim.report.table import format_table
+from sglang_cp_hicache.sim.simulation import run_simulation
 
 #: Small pools and a 1.25x host tier: pages of sessions that return are evicted from the
 #: cp-2 host tier within 30 requests, so both columns hit storage. Later runs replay the

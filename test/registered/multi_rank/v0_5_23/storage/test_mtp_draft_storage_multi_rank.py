@@ -31,7 +31,8 @@ FAULT_PAGE = 2
 
 
 def _stack(ctx: RankContext, mtp_draft: bool):
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
     return sharded_stack(ctx, StackConfig(layer_num=LAYERS, cp_shared_kv=True, mtp_draft=mtp_draft))
 
@@ -41,7 +42,7 @@ def _kv(stack, tokens):
     from sglang_cp_hicache.testing.v0_5_23 import storage
     from sglang_cp_hicache.testing.v0_5_23.mtp_draft import draft_logical_kv
 
-    target = storage.logical_kv(stack, tokens, SEED)
+    target = storage.request_kv(stack, tokens, SEED)
     draft = draft_logical_kv(stack, len(tokens), SEED + 11 + tokens[0]) if stack.config.mtp_draft else None
     return target, draft
 
@@ -82,7 +83,7 @@ def read_run(ctx: RankContext, folder: str, fault: str) -> Dict[str, object]:
     import torch
 
     from sglang_cp_hicache.testing.v0_5_23 import storage
-    from sglang_cp_hicache.testing.v0_5_23.mtp_draft import device_layer_mismatches
+    from sglang_cp_hicache.testing.v0_5_23.owned_kv import owned_row_mismatches
 
     report: Dict[str, object] = {}
     with _stack(ctx, mtp_draft=True) as stack:
@@ -96,10 +97,9 @@ def read_run(ctx: RankContext, folder: str, fault: str) -> Dict[str, object]:
         if hit:
             locs = storage.load_back(stack, TOKENS[:hit])
             prefix = lambda kv: (kv[0][:, :hit], kv[1][:, : hit // PAGE])  # noqa: E731
-            report["target"] = device_layer_mismatches(
-                stack, stack.kv_pool, locs, prefix((target.latent, target.indexer)), range(LAYERS)
-            )
-            report["draft"] = device_layer_mismatches(stack, stack.draft_kv_pool, locs, prefix(draft), range(1))
+            target_kv = prefix((target.latent, target.indexer))
+            report["target"] = owned_row_mismatches(stack, locs, target_kv, stack.kv_pool, range(LAYERS))
+            report["draft"] = owned_row_mismatches(stack, locs, prefix(draft), stack.draft_kv_pool, range(1))
             report["owned_pages"] = int(stack.owned_mask(locs[::PAGE]).sum())
         report["second_hit"] = storage.prefetch(stack, "r2", OTHER)
         report["rejected_reads"] = backend.rejected_reads

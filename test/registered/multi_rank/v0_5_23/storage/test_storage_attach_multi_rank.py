@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from sglang_cp_hicache.testing.dist import RankContext, run_ranks
+from sglang_cp_hicache.testing.v0_5_23 import owned_kv
 
 PAGE = 64
 PAGES = 5
@@ -67,7 +68,7 @@ def _store_evict_read(stack, tokens: List[int], rid: str) -> Dict[str, object]:
     hit, this rank's owned pages and any mismatch against the logical KV."""
     from sglang_cp_hicache.testing.v0_5_23 import storage
 
-    kv = storage.logical_kv(stack, tokens, SEED)
+    kv = storage.request_kv(stack, tokens, SEED)
     locs = storage.store_request(stack, tokens, kv)
     owned = [h for h, mine in zip(_page_hashes(tokens), stack.owned_mask(locs[::PAGE])) if mine]
     return {"owned_hashes": owned, **_evict_read(stack, tokens, rid)}
@@ -76,12 +77,12 @@ def _store_evict_read(stack, tokens: List[int], rid: str) -> Dict[str, object]:
 def _evict_read(stack, tokens: List[int], rid: str) -> Dict[str, object]:
     from sglang_cp_hicache.testing.v0_5_23 import storage
 
-    kv = storage.logical_kv(stack, tokens, SEED)
+    kv = storage.request_kv(stack, tokens, SEED)
     storage.evict_everything(stack)
     report: Dict[str, object] = {"hit": storage.prefetch(stack, rid, tokens)}
     if report["hit"] == len(tokens):
         locs = storage.load_back(stack, tokens)
-        report["mismatches"] = storage.owned_row_mismatches(stack, locs, kv)
+        report["mismatches"] = owned_kv.owned_row_mismatches(stack, locs, kv)
         report["read_pages"] = int(stack.owned_mask(locs[::PAGE]).sum())
     report["tree"] = stack.tree_snapshot()
     return report
@@ -89,7 +90,8 @@ def _evict_read(stack, tokens: List[int], rid: str) -> Dict[str, object]:
 
 def attach_run(ctx: RankContext, backend_name: str, extra: dict) -> Dict[str, object]:
     from sglang_cp_hicache.testing.v0_5_23 import storage
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
     config = StackConfig(cp_shared_kv=True, mem_layout=LAYOUTS[backend_name])
     report: Dict[str, object] = {}
@@ -172,7 +174,7 @@ def test_file_owners_write_only_their_pages_under_owner_free_keys(file_run):
 @pytest.fixture(scope="module")
 def mooncake_reports():
     pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda missing")
-    from sglang_cp_hicache.testing.v0_5_23.storage import MooncakeMaster, free_ports
+    from sglang_cp_hicache.testing.v0_5_23.mooncake_store import free_ports, MooncakeMaster
 
     with MooncakeMaster(*free_ports(2)) as master:
         yield run_ranks(2, attach_run, "mooncake", master.client_config())

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from sglang_cp_hicache.testing.dist import RankContext, run_ranks
+from sglang_cp_hicache.testing.v0_5_23 import owned_kv
 
 PAGE = 64
 PAGES = 4
@@ -34,7 +35,8 @@ OUTAGE_BOUND_S = 15.0
 
 
 def _stack(ctx: RankContext):
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
     # Mooncake's zero-copy path needs a page-first host layout.
     return sharded_stack(ctx, StackConfig(cp_shared_kv=True, mem_layout="page_first"))
@@ -63,13 +65,13 @@ def mooncake_run(ctx: RankContext, config: dict, master_pid: int) -> Dict[str, o
     with _stack(ctx) as stack:
         backend = storage.attach_storage(stack, "mooncake", extra=config)
         report["backend"] = type(backend).__name__
-        kv = storage.logical_kv(stack, TOKENS, SEED)
+        kv = storage.request_kv(stack, TOKENS, SEED)
         storage.store_request(stack, TOKENS, kv)
         storage.evict_everything(stack)
         report["hit"] = storage.prefetch(stack, "r1", TOKENS)
         if report["hit"] == len(TOKENS):
             locs = storage.load_back(stack, TOKENS)
-            report["mismatches"] = storage.owned_row_mismatches(stack, locs, kv)
+            report["mismatches"] = owned_kv.owned_row_mismatches(stack, locs, kv)
             report["owned_pages"] = int(stack.owned_mask(locs[::PAGE]).sum())
         storage.evict_everything(stack)
         if ctx.rank == 0:  # Mooncake evicts one component of one page
@@ -91,16 +93,16 @@ def _master_killed(ctx: RankContext, stack, backend, master_pid: int) -> Dict[st
     if ctx.rank == 0:
         os.kill(master_pid, signal.SIGKILL)
     torch.distributed.barrier(group=stack.shard_group.cpu_group)
-    kv = storage.logical_kv(stack, OTHER, SEED)
+    kv = storage.request_kv(stack, OTHER, SEED)
     locs, base = stack.alloc_extend(torch.empty((0,), dtype=torch.int64), len(OTHER))
-    storage.write_owned_rows(stack, locs, kv)
+    owned_kv.write_owned_rows(stack, locs, kv)
     stack.insert(OTHER, locs, base)
     stack.cache.flush_pending_backups()
     ack_s = storage.wait_backups_acked_within(stack, OUTAGE_BOUND_S)
     report = {
         "outage_ack_s": ack_s,
         "outage_served_tokens": int(stack.match(OTHER).device_prefix_len),
-        "outage_mismatches": storage.owned_row_mismatches(stack, locs, kv),
+        "outage_mismatches": owned_kv.owned_row_mismatches(stack, locs, kv),
     }
     storage.evict_everything(stack)  # only L3 could serve TOKENS now (r2 left a host page)
     hit, prefetch_s = storage.prefetch_within(stack, "r3", TOKENS, OUTAGE_BOUND_S)
@@ -117,7 +119,7 @@ def _master_killed(ctx: RankContext, stack, backend, master_pid: int) -> Dict[st
 @pytest.fixture(scope="module")
 def master():
     pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda missing")
-    from sglang_cp_hicache.testing.v0_5_23.storage import MooncakeMaster, free_ports
+    from sglang_cp_hicache.testing.v0_5_23.mooncake_store import free_ports, MooncakeMaster
 
     with MooncakeMaster(*free_ports(2)) as running:
         yield running

@@ -47,7 +47,7 @@ HOLD_S = 240.0
 
 
 def _config(mtp_draft: bool, sharded: bool):
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
 
     # Mooncake's zero-copy path needs a page-first host layout (writers and readers alike:
     # the layout is part of the namespace).
@@ -61,7 +61,7 @@ def _kv(stack, seed: int = SEED):
     from sglang_cp_hicache.testing.v0_5_23 import storage
     from sglang_cp_hicache.testing.v0_5_23.mtp_draft import draft_logical_kv
 
-    target = storage.logical_kv(stack, TOKENS, seed)
+    target = storage.request_kv(stack, TOKENS, seed)
     draft = draft_logical_kv(stack, len(TOKENS), seed + 7) if stack.config.mtp_draft else None
     return target, draft
 
@@ -80,6 +80,7 @@ def write_and_hold(
     """cp 2 writer: each mode's stack stores TOKENS and stays attached; then the rank holds
     (clients and segments alive) until released. Per mode: namespace id and KV digest."""
     from sglang_cp_hicache.testing.v0_5_23 import storage
+    from sglang_cp_hicache.testing.v0_5_23.mooncake_store import hold_until_released
     from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
     report: Dict[str, object] = {}
@@ -95,7 +96,7 @@ def write_and_hold(
                 "namespace": backend.namespace.namespace_id,
                 "digest": _digest(target, draft),
             }
-        report["held_s"] = storage.hold_until_released(ctx.rank, flag_dir, hold_s)
+        report["held_s"] = hold_until_released(ctx.rank, flag_dir, hold_s)
     return report
 
 
@@ -103,7 +104,7 @@ def _read(stack, config: dict, model_name: str) -> Dict[str, object]:
     """Attach, prefetch TOKENS from L3 alone (a fresh stack), load back, compare the owned
     device rows with the logical KV; detach."""
     from sglang_cp_hicache.testing.v0_5_23 import storage
-    from sglang_cp_hicache.testing.v0_5_23.mtp_draft import device_layer_mismatches
+    from sglang_cp_hicache.testing.v0_5_23.owned_kv import owned_row_mismatches
 
     backend = storage.attach_storage(stack, "mooncake", model_name=model_name, extra=config)
     namespace = getattr(backend, "namespace", None)
@@ -122,11 +123,11 @@ def _read(stack, config: dict, model_name: str) -> Dict[str, object]:
 
         def mismatches(kv_target, kv_draft) -> Tuple[List[str], List[str]]:
             latent = (kv_target.latent[:, :hit], kv_target.indexer[:, :pages])
-            found = device_layer_mismatches(stack, stack.kv_pool, locs, latent, range(LAYERS))
+            found = owned_row_mismatches(stack, locs, latent, stack.kv_pool, range(LAYERS))
             if kv_draft is None:
                 return found, []
             rows = (kv_draft[0][:, :hit], kv_draft[1][:, :pages])
-            return found, device_layer_mismatches(stack, stack.draft_kv_pool, locs, rows, range(1))
+            return found, owned_row_mismatches(stack, locs, rows, stack.draft_kv_pool, range(1))
 
         report["loaded"] = len(locs)
         report["owned_pages"] = int(stack.owned_mask(locs[::PAGE]).sum())
@@ -149,10 +150,10 @@ CP1_SCENARIOS = {
 
 def read_at_cp1(ctx: RankContext, config: dict) -> Dict[str, Dict[str, object]]:
     from sglang_cp_hicache.testing.v0_5_23 import storage
-    from sglang_cp_hicache.testing.v0_5_23.stack import build_unsharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.stack import apply_plugin_hooks, build_unsharded_stack
     from sglang_cp_hicache.v0_5_23.launch.cp_mode import cp_mode
 
-    storage.apply_plugin_hooks()
+    apply_plugin_hooks()
     reports = {}
     for name, (mode, flag, model_name) in CP1_SCENARIOS.items():
         with build_unsharded_stack(ctx.attn_tp_group, _config(MODES[mode], sharded=False)) as stack:
@@ -180,7 +181,11 @@ def runs(tmp_path_factory):
     """(writer reports per rank, cp 1 reports, cp 4 reports per rank): every reader runs
     while the writers are held."""
     pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda missing")
-    from sglang_cp_hicache.testing.v0_5_23.storage import HeldRanks, MooncakeMaster, free_ports
+    from sglang_cp_hicache.testing.v0_5_23.mooncake_store import (
+        free_ports,
+        HeldRanks,
+        MooncakeMaster,
+    )
 
     flag_dir = str(tmp_path_factory.mktemp("held_writers"))
     # A 5 s lease like the simulator's masters: nothing is removed here, and a loaded

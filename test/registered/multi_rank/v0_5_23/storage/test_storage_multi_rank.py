@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from sglang_cp_hicache.testing.dist import RankContext, run_ranks
+from sglang_cp_hicache.testing.v0_5_23 import owned_kv
 
 PAGE = 64
 PAGES = 5
@@ -31,7 +32,8 @@ FAULT_PAGE = 2
 
 
 def _stack(ctx: RankContext, layout: str = "layer_first"):
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
     return sharded_stack(ctx, StackConfig(cp_shared_kv=True, mem_layout=layout))
 
@@ -42,7 +44,7 @@ def write_run(ctx: RankContext, folder: str) -> Dict[str, object]:
     with _stack(ctx) as stack:
         backend = storage.attach_storage(stack, "file", extra={"file_storage_path": folder})
         for tokens in (TOKENS, OTHER):
-            storage.store_request(stack, tokens, storage.logical_kv(stack, tokens, SEED))
+            storage.store_request(stack, tokens, storage.request_kv(stack, tokens, SEED))
         report = {
             "backend": type(backend).__name__,
             "writer": stack.controller.storage_config.is_storage_writer,
@@ -122,12 +124,12 @@ def read_run(
         torch.distributed.barrier(group=stack.shard_group.cpu_group)
         if fault == "deleted_after_check":
             _delete_before_read(backend, folder)
-        kv = storage.logical_kv(stack, TOKENS, SEED)
+        kv = storage.request_kv(stack, TOKENS, SEED)
         report["hit"] = storage.prefetch(stack, "r1", TOKENS)
         report["tree"] = stack.tree_snapshot()
         if report["hit"]:
             locs = storage.load_back(stack, TOKENS[: report["hit"]])
-            report["mismatches"] = storage.owned_row_mismatches(stack, locs, _prefix(kv, report["hit"]))
+            report["mismatches"] = owned_kv.owned_row_mismatches(stack, locs, _prefix(kv, report["hit"]))
             report["owned_pages"] = int(stack.owned_mask(locs[::PAGE]).sum())
         # The prefetch thread survives a fault: a second request still hits whole.
         report["second_hit"] = storage.prefetch(stack, "r2", OTHER)
@@ -137,7 +139,7 @@ def read_run(
 
 
 def _prefix(kv, tokens: int):
-    from sglang_cp_hicache.testing.v0_5_23.storage import LogicalKV
+    from sglang_cp_hicache.testing.v0_5_23.owned_kv import LogicalKV
 
     return LogicalKV(kv.latent[:, :tokens], kv.indexer[:, : tokens // PAGE])
 

@@ -39,7 +39,8 @@ ROOT_READ = list(range(1, 2 * PAGE + 1))
 def file_storage_stack(ctx: RankContext, folder: str) -> Iterator[object]:
     """One rank's sharded stack with the plugin's hooks and the file backend attached."""
     from sglang_cp_hicache.testing.v0_5_23 import storage
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
     with sharded_stack(ctx, StackConfig(cp_shared_kv=True)) as stack:
         storage.attach_storage(stack, "file", extra={"file_storage_path": folder})
@@ -87,7 +88,7 @@ def room_run(ctx: RankContext, folder: str) -> Dict[str, object]:
     with file_storage_stack(ctx, folder) as stack:
         cache, controller = stack.cache, stack.controller
         for tokens in (OLDER, NEWER):  # one host page each; OLDER is the LRU leaf
-            storage.store_request(stack, tokens, storage.logical_kv(stack, tokens, SEED))
+            storage.store_request(stack, tokens, storage.request_kv(stack, tokens, SEED))
         cache.evict(EvictParams(num_tokens=stack.allocator.size))  # host-only leaves
         evictor = HostLaneEvictor(extension_of(cache))
         priority = evictor._component().session_ref_eviction_strategy

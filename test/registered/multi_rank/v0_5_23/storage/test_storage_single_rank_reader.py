@@ -28,7 +28,7 @@ TOKENS = list(range(1, PAGES * PAGE + 1))
 
 
 def _config(mtp_draft: bool, sharded: bool):
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
 
     return StackConfig(layer_num=LAYERS, cp_shared_kv=sharded, mtp_draft=mtp_draft)
 
@@ -38,7 +38,7 @@ def _kv(stack):
     from sglang_cp_hicache.testing.v0_5_23 import storage
     from sglang_cp_hicache.testing.v0_5_23.mtp_draft import draft_logical_kv
 
-    target = storage.logical_kv(stack, TOKENS, SEED)
+    target = storage.request_kv(stack, TOKENS, SEED)
     draft = draft_logical_kv(stack, len(TOKENS), SEED + 7) if stack.config.mtp_draft else None
     return target, draft
 
@@ -62,11 +62,11 @@ def write_run(ctx: RankContext, folders: Dict[str, str]) -> Dict[str, object]:
 def read_run(ctx: RankContext, folder: str, flag: bool, mtp_draft: bool) -> Dict[str, object]:
     """One cp 1 restart on ``folder``: prefetch TOKENS, load back, compare bytes."""
     from sglang_cp_hicache.testing.v0_5_23 import storage
-    from sglang_cp_hicache.testing.v0_5_23.mtp_draft import device_layer_mismatches
-    from sglang_cp_hicache.testing.v0_5_23.stack import build_unsharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.owned_kv import owned_row_mismatches
+    from sglang_cp_hicache.testing.v0_5_23.stack import apply_plugin_hooks, build_unsharded_stack
     from sglang_cp_hicache.v0_5_23.launch.cp_mode import cp_mode
 
-    storage.apply_plugin_hooks()
+    apply_plugin_hooks()
     report: Dict[str, object] = {}
     with build_unsharded_stack(ctx.attn_tp_group, _config(mtp_draft, sharded=False)) as stack:
         if flag:
@@ -82,16 +82,12 @@ def read_run(ctx: RankContext, folder: str, flag: bool, mtp_draft: bool) -> Dict
             target, draft = _kv(stack)
             locs = storage.load_back(stack, TOKENS[:hit])
             pages = hit // PAGE
-            report["target"] = device_layer_mismatches(
-                stack, stack.kv_pool, locs, (target.latent[:, :hit], target.indexer[:, :pages]), range(LAYERS)
-            )  # fmt: skip
-            report["draft"] = (
-                device_layer_mismatches(
-                    stack, stack.draft_kv_pool, locs, (draft[0][:, :hit], draft[1][:, :pages]), range(1)
-                )
-                if draft is not None
-                else []
-            )  # fmt: skip
+            target_kv = (target.latent[:, :hit], target.indexer[:, :pages])
+            report["target"] = owned_row_mismatches(stack, locs, target_kv, stack.kv_pool, range(LAYERS))
+            report["draft"] = []
+            if draft is not None:
+                draft_kv = (draft[0][:, :hit], draft[1][:, :pages])
+                report["draft"] = owned_row_mismatches(stack, locs, draft_kv, stack.draft_kv_pool, range(1))
             report["loaded"] = len(locs)
         storage.detach_storage(stack)
     return report

@@ -59,7 +59,7 @@ _HARNESS = textwrap.dedent(
     """
     import sys, time
     sys.path.insert(0, {test_dir!r})
-    from sglang_cp_hicache.testing.pd import PDCluster
+    from sglang_cp_hicache.testing.pd.roles import PDCluster
     from test_launch_limits import sleep_forever
 
     cluster = PDCluster(lifetime_s=3600)

@@ -37,7 +37,8 @@ def _fill_device(stack, locs: torch.Tensor) -> None:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_layer_backs_up_its_latent_and_only_indexer_layers_their_pages(gloo_world1, layout: str) -> None:
     from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import host_indexer_layer, host_latent_layer
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_unsharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import build_unsharded_stack
     from sglang_cp_hicache.v0_5_23.backup.l2_transfer import L2LayerTransfers, ReservedWrite, per_layer_problem
 
     config = StackConfig(layer_num=LAYERS, device_pages_per_rank=4, mem_layout=layout, skip_topk_layers=SKIP_TOPK)

@@ -60,7 +60,8 @@ def _fill_host(stack, chains: Sequence[Tuple[str, int, int]]) -> None:
 
 def _rank(ctx: RankContext, layout: str) -> Dict[str, object]:
     from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import extend_batch
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
     from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of, reserve_batch
     from sglang_cp_hicache.v0_5_23.cache.cache_extension import extension_of
 

@@ -20,7 +20,8 @@ CASES = {
 def test_a_one_layer_path_exists_exactly_where_upstream_or_the_jit_kernel_has_one(
     gloo_world1, io_backend: str, layout: str
 ) -> None:
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_unsharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import build_unsharded_stack
     from sglang_cp_hicache.v0_5_23.backup.l2_transfer import per_layer_problem
 
     config = StackConfig(device_pages_per_rank=4, io_backend=io_backend, mem_layout=layout)
@@ -36,7 +37,8 @@ def test_a_one_layer_path_exists_exactly_where_upstream_or_the_jit_kernel_has_on
 def test_page_first_without_the_jit_kernel_for_the_latent_rows_is_refused(gloo_world1) -> None:
     """A part where the latent rows have no JIT kernel (``can_use_jit`` False: upstream's
     page_first one-layer backup raises there) is named with its row size."""
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_unsharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import build_unsharded_stack
     from sglang_cp_hicache.v0_5_23.backup.l2_transfer import per_layer_problem
 
     with build_unsharded_stack(gloo_world1, StackConfig(device_pages_per_rank=4, mem_layout="page_first")) as stack:

@@ -16,7 +16,8 @@ from sglang_cp_hicache.testing.dist import RankContext, run_ranks
 
 
 def _lookups(ctx: RankContext, flag: bool) -> Dict[str, object]:
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
     from sglang_cp_hicache.v0_5_23.cache.cache_extension import extension_of, host_extension_of
 
     with sharded_stack(ctx, StackConfig(cp_shared_kv=flag)) as stack:

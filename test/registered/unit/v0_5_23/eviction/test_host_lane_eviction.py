@@ -104,9 +104,9 @@ def _fill_host(stack, chains: Sequence[Chain]) -> None:
 def _lane_pages_match_slots(stack) -> bool:
     """The evictor's lane pages equal the owners the rotation phase gives each host node."""
     from sglang_cp_hicache.core.rotation import run_lane_counts
-    from sglang_cp_hicache.v0_5_23.launch.cp_mode import CpMode
     from sglang_cp_hicache.v0_5_23.cache.cache_extension import CpCacheExtension, extension_of
     from sglang_cp_hicache.v0_5_23.eviction.host_lane_eviction import HostLaneEvictor
+    from sglang_cp_hicache.v0_5_23.launch.cp_mode import CpMode
 
     extension = extension_of(stack.cache) or CpCacheExtension(
         stack.cache, stack.allocator, CpMode.SHARDED
@@ -120,7 +120,8 @@ def _lane_pages_match_slots(stack) -> bool:
 
 
 def _run(ctx: RankContext, name: str, cp_shared_kv: bool) -> Outcome:
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
     from sglang_cp_hicache.v0_5_23.cache.cache_extension import RoomStats, extension_of
 
     chains, (base, pages) = SCENARIOS[name]

@@ -182,7 +182,8 @@ def _extend(stack, pages: int, index: int = 99) -> Tuple[Tuple[int, ...], int]:
 def _run(ctx: RankContext, name: str, cp_shared_kv: bool) -> Outcome:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
     from sglang_cp_hicache.v0_5_23.cache.cache_extension import LaneEvictionStats, extension_of
 
     chains = SCENARIOS[name]

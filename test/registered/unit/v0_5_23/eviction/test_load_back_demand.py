@@ -42,7 +42,8 @@ def _lane_counts(locs: torch.Tensor, lanes: int) -> List[int]:
 def _rank(ctx: RankContext) -> Dict[str, object]:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
     lanes = ctx.world_size
     config = StackConfig(device_pages_per_rank=DEVICE_PAGES, host_to_device_ratio=2.0, cp_shared_kv=True)

@@ -109,7 +109,8 @@ def _run(ctx: RankContext, name: str, cp_shared_kv: bool) -> Outcome:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     from sglang_cp_hicache.sim.v0_5_23.checks import verify_hit, write_prefill_kv
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
     config = StackConfig(device_pages_per_rank=8, host_to_device_ratio=4.0, cp_shared_kv=cp_shared_kv)
     with sharded_stack(ctx, config) as stack:

@@ -30,6 +30,7 @@ REGISTRATION_MODULES = {
     "sglang_cp_hicache.v0_5_23.selftest",
     "sglang_cp_hicache.v0_5_23.storage",
     "sglang_cp_hicache.v0_5_23.backup",
+    "sglang_cp_hicache.v0_5_23.admission",
     "sglang.srt.arg_groups.resolution_hooks",
 }
 # The first call of a ServerArgs hook (and resolution step) imports the flag's modules.

@@ -36,6 +36,7 @@ KNOWN = {
     ("resolution_steps.py", "_step_wrappers"): "registration is once per process: the wrappers SGLang holds",
     ("resolution_steps.py", "_step_errors"): "registration is once per process: why a step was refused",
     ("cache/cache_extension.py", "_EXTENSIONS"): "the one lookup from an SGLang object to its cache's extension (weak)",
+    ("admission/request_limits.py", "_LIMITS"): "the one lookup from a tokenizer manager to its request limits (weak)",
 }
 
 # The extension's fields (``CpCacheExtension.__init__``): each replicated and long-lived.
@@ -53,6 +54,7 @@ EXTENSION_FIELDS = {
     "_pool_listeners": "which pool feeds which backup stage (attached once)",
     "start_owners": "each L3 prefetch's start owner, weakly by operation (dies with it)",
     "anchor_skips": "prefetches not issued under a pending backup, counted",
+    "l3_events": "storage writes' KV events held until their ack; the L3 blocks published as stored",
 }
 
 _MUTABLE_CALLS = {

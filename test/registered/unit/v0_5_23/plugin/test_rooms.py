@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Dict, Set, Tuple
 
 import sglang_cp_hicache.v0_5_23 as line
-from sglang_cp_hicache.v0_5_23 import backup, cache, eviction, hooks, launch, selftest, storage
+from sglang_cp_hicache.v0_5_23 import admission, backup, cache, eviction, hooks, launch, selftest, storage
 
 LINE = Path(line.__file__).parent
 PREFIX = "sglang_cp_hicache.v0_5_23."
-ROOMS = ("launch", "cache", "eviction", "selftest", "storage", "backup")
+ROOMS = ("launch", "cache", "eviction", "selftest", "storage", "backup", "admission")
 
 # (importer room, imported room): why the arrow exists.
 ALLOWED: Dict[Tuple[str, str], str] = {
@@ -24,6 +24,7 @@ ALLOWED: Dict[Tuple[str, str], str] = {
     ("storage", "eviction"): "host room for a storage hit (room_for_backup)",
     ("backup", "cache"): "the extension carries the per-layer backup",
     ("backup", "eviction"): "host room for the per-layer reservation and upstream's backup (room_for_backup, backup_with_lane_room)",
+    ("admission", "launch"): "the mode, read once per tokenizer manager, and the flag's name",
 }
 
 
@@ -94,7 +95,7 @@ def test_the_scan_finds_a_planted_arrow():
 
 
 def test_the_line_table_is_the_rooms_tables_joined():
-    rooms = (launch, cache, eviction, selftest, storage, backup)
+    rooms = (launch, cache, eviction, selftest, storage, backup, admission)
     assert hooks.HOOKS == tuple(spec for room in rooms for spec in room.HOOKS)
     assert hooks.RESOLUTION_STEPS == launch.RESOLUTION_STEPS
     for room, module in zip(ROOMS, rooms):

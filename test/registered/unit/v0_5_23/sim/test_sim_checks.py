@@ -13,7 +13,8 @@ from sglang_cp_hicache.testing.server_defaults import upstream_default
 
 @pytest.fixture(scope="module")
 def stack(gloo_world1):
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_unsharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import build_unsharded_stack
 
     with build_unsharded_stack(gloo_world1, StackConfig(device_pages_per_rank=4, context_len=512)) as built:
         yield built
@@ -35,7 +36,7 @@ def test_the_pattern_passes_and_a_poisoned_or_foreign_row_fails(stack) -> None:
 
 
 def test_declined_keys_price_page_aligned_shared_prefixes() -> None:
-    from sglang_cp_hicache.sim.v0_5_23.driver import RejectedKeys
+    from sglang_cp_hicache.sim.v0_5_23.sim_req import RejectedKeys
 
     keys = RejectedKeys(page_size=4)
     keys.add(DeclinedInsert(tuple(range(10)), matched_len=4))

@@ -23,8 +23,9 @@ def test_the_line_runs_pd_with_the_draft_and_plants_the_dropped_draft_send() -> 
 def test_the_decode_reference_is_what_the_draft_forward_stores(gloo_world1) -> None:
     from sglang_cp_hicache.sim.v0_5_23.checks import write_draft_kv, write_prefill_kv
     from sglang_cp_hicache.sim.v0_5_23.pd import sim_pattern
-    from sglang_cp_hicache.testing.v0_5_23.pd_harness import count_kv_mismatches
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_unsharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.pd_harness.scenario import count_kv_mismatches
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import build_unsharded_stack
 
     cfg = SimConfig(pd=True, draft=True, layer_num=2)
     config = StackConfig(device_pages_per_rank=4, context_len=512, layer_num=2, mtp_draft=True)

@@ -33,7 +33,8 @@ def _storage_state(stack) -> Tuple[object, ...]:
 
 def verdicts(ctx: RankContext, flag: bool, backends: Tuple[str, ...]) -> Dict[str, object]:
     from sglang_cp_hicache.testing.v0_5_23 import storage
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
 
     report: Dict[str, object] = {}
     with sharded_stack(ctx, StackConfig(cp_shared_kv=flag)) as stack:

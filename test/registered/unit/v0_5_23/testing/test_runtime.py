@@ -16,6 +16,7 @@ import torch
 from sglang_cp_hicache.core.import_watcher import process_watcher
 from sglang_cp_hicache.testing import hicache_jit, kvcacheio
 from sglang_cp_hicache.testing.device import CPU_DEVICE_MODULE
+from sglang_cp_hicache.testing.reference_sparse_mla import get_mla_kv_buffer_reference
 from sglang_cp_hicache.testing.v0_5_23 import runtime
 from sglang_cp_hicache.testing.v0_5_23.runtime import InstallPlan, RealKernelMissing, plan_install
 from sglang_cp_hicache.testing.v0_5_23.shard_group import GlooGatherCommunicator
@@ -128,7 +129,7 @@ def test_host_pools_are_pageable_and_reserve_no_host_memory() -> None:
 def test_sharded_pool_builds_the_gloo_communicator() -> None:
     pool_module = importlib.import_module(runtime.PAGE_INTERLEAVE_POOL)
     assert pool_module.PyNcclCommunicator is GlooGatherCommunicator
-    assert pool_module.get_mla_kv_buffer_triton is runtime.get_mla_kv_buffer_reference
+    assert pool_module.get_mla_kv_buffer_triton is get_mla_kv_buffer_reference
     index_module = importlib.import_module(runtime.DSA_INDEX_K_CACHE)
     assert index_module.SetKAndS.execute.__func__ is runtime.set_k_and_s_reference
 
@@ -195,7 +196,7 @@ def test_mla_row_read_reference_splits_nope_and_rope() -> None:
     loc = torch.tensor([4, 0, 2])
     nope = torch.empty((3, 1, 512), dtype=torch.bfloat16)
     rope = torch.empty((3, 1, 64), dtype=torch.bfloat16)
-    runtime.get_mla_kv_buffer_reference(kv, loc, nope, rope)
+    get_mla_kv_buffer_reference(kv, loc, nope, rope)
     assert torch.equal(nope, kv[loc][..., :512]) and torch.equal(rope, kv[loc][..., 512:])
 
 
@@ -226,7 +227,8 @@ def test_without_tma_the_dsa_fp8_latent_row_has_no_jit_kernel(monkeypatch: pytes
 def test_mla_host_pools_take_the_jit_branches_the_modelled_part_takes(gloo_world1, layout: str) -> None:
     """``can_use_jit`` as an sm_90 part computes it (upstream gates it on CUDA/ROCm first):
     bf16 latent rows of 1152 B have a JIT kernel, so the pool's transfers take its branches."""
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_unsharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import build_unsharded_stack
 
     with build_unsharded_stack(gloo_world1, StackConfig(device_pages_per_rank=8, mem_layout=layout)) as stack:
         assert stack.kv_host_pool.can_use_jit is True
@@ -240,7 +242,8 @@ def test_one_layer_jit_backup_into_page_first_host_pools(gloo_world1) -> None:
     layer's slots change, to the device bytes."""
     from sglang.kernels.ops.kvcache.hicache import transfer_hicache_one_layer_mla
 
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_unsharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import build_unsharded_stack
 
     config = StackConfig(device_pages_per_rank=8, mem_layout="page_first")
     with build_unsharded_stack(gloo_world1, config) as stack:
@@ -287,7 +290,8 @@ def test_one_layer_jit_backup_into_page_first_host_pools(gloo_world1) -> None:
 def test_unsharded_stack_round_trips_kv_and_indexer_through_host(gloo_world1) -> None:
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, build_unsharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import build_unsharded_stack
 
     with build_unsharded_stack(gloo_world1, StackConfig(device_pages_per_rank=8)) as stack:
         assert type(stack.kv_host_pool).__name__ == "MLATokenToKVPoolHost"

@@ -18,7 +18,8 @@ def _rank(ctx: RankContext) -> Dict[str, object]:
     from sglang.srt.runtime_context import get_server_args
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
-    from sglang_cp_hicache.testing.v0_5_23.stack import StackConfig, sharded_stack
+    from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
+    from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
     from sglang_cp_hicache.v0_5_23.hooks import missing_hooks
 
     found = ServerArgs(model_path="dummy")  # compared by identity
