@@ -149,7 +149,7 @@ def test_a_full_host_makes_lane_room_for_a_storage_hit(tmp_path):
         assert report["alloc_len"] == PAGE, report
         assert report["slot_lanes"] == [newer_lane], report
         assert report["older_on_host"] == PAGE, "the LRU leaf on the other lane was evicted"
-        # counted as the storage hit's room (sglang:cp_hicache_lane_eviction_plans_total)
+        # counted as the storage hit's room (the extension's host_stats, by path)
         assert report["plans_by_path"] == {"backup": 0, "layer_backup": 0, "storage_hit": 1}, report
 
 

@@ -109,5 +109,5 @@ def test_the_reservation_makes_room_for_its_whole_draw_and_is_per_layer(per_rank
     # Only the one-page chain on the short lane is evicted (a or c), never d.
     assert report["evicted"] == (("a", "c")[short_lane],), report
     assert report["free_after"] == (0, 0), report  # [1, 1] + the victim's page - the draw
-    # counted as the per-layer reservation's room (sglang:cp_hicache_lane_eviction_plans_total)
+    # counted as the per-layer reservation's room (the extension's host_stats, by path)
     assert report["plans_by_path"] == {"backup": 0, "layer_backup": 1, "storage_hit": 0}, report
