@@ -1,7 +1,8 @@
 """Cache room: one ``CpCacheExtension`` per sharded ``UnifiedRadixCache``, the plugin's
 state for that cache in one object (``cache_extension``), what the line sets up once
 HiCache exists (``hicache_init``), and the event check's all-reduce skipped by every rank
-together while nothing is in flight (``event_sync``). Every other room's per-call hook asks
+together while nothing is in flight (``event_sync``), and upstream's host-tier gauges read
+logically from the sharded host pool (``host_gauges``). Every other room's per-call hook asks
 one question: is an extension attached? Exports its hook specs by path only.
 """
 
@@ -32,5 +33,12 @@ HOOKS: Tuple[HookSpec, ...] = (
         f"{_URC}._sync_hicache_ready_counts",
         "sglang_cp_hicache.v0_5_23.cache.event_sync:sync_ready_counts_around",
         "AROUND",
+    ),
+    # sglang:hicache_host_used_tokens / _total_tokens: the sharded host pool's logical
+    # tokens, not its admission floor (available_size: the tightest lane x the CP size).
+    HookSpec(
+        "sglang.srt.managers.scheduler_components.metrics_reporter:SchedulerMetricsReporter._log_hicache_stats",
+        "sglang_cp_hicache.v0_5_23.cache.host_gauges:log_hicache_stats_after",
+        "AFTER",
     ),
 )
