@@ -136,7 +136,11 @@ class ServingCluster:
         self.env = ServerEnv(
             write_site_folder(self.run_dir / "site"), self.run_dir / "tmp", pd_environment()
         )
-        self.prebuild = NativeHashPrebuild(self.env.plain(), self.run_dir / "logs" / "prebuild.log")
+        self.prebuild: Optional[NativeHashPrebuild] = (
+            NativeHashPrebuild(self.env.plain(), self.run_dir / "logs" / "prebuild.log")
+            if self.line.lazy_page_hash_extension
+            else None
+        )
 
     # ------------------------------------------------------------------ components
     def _managed(
@@ -185,10 +189,12 @@ class ServingCluster:
     def start(self, *components) -> Dict[str, float]:
         """Start ``components`` together, then wait for each; their start times (s)."""
         processes = [getattr(c, "process", c) for c in components]
-        self.prebuild.start()  # once, beside the first servers' start
+        if self.prebuild is not None:
+            self.prebuild.start()  # once, beside the first servers' start
         for process in processes:
             process.start()
-        self.prebuild.wait()  # before any request (upstream builds it at the first storage query)
+        if self.prebuild is not None:
+            self.prebuild.wait()  # before any request (upstream builds it at the first storage query)
         for process in processes:
             self.start_times[process.name] = process.wait_ready()
         return {p.name: self.start_times[p.name] for p in processes}
@@ -200,7 +206,8 @@ class ServingCluster:
     def close(self) -> None:
         """End every process this cluster started, newest first; raise naming any leak."""
         leaks = []
-        self.prebuild.stop()
+        if self.prebuild is not None:
+            self.prebuild.stop()
         for process in reversed(list(self.processes.values())):
             try:
                 process.stop()

@@ -110,6 +110,10 @@ class LineLaunch(Protocol):
     #: The flag's server refuses (HTTP 400) requests upstream would serve wrongly or die on
     #: (token ids outside the vocabulary, ...: the 0.5.23 line's ``admission`` room).
     refuses_unservable_requests: bool
+    #: Upstream builds its page-hash extension at the first L3 query (``hicache_hash_cpp``):
+    #: the harness builds it before any request (``jit_prebuild.py``). False where the
+    #: release has no such extension.
+    lazy_page_hash_extension: bool
 
     def model_args(self, decode: bool) -> List[str]:
         """The attention backend flags of a prefill (``decode=False``) or decode server."""

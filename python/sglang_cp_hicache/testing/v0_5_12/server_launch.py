@@ -31,6 +31,7 @@ class Launch0512:
     publishes_kv_events: bool = False
     decode_reference_tp: Optional[int] = 1
     refuses_unservable_requests: bool = False  # upstream's request validation only
+    lazy_page_hash_extension: bool = False  # 0.5.12.post1 has no sglang.srt.mem_cache.cpp_utils
 
     def model_args(self, decode: bool) -> List[str]:
         return ["--attention-backend", "nsa", "--nsa-prefill-backend", "flashmla_sparse",

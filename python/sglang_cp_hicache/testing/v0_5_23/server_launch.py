@@ -26,6 +26,7 @@ class Launch0523:
     publishes_kv_events: bool = True
     decode_reference_tp: Optional[int] = None  # the unsharded reference is exact for every token
     refuses_unservable_requests: bool = True  # the admission room's refusals under the flag
+    lazy_page_hash_extension: bool = True  # cpp_utils.native_hash, built at the first L3 query
 
     def model_args(self, decode: bool) -> List[str]:
         args = ["--attention-backend", "dsa", "--dsa-topk-backend", "torch",

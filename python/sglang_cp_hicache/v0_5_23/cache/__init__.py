@@ -1,9 +1,10 @@
 """Cache room: one ``CpCacheExtension`` per sharded ``UnifiedRadixCache``, the plugin's
 state for that cache in one object (``cache_extension``), what the line sets up once
-HiCache exists (``hicache_init``), and the event check's all-reduce skipped by every rank
-together while nothing is in flight (``event_sync``), and upstream's host-tier gauges read
-logically from the sharded host pool (``host_gauges``). Every other room's per-call hook asks
-one question: is an extension attached? Exports its hook specs by path only.
+HiCache exists (``hicache_init``), the event check's all-reduce skipped by every rank
+together while nothing is in flight (``event_sync``), the device tokens in use the
+scheduler reports, counted over every free page (``pool_stats``), and upstream's host-tier
+gauges read logically from the sharded host pool (``host_gauges``). Every other room's
+per-call hook asks one question: is an extension attached? Exports its hook specs by path only.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ HOOKS: Tuple[HookSpec, ...] = (
         f"{_URC}._sync_hicache_ready_counts",
         "sglang_cp_hicache.v0_5_23.cache.event_sync:sync_ready_counts_around",
         "AROUND",
+    ),
+    # Tokens in use (/v1/loads, sglang:num_used_tokens) over every free page, not the
+    # sharded allocator's admission floor (stranded pages of uneven lanes are not in use).
+    HookSpec(
+        "sglang.srt.managers.scheduler_components.pool_stats_observer:SchedulerPoolStatsObserver._get_token_info",
+        "sglang_cp_hicache.v0_5_23.cache.pool_stats:token_info_after",
+        "AFTER",
     ),
     # sglang:hicache_host_used_tokens / _total_tokens: the sharded host pool's logical
     # tokens, not its admission floor (available_size: the tightest lane x the CP size).

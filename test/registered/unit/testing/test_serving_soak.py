@@ -6,6 +6,7 @@ venvs."""
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import threading
 import time
@@ -13,6 +14,7 @@ import time
 import pytest
 
 from sglang_cp_hicache.testing.server.client import RequestFailed
+from sglang_cp_hicache.testing.server.cluster import ServingCluster
 from sglang_cp_hicache.testing.server.jit_prebuild import NativeHashPrebuild, PrebuildFailed
 from sglang_cp_hicache.testing.server.launch import CONTEXT_LENGTH, PAGE_SIZE, ServerEnv
 from sglang_cp_hicache.testing.server.soak import settled
@@ -99,6 +101,16 @@ def test_a_value_settles_to_its_idle_one_or_shows_what_stayed():
     started = time.monotonic()
     assert settled(lambda: 64, 0, timeout_s=2.5) == 64  # a leaked page stays and is shown
     assert time.monotonic() - started < 10.0
+
+
+def test_the_cluster_prebuilds_the_page_hash_extension_only_where_the_release_has_it(tmp_path):
+    cluster = ServingCluster(tmp_path / "run", tmp_path / "model")
+    try:
+        has_it = importlib.util.find_spec("sglang.srt.mem_cache.cpp_utils.native_hash") is not None
+    except ModuleNotFoundError:  # 0.5.12.post1: no cpp_utils package
+        has_it = False
+    assert cluster.line.lazy_page_hash_extension is has_it
+    assert (cluster.prebuild is not None) is has_it
 
 
 def test_servers_build_torch_extensions_in_the_run_folder(tmp_path):
