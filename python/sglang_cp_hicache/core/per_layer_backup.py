@@ -12,9 +12,9 @@ Stages, in order, each held by :class:`PerLayerBackup` alone::
 * **Each layer** records an event on the forward's stream (after that layer's stores), makes
   the write stream wait for it and copies the layer there (nothing on a zero-owned rank).
 * **The ack.** A batch gets exactly one ack (:meth:`LayerTransfers.ack`), with every held
-  ack id in hold order, when its last layer is submitted: the target's last layer, or with
-  an MTP draft the draft forward's last layer (the draft stores its KV after the target
-  forward). Also on a rank that owns nothing: it still records the events. An all-layer
+  ack id in hold order and the batch's :class:`BatchTimeline` (for the line's metrics),
+  when its last layer is submitted: the target's last layer, or with an MTP draft the
+  draft forward's last layer (the draft stores its KV after the target forward). Also on a rank that owns nothing: it still records the events. An all-layer
   backup acks when it is submitted, outside this class, so one submitted while a batch is
   held or mid-forward acks *before* that batch. Every rank reaches both points in the same
   program order (replicated scheduler, every rank runs every layer), so the ack queue is
@@ -34,7 +34,7 @@ injected: each SGLang line passes its own device module and host pools.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Generic, List, Optional, Protocol, Sequence, TypeVar
+from typing import Any, ContextManager, Generic, List, Optional, Protocol, Sequence, TypeVar
 
 
 class PerLayerBackupIncomplete(RuntimeError):
@@ -51,6 +51,22 @@ class BackupEvent(Protocol):
 
     def wait(self, stream: Any) -> None:
         """Make ``stream`` wait until the recorded work is done."""
+
+
+@dataclass(frozen=True)
+class BatchTimeline:
+    """One batch's events, for the line's metrics (all recorded by the time its ack is
+    appended; timing events where the line's streams make them): ``first_stored`` after
+    layer 0's stores (forward stream: the ack's start), ``first_on_host`` after layer 0's
+    copy (write stream), ``last_stored`` after the target's last layer's stores (forward
+    stream: where the forward's stores end) and ``finished`` after the batch's last copy
+    (write stream: the ack's finish). On a rank that owns none of the pages the copies are
+    empty and the events still recorded."""
+
+    first_stored: BackupEvent
+    first_on_host: BackupEvent
+    last_stored: BackupEvent
+    finished: BackupEvent
 
 
 class BackupStreams(Protocol):
@@ -81,8 +97,8 @@ class LayerTransfers(Protocol[WriteT, TransferT]):
     def keep_alive(self, transfer: TransferT, stream: Any) -> None:
         """Keep ``transfer``'s index tensors alive until ``stream``'s work so far is done."""
 
-    def ack(self, start_event: BackupEvent, finish_event: BackupEvent, ack_ids: List[int]) -> None:
-        """Append the batch's one write ack."""
+    def ack(self, transfer: Optional[TransferT], ack_ids: List[int], timeline: BatchTimeline) -> None:
+        """Append the batch's one write ack (``transfer``: what :meth:`merge` returned)."""
 
 
 @dataclass
@@ -97,6 +113,8 @@ class LayerBatch(Generic[TransferT]):
     ack_ids: List[int]
     transfer: Optional[TransferT]
     start_event: Optional[BackupEvent] = None  # recorded after layer 0's stores
+    first_on_host: Optional[BackupEvent] = None  # recorded after layer 0's copy
+    last_stored: Optional[BackupEvent] = None  # recorded after the last target layer's stores
     next_layer: int = 0
 
 
@@ -182,7 +200,7 @@ class PerLayerBackup(Generic[WriteT, TransferT]):
             self._fail(f"the forward reported layer {layer_id} after layer {batch.next_layer - 1}")
         last_layer = layer_id == self.layer_num - 1
         acks_here = last_layer and not self.draft_layer_num  # else after the draft's layers
-        self._submit_layer(batch, self._transfers.copy_layer, layer_id, acks_here)
+        self._submit_layer(batch, layer_id, acks_here, draft=False)
         if acks_here:
             self._layer_batch = None
         elif last_layer:  # every target layer is on its way: wait for the draft's
@@ -208,7 +226,7 @@ class PerLayerBackup(Generic[WriteT, TransferT]):
                 f"{self.draft_layer_num}"
             )
         last_layer = layer_id == self.draft_layer_num - 1
-        self._submit_layer(batch, self._transfers.copy_draft_layer, layer_id, last_layer)
+        self._submit_layer(batch, layer_id, last_layer, draft=True)
         if last_layer:
             self._draft_batch = None
 
@@ -225,27 +243,35 @@ class PerLayerBackup(Generic[WriteT, TransferT]):
         self._layer_batch = None
         self._draft_batch = None
 
-    def _submit_layer(
-        self, batch: LayerBatch[TransferT], copy: Callable[[TransferT, int], None], layer_id: int, acks: bool
-    ) -> None:
-        """Layer ``layer_id`` of ``batch`` to host on the write stream, after the stores the
-        forward issued so far; with ``acks``, the batch's ack after the copy."""
+    def _submit_layer(self, batch: LayerBatch[TransferT], layer_id: int, acks: bool, draft: bool) -> None:
+        """Layer ``layer_id`` of ``batch`` (the target's, or ``draft``: the MTP draft's) to
+        host on the write stream, after the stores the forward issued so far; with
+        ``acks``, the batch's ack after the copy. Records the batch's timeline as it goes
+        (:class:`BatchTimeline`)."""
+        first = batch.start_event is None
         layer_stored = self._streams.new_event()
         layer_stored.record()  # on the forward's stream, after this layer's stores
-        if batch.start_event is None:
+        if first:
             batch.start_event = layer_stored
+        if not draft and layer_id == self.layer_num - 1:
+            batch.last_stored = layer_stored
         finish_event = self._streams.new_event() if acks else None
         with self._streams.on_write_stream() as write_stream:
             layer_stored.wait(write_stream)
             if batch.transfer is not None:
+                copy = self._transfers.copy_draft_layer if draft else self._transfers.copy_layer
                 copy(batch.transfer, layer_id)
+            if first:
+                batch.first_on_host = self._streams.new_event()
+                batch.first_on_host.record()
             if acks:
                 finish_event.record()
                 if batch.transfer is not None:
                     self._transfers.keep_alive(batch.transfer, write_stream)
         batch.next_layer += 1
         if acks:
-            self._transfers.ack(batch.start_event, finish_event, batch.ack_ids)
+            timeline = BatchTimeline(batch.start_event, batch.first_on_host, batch.last_stored, finish_event)
+            self._transfers.ack(batch.transfer, batch.ack_ids, timeline)
 
     def _fail(self, reason: str, error: Optional[BaseException] = None) -> None:
         """Drop the per-layer state and raise naming its ack ids: their acks can no longer

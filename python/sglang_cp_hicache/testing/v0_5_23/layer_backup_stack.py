@@ -153,6 +153,20 @@ def extend_batch(stack: Any, prompts: Sequence[Sequence[int]], rid_prefix: str =
     return batch
 
 
+def finish_request(cache: Any, req: Any) -> None:
+    """After the forward of a request's last chunk, as a PD prefill scheduler finishes it:
+    the insert (``checkpoint_kv_cache``), then ``release_kv_cache`` and ``finish``."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
+
+    req.output_ids.append(0)
+    checkpoint_kv_cache(req, cache)
+    req.finished_reason = FINISH_LENGTH(length=0)
+    release_kv_cache(req, cache, checkpoint=True)
+    cache.finish(req.cache_request_handle, CacheRequestOutcome.SUCCESS)
+
+
 def forward_batch_of(stack: Any, batch: Any) -> Any:
     """The ``ForwardBatch`` ``ModelRunner.forward`` receives for ``batch`` (its required
     fields: mode, sizes, rows and slots; 0.5.23's holds no pool, the runner does)."""
@@ -279,6 +293,7 @@ __all__ = [
     "BackupTimes",
     "BatchItem",
     "extend_batch",
+    "finish_request",
     "forward",
     "forward_batch_of",
     "fresh_write_plan",

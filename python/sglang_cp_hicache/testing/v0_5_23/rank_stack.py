@@ -61,6 +61,10 @@ class StackConfig:
     # DSA indexer buffer (upstream's ``skip_topk_layers``: a 0-row placeholder on the
     # device, no host layer); None: every layer has an indexer.
     skip_topk_layers: Optional[Tuple[bool, ...]] = None
+    # The cache's Prometheus collector (``--enable-metrics``): upstream's radix-cache
+    # metrics and, with the plugin's flag, the plugin's own (one stack per process: the
+    # collectors register in the process's default registry).
+    enable_metrics: bool = False
     # The cache's KV event recorder on, as a scheduler with --kv-events-config builds it:
     # on the publisher rank only (shard rank 0; every rank of an unsharded stack).
     kv_events: bool = False

@@ -130,6 +130,7 @@ def _build_cache(
         page_size=config.page_size,
         tree_components=(ComponentType.FULL,),
         mtp_draft_device_pools=() if draft_kv_pool is None else (draft_kv_pool,),
+        enable_metrics=config.enable_metrics,
         # upstream's scheduler: pp, attention-TP and attention-CP rank 0 only
         enable_kv_cache_events=config.kv_events and groups.get("attn_cp_rank", 0) == 0,
         **groups,

@@ -9,7 +9,11 @@ engine's index preparation), then copies one layer of each with the host pools' 
 one-layer D2H ops (``MLATokenToKVPoolHost._backup_from_device_per_layer``, the DSA
 indexer's ``DSAIndexerPoolHost._backup_from_device_per_layer``), and appends upstream's
 ``HiCacheAck`` to the controller's ``ack_write_queue``, where ``writing_check``'s MIN
-all-reduce counts it like any other write.
+all-reduce counts it like any other write. The ack carries what upstream's own all-layer
+ack carries for ``_log_write_ack_metrics`` (the controller's own counts of the merged
+operation: logical tokens per host pool, this rank's bytes; the span from layer 0's stores
+to the last copy, timed when the cache exports metrics) and, as :class:`LayerBackupAck`,
+the batch's timeline for the plugin's per-layer metrics.
 
 Into a ``page_first`` host pool upstream's MLA op runs the JIT one-layer kernel over the
 host layer's strided view; the DSA indexer's op refuses ``page_first``
@@ -25,11 +29,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-from sglang_cp_hicache.core.per_layer_backup import BackupEvent
+from sglang.srt.managers.cache_controller import HiCacheAck
+
+from sglang_cp_hicache.core.per_layer_backup import BackupEvent, BatchTimeline
 
 
 @dataclass
@@ -49,10 +55,26 @@ class ReservedWrite:
 
 @dataclass
 class MergedTransfer:
-    """This rank's owned rows of one forward's held writes, as upstream's prepared
-    ``L2Transfer`` list (anchor KV first, then the indexer). Never empty."""
+    """One forward's held writes merged: this rank's owned rows as upstream's prepared
+    ``L2Transfer`` list (anchor KV first, then the indexer; empty on a rank that owns none
+    of the pages), and the controller's own counts of the merged operation, as upstream's
+    all-layer ack carries them: logical tokens per host pool (equal on every rank) and the
+    bytes this rank moves."""
 
     transfers: List[Any]
+    num_tokens: int
+    num_tokens_by_pool: Dict[str, int]
+    num_bytes: int
+
+
+class LayerBackupAck(HiCacheAck):
+    """Upstream's write ack of one per-layer batch; ``timeline``: the batch's events, read
+    by the plugin's metrics once the ack is popped (its finish synchronized)."""
+
+    def __new__(cls, timeline: BatchTimeline, **fields: Any) -> "LayerBackupAck":
+        ack = super().__new__(cls, **fields)
+        ack.timeline = timeline
+        return ack
 
 
 def _native(host_pool: Any) -> Any:
@@ -138,15 +160,19 @@ def indexer_layer_into_page_first(
 
 
 class L2LayerTransfers:
-    """``core.per_layer_backup.LayerTransfers`` over one ``HybridCacheController``."""
+    """``core.per_layer_backup.LayerTransfers`` over one ``HybridCacheController``;
+    ``timed``: its acks' events are timing events (:class:`DeviceBackupStreams`)."""
 
-    def __init__(self, controller: Any) -> None:
+    def __init__(self, controller: Any, timed: bool = False) -> None:
         self._controller = controller
+        self._timed = timed
         self._engine = controller.l2_transfer_engine
         # One layout for every host pool (per_layer_problem checked it at attach).
         self._page_first = _native(controller.mem_pool_host.anchor_entry.host_pool).layout == "page_first"
 
-    def merge(self, writes: Sequence[ReservedWrite]) -> Optional[MergedTransfer]:
+    def merge(self, writes: Sequence[ReservedWrite]) -> MergedTransfer:
+        """Never None: a rank that owns none of the pages copies nothing (no transfers)
+        and still acks the logical tokens."""
         from sglang.srt.managers.cache_controller import CacheOperation
 
         cc = self._controller
@@ -157,9 +183,12 @@ class L2LayerTransfers:
         op = CacheOperation.merge_ops(ops) if len(ops) > 1 else ops[0]
         host, device, pool_transfers = cc._move_write_operation(op)
         transfers = cc._l2_transfers(host, device, pool_transfers)
-        if not transfers:  # a rank that owns none of the pages still acks (empty copies)
-            return None
-        return MergedTransfer(self._engine._prepare_transfers(transfers))
+        return MergedTransfer(
+            self._engine._prepare_transfers(transfers) if transfers else [],
+            num_tokens=len(op.device_indices),
+            num_tokens_by_pool=cc._num_tokens_by_pool(op),
+            num_bytes=cc._transfer_num_bytes(op),
+        )
 
     def copy_layer(self, merged: MergedTransfer, layer_id: int) -> None:
         for transfer in merged.transfers:
@@ -211,28 +240,41 @@ class L2LayerTransfers:
     def keep_alive(self, merged: MergedTransfer, stream: Any) -> None:
         self._engine._record_stream(merged.transfers, stream)
 
-    def ack(self, start_event: BackupEvent, finish_event: BackupEvent, ack_ids: List[int]) -> None:
+    def ack(self, merged: MergedTransfer, ack_ids: List[int], timeline: BatchTimeline) -> None:
         """Upstream's write ack, after the batch's last layer: ``writing_check`` pops it
-        (after its MIN all-reduce) and finishes every ack id in order."""
-        from sglang.srt.managers.cache_controller import HiCacheAck
-
+        (after its MIN all-reduce), finishes every ack id in order and counts it in
+        upstream's backup metrics (``_log_write_ack_metrics``), as an all-layer ack."""
         cc = self._controller
-        cc.mem_pool_device_allocator.set_hicache_transfer_done_event((id(cc), "write"), finish_event)
-        cc.ack_write_queue.append(HiCacheAck(start_event=start_event, finish_event=finish_event, node_ids=list(ack_ids)))
+        cc.mem_pool_device_allocator.set_hicache_transfer_done_event((id(cc), "write"), timeline.finished)
+        cc.ack_write_queue.append(
+            LayerBackupAck(
+                timeline,
+                start_event=timeline.first_stored,
+                finish_event=timeline.finished,
+                node_ids=list(ack_ids),
+                num_tokens=merged.num_tokens,
+                timing_enabled=self._timed,
+                num_tokens_by_pool=dict(merged.num_tokens_by_pool),
+                num_bytes=merged.num_bytes,
+            )
+        )
 
 
 class DeviceBackupStreams:
     """``core.per_layer_backup.BackupStreams``: 0.5.23's device module and the L2
-    engine's D2H stream (the stream upstream's all-layer backups use)."""
+    engine's D2H stream (the stream upstream's all-layer backups use). ``timed``: every
+    event is a timing event (decided once: the cache exports metrics and the device module
+    times events, :func:`backup_events_timed`)."""
 
-    def __init__(self, controller: Any) -> None:
+    def __init__(self, controller: Any, timed: bool = False) -> None:
         from sglang.srt.mem_cache import l2_transfer
 
         self._device_module = l2_transfer.device_module
         self._stream = controller.l2_transfer_engine.device_to_host_stream
+        self._event_kwargs = {"enable_timing": True} if timed else {}
 
     def new_event(self) -> BackupEvent:
-        return self._device_module.Event()
+        return self._device_module.Event(**self._event_kwargs)
 
     @contextlib.contextmanager
     def on_write_stream(self) -> Iterator[Any]:
@@ -240,11 +282,22 @@ class DeviceBackupStreams:
             yield self._stream
 
 
+def backup_events_timed(cache: Any) -> bool:
+    """Whether a cache's per-layer backup times its events: it exports metrics (upstream's
+    ``--enable-metrics`` collector) and the device module times events (upstream's own
+    test, as for its all-layer transfers)."""
+    from sglang.srt.mem_cache import l2_transfer
+
+    return cache.metrics_collector is not None and l2_transfer._timing_events_supported()
+
+
 __all__ = [
     "DeviceBackupStreams",
     "L2LayerTransfers",
+    "LayerBackupAck",
     "MergedTransfer",
     "ReservedWrite",
+    "backup_events_timed",
     "indexer_layer_into_page_first",
     "per_layer_problem",
 ]

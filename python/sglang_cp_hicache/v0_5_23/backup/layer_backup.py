@@ -50,6 +50,7 @@ from sglang_cp_hicache.v0_5_23.backup.l2_transfer import (
     L2LayerTransfers,
     MergedTransfer,
     ReservedWrite,
+    backup_events_timed,
     per_layer_problem,
 )
 
@@ -74,9 +75,10 @@ class CacheLayerBackup:
         self.page_size = cache.page_size
         self.lanes = cache.token_to_kv_pool_allocator.shard_size  # owner lanes of the rotation
         self.reservations: ForwardReservations[ReservedWrite, int] = ForwardReservations()
+        timed = backup_events_timed(cache)  # decided once: upstream's metrics read the acks' times
         self.pipeline: PerLayerBackup[ReservedWrite, MergedTransfer] = PerLayerBackup(
-            L2LayerTransfers(controller),
-            DeviceBackupStreams(controller),
+            L2LayerTransfers(controller, timed),
+            DeviceBackupStreams(controller, timed),
             layer_num=layer_num,
             draft_layer_num=draft_layer_num,
             rank_label=rank_label,
@@ -98,7 +100,7 @@ class CacheLayerBackup:
         sidecar = cache._build_backup_sidecar(device_locs, {})
         need = len(device_locs) - cc.mem_pool_host.available_size()
         if need > 0:  # room on short lanes only
-            room = room_for_backup(cache, start_owner, len(device_locs))
+            room = room_for_backup(cache, start_owner, len(device_locs), path="layer_backup")
             evict_host_for_backup(cache.evict_host, room, need)
         allocation = cc.allocate_host_transfers(device_locs, sidecar or None, start_owner=start_owner)
         if allocation is None:

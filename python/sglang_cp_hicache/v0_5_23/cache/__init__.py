@@ -1,8 +1,9 @@
 """Cache room: one ``CpCacheExtension`` per sharded ``UnifiedRadixCache``, the plugin's
 state for that cache in one object (``cache_extension``), what the line sets up once
 HiCache exists (``hicache_init``), the event check's all-reduce skipped by every rank
-together while nothing is in flight (``event_sync``), and the device tokens in use the
-scheduler reports, counted over every free page (``pool_stats``). Every other room's
+together while nothing is in flight (``event_sync``), the device tokens in use the
+scheduler reports, counted over every free page (``pool_stats``), and upstream's host-tier
+gauges read logically from the sharded host pool (``host_gauges``). Every other room's
 per-call hook asks one question: is an extension attached? Exports its hook specs by path only.
 """
 
@@ -39,6 +40,13 @@ HOOKS: Tuple[HookSpec, ...] = (
     HookSpec(
         "sglang.srt.managers.scheduler_components.pool_stats_observer:SchedulerPoolStatsObserver._get_token_info",
         "sglang_cp_hicache.v0_5_23.cache.pool_stats:token_info_after",
+        "AFTER",
+    ),
+    # sglang:hicache_host_used_tokens / _total_tokens: the sharded host pool's logical
+    # tokens, not its admission floor (available_size: the tightest lane x the CP size).
+    HookSpec(
+        "sglang.srt.managers.scheduler_components.metrics_reporter:SchedulerMetricsReporter._log_hicache_stats",
+        "sglang_cp_hicache.v0_5_23.cache.host_gauges:log_hicache_stats_after",
         "AFTER",
     ),
 )

@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 #: Where a device eviction was asked for: an extend's exact draws, a load-back's exact
 #: draws, or any other caller's min-class floor.
 PATHS = ("extend", "load_back", "floor")
+#: Who asked for host room: upstream's backup (insert write-through, write-back demotes),
+#: the per-layer backup's reservation before a forward, an L3 storage hit.
+HOST_PATHS = ("backup", "layer_backup", "storage_hit")
 
 
 @dataclass
@@ -60,9 +63,14 @@ class RoomStats:
 
 @dataclass
 class LaneEvictionStats:
-    """One cache's lane-aware device eviction, per path (:data:`PATHS`)."""
+    """One cache's lane-aware room on one tier, per path (device: :data:`PATHS`, host:
+    :data:`HOST_PATHS`)."""
 
     paths: Dict[str, RoomStats] = field(default_factory=lambda: {p: RoomStats() for p in PATHS})
+
+    @classmethod
+    def of(cls, paths: Sequence[str]) -> "LaneEvictionStats":
+        return cls({path: RoomStats() for path in paths})
 
     def total(self, name: str) -> int:
         return sum(getattr(stats, name) for stats in self.paths.values())
@@ -112,8 +120,8 @@ class CpCacheExtension:
         self.cache = cache
         self.allocator = allocator  # PageInterleavePoolAllocator
         self.chain_starts = ChainStarts([0] * allocator.shard_size)
-        self.device_stats = LaneEvictionStats()
-        self.host_stats = RoomStats()  # backups' host room
+        self.device_stats = LaneEvictionStats.of(PATHS)
+        self.host_stats = LaneEvictionStats.of(HOST_PATHS)
         # The lane planners' candidates, in (priority, node id) order: the device tier
         # keys by the tree's strategy, the host tier by FULL's session-ref key.
         self.device_leaves = LazyLeafHeap(keys_only_grow(cache.tree_core, session_refs=False))
@@ -210,6 +218,7 @@ def decide_host_side(cache: Any) -> None:
 __all__ = [
     "ChainStarts",
     "CpCacheExtension",
+    "HOST_PATHS",
     "LaneEvictionStats",
     "PATHS",
     "RoomStats",

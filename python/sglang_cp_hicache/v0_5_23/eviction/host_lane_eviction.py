@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Set
 from sglang_cp_hicache.core.field_overlay import FieldOverlay
 from sglang_cp_hicache.core.lane_eviction import lane_deficit
 from sglang_cp_hicache.core.rotation import lane_page_counts, run_lane_counts
-from sglang_cp_hicache.v0_5_23.cache.cache_extension import CpCacheExtension, host_extension_of
+from sglang_cp_hicache.v0_5_23.cache.cache_extension import CpCacheExtension, RoomStats, host_extension_of
 from sglang_cp_hicache.v0_5_23.eviction.lane_tier import (
     Priority,
     full_type,
@@ -61,10 +61,12 @@ logger = logging.getLogger(__name__)
 class BackupRoom:
     """What one backup draws from the host: ``pages`` host pages, a cyclic run of owner
     lanes from ``start_owner`` (the lane of its first host page: ``alloc_cyclic`` from the
-    node's rotation phase)."""
+    node's rotation phase); ``path``: who asks (``cache_extension.HOST_PATHS``, where its
+    counts go)."""
 
     start_owner: int
     pages: int
+    path: str = "backup"
 
     def demand(self, lanes: int) -> List[int]:
         """Host pages per owner lane."""
@@ -134,10 +136,11 @@ class HostLaneEvictor:
         return parent
 
     # ------------------------------------------------------------------- making room
-    def make_room(self, demand: Sequence[int]) -> bool:
+    def make_room(self, demand: Sequence[int], path: str = "backup") -> bool:
         """Evict a plan covering ``demand`` (pages per lane) on every short lane; False
-        (nothing evicted, a counted refusal) when the short lanes cannot be covered."""
-        free, stats = self.free_pages(), self.extension.host_stats
+        (nothing evicted, a refusal counted on ``path``) when the short lanes cannot be
+        covered."""
+        free, stats = self.free_pages(), self.extension.host_stats.paths[path]
         stats.short += 1
         deficit = lane_deficit(demand, free)
         if max(deficit) <= 0:
@@ -156,10 +159,10 @@ class HostLaneEvictor:
             "cp_hicache backup: host lanes %s, demand %s: victims %s",
             free, list(demand), [n.id for n in victims],
         )  # fmt: skip
-        self._evict(victims)
+        self._evict(victims, stats)
         return True
 
-    def _evict(self, victims: List[Any]) -> None:
+    def _evict(self, victims: List[Any], stats: RoomStats) -> None:
         """Evict ``victims`` in plan order as upstream's host walk evicts a leaf."""
         from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import (
             DriveHostEvictionResult,
@@ -174,19 +177,21 @@ class HostLaneEvictor:
             )  # fmt: skip
         evicted = result.tracker.get(full_type(), 0)
         self.cache._apply_eviction_result(result)
-        stats = self.extension.host_stats
         stats.plans += 1
         stats.victims += len(victims)
         stats.evicted_tokens += evicted
 
 
-def room_for_backup(cache: Any, start_owner: Optional[int], num_tokens: int) -> Optional[BackupRoom]:
+def room_for_backup(
+    cache: Any, start_owner: Optional[int], num_tokens: int, path: str = "backup"
+) -> Optional[BackupRoom]:
     """The lane-aware room a backup of ``num_tokens`` (page-aligned) logical tokens whose
-    host slots start on owner lane ``start_owner`` asks ``evict_host`` for; None where
-    upstream's walk applies (no sharded host pool, no owner, nothing to copy)."""
+    host slots start on owner lane ``start_owner`` asks ``evict_host`` for (``path``: who
+    asks); None where upstream's walk applies (no sharded host pool, no owner, nothing to
+    copy)."""
     if start_owner is None or not num_tokens or host_extension_of(cache) is None:
         return None
-    return BackupRoom(int(start_owner), num_tokens // cache.page_size)
+    return BackupRoom(int(start_owner), num_tokens // cache.page_size, path)
 
 
 def evict_host_for_backup(evict_host: Callable[..., int], room: Optional[BackupRoom], needed: int) -> int:
@@ -241,7 +246,7 @@ def evict_host_around(
     ):
         return original(cache, num_tokens, *args, **kwargs)
     evictor = HostLaneEvictor(extension)
-    return num_tokens if evictor.make_room(backup_room.demand(evictor.lanes)) else 0
+    return num_tokens if evictor.make_room(backup_room.demand(evictor.lanes), backup_room.path) else 0
 
 
 __all__ = [

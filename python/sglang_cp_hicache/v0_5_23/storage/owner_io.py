@@ -269,7 +269,8 @@ def allocate_storage_hit_around(
         )
 
     def lane_room(num_tokens: int) -> int:
-        return evict_host_for_backup(evict_host, room_for_backup(cache, start_owner, num_tokens), num_tokens)
+        room = room_for_backup(cache, start_owner, num_tokens, path="storage_hit")
+        return evict_host_for_backup(evict_host, room, num_tokens)
 
     slots, alloc_len = original(controller, operation, hit_tokens, evict_host=lane_room, **kwargs)
     if root_anchor and slots is not None:

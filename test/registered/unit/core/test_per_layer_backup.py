@@ -4,6 +4,8 @@ what happens, in order.
 * each layer of a batch moves once, all held writes merged once at layer 0, after an event
   the write stream waits on; one ack with every ack id after the last layer, never before;
 * a zero-owned rank copies nothing and still acks, at the same point;
+* the ack carries the batch's timeline: layer 0 stored, layer 0 on host, the target's last
+  layer stored, the last copy done (every rank, the draft's layers after the target's);
 * with an MTP draft the draft's layers come after the target's, the ack after the draft's;
 * a skipped layer, a late hold, a forward that ends or raises mid-way fail fast, naming the
   ack ids, the rank and the layers done; a repeated layer is ignored.
@@ -17,7 +19,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import pytest
 
-from sglang_cp_hicache.core.per_layer_backup import PerLayerBackup, PerLayerBackupIncomplete
+from sglang_cp_hicache.core.per_layer_backup import BatchTimeline, PerLayerBackup, PerLayerBackupIncomplete
 
 LAYERS = 3
 
@@ -48,6 +50,7 @@ class FakeDevice:
 
     log: list = field(default_factory=list)
     acks: List[Tuple[Optional[FakeEvent], Optional[FakeEvent], List[int]]] = field(default_factory=list)
+    timelines: List[Tuple[Optional[Tuple[int, ...]], BatchTimeline]] = field(default_factory=list)
     merges: int = 0
     in_write_stream: bool = False
     _events: int = 0
@@ -82,8 +85,9 @@ class FakeDevice:
     def keep_alive(self, transfer: Tuple[int, ...], stream: str) -> None:
         self.log.append(("keep_alive", stream))
 
-    def ack(self, start_event: FakeEvent, finish_event: FakeEvent, ack_ids: List[int]) -> None:
-        self.acks.append((start_event, finish_event, list(ack_ids)))
+    def ack(self, transfer: Optional[Tuple[int, ...]], ack_ids: List[int], timeline: BatchTimeline) -> None:
+        self.acks.append((timeline.first_stored, timeline.finished, list(ack_ids)))
+        self.timelines.append((transfer, timeline))
 
     def all_layer_ack(self, node_id: int) -> None:
         self.acks.append((None, None, [node_id]))
@@ -150,6 +154,38 @@ def test_a_zero_owned_rank_copies_nothing_and_acks_at_the_same_point():
     assert device_bystander.copies() == [] and device_owner.copies() == [("target", l) for l in range(LAYERS)]
     assert device_bystander.ack_ids() == [[31]]
     assert [e for e in device_bystander.log if e[0] == "keep_alive"] == []
+
+
+def _records(device: FakeDevice) -> List[Tuple[int, str]]:
+    """(event serial, stream) of every record, in order."""
+    return [(entry[1], entry[2]) for entry in device.log if entry[0] == "record"]
+
+
+@pytest.mark.parametrize("owned", [(10, 12), ()], ids=["owner", "zero-owned"])
+def test_the_ack_carries_the_batch_timeline_in_the_order_the_events_were_recorded(owned):
+    pipeline, device = make_pipeline()
+    pipeline.hold(Write(7, owned))
+    run_forward(pipeline)
+    ((transfer, timeline),) = device.timelines
+    assert transfer == (owned or None)
+    records = _records(device)
+    # layer 0 stored, layer 0 on host, layers 1..2 stored, the last copy done
+    assert records[0] == (timeline.first_stored.serial, "forward")
+    assert records[1] == (timeline.first_on_host.serial, "write")
+    assert records[-2] == (timeline.last_stored.serial, "forward")
+    assert records[-1] == (timeline.finished.serial, "write")
+    assert len(records) == LAYERS + 2  # one per layer, layer 0 on host, the finish
+
+
+def test_with_a_draft_the_timeline_s_last_stored_is_the_target_s_last_layer():
+    pipeline, device = make_pipeline(draft_layers=1)
+    pipeline.hold(Write(7, (1,)))
+    run_forward(pipeline)
+    target_last = _records(device)[-1]
+    pipeline.backup_draft_layer(0)
+    ((_, timeline),) = device.timelines
+    assert (timeline.last_stored.serial, "forward") == target_last
+    assert _records(device)[-1] == (timeline.finished.serial, "write")  # after the draft's copy
 
 
 def test_an_all_layer_ack_appended_while_a_batch_is_held_or_mid_forward_comes_first():

@@ -63,7 +63,7 @@ from sglang_cp_hicache.v0_5_12.mem_cache.cp_hicache_metadata import (
 )
 from sglang_cp_hicache.v0_5_12.mem_cache.cp_shared_allocator import CPSharedPagedTokenToKVPoolAllocator
 from sglang_cp_hicache.core.cp_shared_kv_layout import host_int64, page_token_locs
-from sglang_cp_hicache.core.per_layer_backup import PerLayerBackup
+from sglang_cp_hicache.core.per_layer_backup import BatchTimeline, PerLayerBackup
 from sglang_cp_hicache.v0_5_12.mem_cache.memory_pool_host import (
     DraftHostSlotsError,
     HostPoolGroupLayerBackup,
@@ -143,8 +143,8 @@ class ControllerLayerTransfers:
             stream, transfer.host_indices, transfer.device_indices, transfer.pool_transfers
         )
 
-    def ack(self, start_event: Any, finish_event: Any, ack_ids: List[int]) -> None:
-        self.controller.ack_write_queue.append(HiCacheAck(start_event, finish_event, ack_ids))
+    def ack(self, transfer: Optional[OwnedLayerTransfer], ack_ids: List[int], timeline: BatchTimeline) -> None:
+        self.controller.ack_write_queue.append(HiCacheAck(timeline.first_stored, timeline.finished, ack_ids))
 
     def new_event(self) -> Any:
         return _upstream.device_module.Event()

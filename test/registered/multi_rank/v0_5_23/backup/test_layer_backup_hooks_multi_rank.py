@@ -68,20 +68,6 @@ def _runner(stack) -> SimpleNamespace:
     return SimpleNamespace(token_to_kv_pool=stack.kv_pool)
 
 
-def _finish(cache, req) -> None:
-    """After the forward of a request's last chunk, as a PD prefill scheduler finishes it:
-    the insert (``checkpoint_kv_cache``), then ``release_kv_cache`` and ``finish``."""
-    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
-    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
-    from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache
-
-    req.output_ids.append(0)
-    checkpoint_kv_cache(req, cache)
-    req.finished_reason = FINISH_LENGTH(length=0)
-    release_kv_cache(req, cache, checkpoint=True)
-    cache.finish(req.cache_request_handle, CacheRequestOutcome.SUCCESS)
-
-
 def _host_mismatches(stack, device_locs: torch.Tensor, host_locs: torch.Tensor) -> int:
     """Owned latent rows whose host copy differs from the device's, over every layer."""
     from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import host_latent_layer
@@ -101,7 +87,11 @@ def flag_on(ctx: RankContext, layout: str) -> Dict[str, object]:
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
 
-    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import extend_batch, forward_batch_of
+    from sglang_cp_hicache.testing.v0_5_23.layer_backup_stack import (
+        extend_batch,
+        finish_request,
+        forward_batch_of,
+    )
     from sglang_cp_hicache.v0_5_23.backup.layer_backup import (
         layer_backup_of,
         model_forward_around,
@@ -137,7 +127,7 @@ def flag_on(ctx: RankContext, layout: str) -> Dict[str, object]:
         locs = [stack.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(p)].to(torch.int64)
                 for req, p in zip(batch.reqs, (_A, _C))]  # fmt: skip
         for req in batch.reqs:
-            _finish(cache, req)
+            finish_request(cache, req)
         nodes = [cache.tree_core.node_by_id(stack.match(p).last_device_node) for p in (_A, _C)]
         report["pending_before_ack"] = [n.write_through_pending_id is not None for n in nodes]
         cache.writing_check()

@@ -79,7 +79,8 @@ def _churn(ctx: RankContext) -> Tuple[List[Tuple[str, Tuple[int, ...], Tuple[int
             stack.cache.writing_check()
             chains.append((tokens, base))
             host = extension_of(stack.cache).host_stats
-            stats = (host.short, host.fit, host.plans, host.refusals, host.victims, host.evicted_tokens)
+            names = ("short", "fit", "plans", "refusals", "victims", "evicted_tokens")
+            stats = tuple(host.total(name) for name in names)
             trace.append((_digest(stack), tuple(slots.class_free_page_counts()), stats))
         for lock in locks:
             stack.cache.dec_host_lock_ref(*lock)

@@ -103,6 +103,7 @@ def room_run(ctx: RankContext, folder: str) -> Dict[str, object]:
             "slot_lanes": slot_lanes(stack, slots),
             "older_on_host": stack.match(OLDER).host_hit_length,
             "tree": stack.tree_snapshot(),
+            "plans_by_path": {p: r.plans for p, r in extension_of(cache).host_stats.paths.items()},
         }
         if slots is not None:
             controller.mem_pool_host.free(slots)
@@ -148,6 +149,8 @@ def test_a_full_host_makes_lane_room_for_a_storage_hit(tmp_path):
         assert report["alloc_len"] == PAGE, report
         assert report["slot_lanes"] == [newer_lane], report
         assert report["older_on_host"] == PAGE, "the LRU leaf on the other lane was evicted"
+        # counted as the storage hit's room (the extension's host_stats, by path)
+        assert report["plans_by_path"] == {"backup": 0, "layer_backup": 0, "storage_hit": 1}, report
 
 
 def test_a_root_anchored_read_starts_its_chain_spread_from_the_chains_started(tmp_path):

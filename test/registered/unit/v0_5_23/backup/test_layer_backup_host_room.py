@@ -63,6 +63,7 @@ def _rank(ctx: RankContext, layout: str) -> Dict[str, object]:
     from sglang_cp_hicache.testing.v0_5_23.rank_stack import StackConfig
     from sglang_cp_hicache.testing.v0_5_23.stack import sharded_stack
     from sglang_cp_hicache.v0_5_23.backup.layer_backup import layer_backup_of, reserve_batch
+    from sglang_cp_hicache.v0_5_23.cache.cache_extension import extension_of
 
     config = StackConfig(device_pages_per_rank=4, host_to_device_ratio=1.0, cp_shared_kv=True, mem_layout=layout)
     with sharded_stack(ctx, config) as stack:
@@ -80,6 +81,9 @@ def _rank(ctx: RankContext, layout: str) -> Dict[str, object]:
             "per_layer": req.rid in tickets,
             "refused": layer_backup_of(stack.cache).refused,
             "evicted": tuple(c[0] for i, c in enumerate(FILL) if _root_child(stack, i) is None),
+            "plans_by_path": {
+                p: r.plans for p, r in extension_of(stack.cache).host_stats.paths.items()
+            },
             "free_after": tuple(slots.class_free_page_counts()),
         }
 
@@ -105,3 +109,5 @@ def test_the_reservation_makes_room_for_its_whole_draw_and_is_per_layer(per_rank
     # Only the one-page chain on the short lane is evicted (a or c), never d.
     assert report["evicted"] == (("a", "c")[short_lane],), report
     assert report["free_after"] == (0, 0), report  # [1, 1] + the victim's page - the draw
+    # counted as the per-layer reservation's room (the extension's host_stats, by path)
+    assert report["plans_by_path"] == {"backup": 0, "layer_backup": 1, "storage_hit": 0}, report

@@ -130,7 +130,7 @@ def _run(ctx: RankContext, name: str, cp_shared_kv: bool) -> Outcome:
         slots = stack.kv_host_pool._slots
         _fill_host(stack, chains)
         extension = extension_of(stack.cache)
-        stats = RoomStats() if extension is None else extension.host_stats  # flag off: none
+        stats = RoomStats() if extension is None else extension.host_stats.paths["backup"]  # flag off: none
         before = (stats.short, stats.fit, stats.refusals)
         host_free_before = tuple(slots.class_free_page_counts())
         lane_pages_ok = _lane_pages_match_slots(stack)
