@@ -163,7 +163,7 @@ def _run_fleet(parser: argparse.ArgumentParser, args: argparse.Namespace, cfg: S
     from sglang_cp_hicache.sim.fleet.report import compare_fleet, fleet_refusals, format_fleet
     from sglang_cp_hicache.sim.workload import TraceError, load_workload
 
-    problems = fleet_refusals(cfg)
+    problems = fleet_refusals(cfg) + (["--plot draws one instance's columns"] if args.plot else [])
     if problems:
         parser.error(f"--instances {args.instances}: " + "; ".join(problems))
     try:
@@ -171,6 +171,9 @@ def _run_fleet(parser: argparse.ArgumentParser, args: argparse.Namespace, cfg: S
     except (TraceError, ValueError, OSError) as exc:
         parser.error(str(exc))
     print(format_fleet(comparison))
+    if args.json:
+        comparison.write_json(args.json)
+        logger.info("fleet report written to %s", args.json)
     return 0
 
 

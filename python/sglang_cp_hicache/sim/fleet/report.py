@@ -9,6 +9,8 @@ its other tiers are unchanged).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 from typing import List, Sequence
 
@@ -26,6 +28,13 @@ class FleetComparison:
     single: FleetRun  # one instance alone: the fleet's reference
     shared: FleetRun
     local: FleetRun
+
+    def write_json(self, path: str) -> None:
+        """Every run's figures, per instance and per owner rank (``dataclasses.asdict``)."""
+        runs = {name: dataclasses.asdict(getattr(self, name)) for name in ("shared", "local", "single")}
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump({"config": dataclasses.asdict(self.cfg), "requests": self.requests, **runs}, handle, indent=2)
+            handle.write("\n")
 
 
 def fleet_refusals(cfg: SimConfig) -> List[str]:
@@ -66,6 +75,14 @@ def _row(label: str, run: FleetRun) -> str:
     )
 
 
+def _owner_lines(label: str, run: FleetRun) -> List[str]:
+    """Pages per owner rank (``core.rotation.owner_of``) of each instance."""
+    return [
+        f"  {label}, instance {i}: written {m.written_pages}, read {m.read_pages} pages per rank"
+        for i, m in enumerate(run.meters)
+    ]
+
+
 def _ratio(shared: float, local: float) -> str:
     return f"{shared / local:.3f}" if local else "n/a"
 
@@ -97,6 +114,10 @@ def format_fleet(comparison: FleetComparison) -> str:
             _row("a store per instance", local),
             ratio,
             _row("(1 instance alone)", comparison.single),
+            "",
+            "L3 pages per owner rank:",
+            *_owner_lines("shared", shared),
+            *_owner_lines("local", local),
         ]
     )  # fmt: skip
 

@@ -3,6 +3,7 @@ is today's run, a prefix one instance wrote is a storage hit on another over the
 store (every full page) and a miss over local stores, a page already stored is not written
 again, sharing never lowers the fleet's hit rate, and cache_aware follows the match."""
 
+import json
 from typing import List, Sequence
 
 import pytest
@@ -96,11 +97,17 @@ def test_cache_aware_takes_the_longest_match_ties_in_turn() -> None:
     assert turn.meters[0].storage_hit_tokens == len(PREFIX) // PAGE * PAGE  # read from L3 instead
 
 
-def test_the_cli_prints_the_fleet_and_refuses_what_it_does_not_model(capsys) -> None:
-    assert main(["--workload", "l3", "--num-requests", "40", "--instances", "2", "--router", "cache_aware"]) == 0
+def test_the_cli_prints_the_fleet_and_refuses_what_it_does_not_model(capsys, tmp_path) -> None:
+    out_json = tmp_path / "fleet.json"
+    argv = ["--workload", "l3", "--num-requests", "40", "--instances", "2", "--router", "cache_aware"]
+    assert main([*argv, "--json", str(out_json)]) == 0
     out = capsys.readouterr().out
     assert "fleet: 2 prefill instances x cp 2, router cache_aware" in out and "| one shared store |" in out
-    for bad in (["--pd"], ["--storage-backend", "file"], ["--retract-prob", "0.1"], ["--instances", "0"]):
+    assert "shared, instance 1: written [" in out  # pages per owner rank
+    saved = json.loads(out_json.read_text())
+    assert [len(saved[k]["meters"]) for k in ("shared", "local", "single")] == [2, 2, 1]
+    assert sum(m["requests"] for m in saved["shared"]["meters"]) == saved["requests"] == 40
+    for bad in (["--pd"], ["--storage-backend", "file"], ["--retract-prob", "0.1"], ["--instances", "0"], ["--plot", "x.png"]):
         with pytest.raises(SystemExit) as stop:
             main(["--instances", "2", *bad] if bad[0] != "--instances" else bad)
         assert stop.value.code == 2
