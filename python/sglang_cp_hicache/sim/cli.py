@@ -145,6 +145,38 @@ def _parser(d: SimConfig) -> argparse.ArgumentParser:
     return p
 
 
+def _fleet_options(p: argparse.ArgumentParser) -> None:
+    from sglang_cp_hicache.sim.fleet.router import ROUTERS
+
+    fleet = p.add_argument_group("fleet (N prefill instances behind one router)")
+    fleet.add_argument("--instances", type=int, default=1,
+                       help="N > 1: replay the trace on N prefill instances of --cp-size ranks "
+                       "each over one shared L3 store and over a store per instance, and print "
+                       "the fleet's hit rate by tier and L3 bytes per instance (a page-level "
+                       "model of the tiers, no ranks); 1: the single-instance run above")  # fmt: skip
+    fleet.add_argument("--router", choices=ROUTERS, default=ROUTERS[0],
+                       help="the PD router's prefill policy (cache_aware: the longest device + "
+                       "host prefix match, ties in turn)")  # fmt: skip
+
+
+def _run_fleet(parser: argparse.ArgumentParser, args: argparse.Namespace, cfg: SimConfig) -> int:
+    from sglang_cp_hicache.sim.fleet.report import compare_fleet, fleet_refusals, format_fleet
+    from sglang_cp_hicache.sim.workload import TraceError, load_workload
+
+    problems = fleet_refusals(cfg) + (["--plot draws one instance's columns"] if args.plot else [])
+    if problems:
+        parser.error(f"--instances {args.instances}: " + "; ".join(problems))
+    try:
+        comparison = compare_fleet(load_workload(cfg), cfg, args.instances, args.router)
+    except (TraceError, ValueError, OSError) as exc:
+        parser.error(str(exc))
+    print(format_fleet(comparison))
+    if args.json:
+        comparison.write_json(args.json)
+        logger.info("fleet report written to %s", args.json)
+    return 0
+
+
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(
         cp_size=args.cp_size,
@@ -197,6 +229,7 @@ def parse_args(
     except ValueError:
         defaults = SimConfig()  # the full parser reports the bad choice
     parser = _parser(defaults)
+    _fleet_options(parser)
     return parser, parser.parse_args(argv)
 
 
@@ -211,6 +244,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfg = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))  # exits with 2
+    if args.instances < 1:
+        parser.error(f"--instances must be >= 1, got {args.instances}")
+    if args.instances > 1:
+        return _run_fleet(parser, args, cfg)
     if args.plot:
         from sglang_cp_hicache.sim.plot import PlotUnavailable, require_matplotlib
 
