@@ -7,12 +7,11 @@ servers serve the next request. Bodies that kill upstream's scheduler (the flag 
 them: ``v0_5_23/admission``) are never sent to the unsharded reference, which runs
 upstream's validation; what the reference answers to the others is noted beside.
 
-What only the flag's prefill refuses cannot come back as a 4xx through sglang-router: in PD
-mode the router answers with the decode's response (its prefill request is fire and
-forget), and the decode, which validates as upstream does, waits for KV that never comes
-until its PD wait (``cluster.PD_WAITING_TIMEOUT_S``) ends with HTTP 500. Those bodies get
-their 4xx from the prefill itself; through the router they must fail with an HTTP error
-within that bound, the servers alive (``docs/refusals.md``).
+What the plugin refuses and upstream admits is refused by the flag's prefill and by the PD
+decode (the plugin's rule: sglang-router answers with the decode's response), so through
+the router it gets the 400 at once, well within :data:`REFUSAL_S`, not after the decode's
+PD wait. Those bodies are not sent through the reference router: its prefill, upstream's,
+would admit them and wait out its PD bootstrap for the decode that refused them.
 """
 
 from __future__ import annotations
@@ -20,11 +19,10 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional, Tuple
 
 from sglang_cp_hicache.testing.server.client import RequestFailed, check_finished, generate, post
-from sglang_cp_hicache.testing.server.cluster import PD_WAITING_TIMEOUT_S, Router, Server
+from sglang_cp_hicache.testing.server.cluster import PD_BOOTSTRAP_TIMEOUT_S, PD_WAITING_TIMEOUT_S, Router, Server
 from sglang_cp_hicache.testing.server.jit_prebuild import NATIVE_HASH
 from sglang_cp_hicache.testing.server.launch import PAGE_SIZE
 from sglang_cp_hicache.testing.server.recorder import MAX_NEW, VOCAB_SIZE, Recorder, ScenarioReport, flush, tokens
@@ -35,23 +33,25 @@ GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
 BATCH_PROMPTS = 300
 BATCH_TIMEOUT_S = 300.0  # the router's own bound is 180 s: a 500 must come from a server
 REQUEST_S = 60.0
-ROUTER_MARGIN_S = 15.0  # past the decode's PD wait: its abort and the router's answer
+#: A refusal's bound through the router: a validation error on a busy box, far below the
+#: decode's PD wait (``PD_WAITING_TIMEOUT_S``), which a refused request must not wait out.
+REFUSAL_S = PD_WAITING_TIMEOUT_S / 4
 Check = Callable[[object], Optional[str]]  # a served answer's problem, or None
 
 
 @dataclass(frozen=True)
 class BadInput:
     """One ``/generate`` body: ``refused`` names the words a 4xx must carry (any one of
-    them), else it must be served and pass ``check``; ``kills_upstream``: never sent to the
-    unsharded reference (upstream's scheduler dies on it); ``prefill_only``: only the
-    flag's prefill refuses it, so through the router it fails by the decode's PD wait."""
+    them), else it must be served and pass ``check``; ``kills_upstream``: upstream's
+    scheduler dies on it; ``plugin_refusal``: the plugin refuses it (the flag's prefill and
+    the PD decode), upstream admits it. Neither kind goes to the reference router."""
 
     name: str
     body: dict
     refused: Tuple[str, ...] = ()
     check: Optional[Check] = None
     kills_upstream: bool = False
-    prefill_only: bool = False  # refused by the flag's prefill alone (not by the decode)
+    plugin_refusal: bool = False
 
 
 def _body(**fields) -> dict:
@@ -89,13 +89,13 @@ def _logprobs(field: str, rows: int, width: Optional[int] = None) -> Check:
 
 CASES: Tuple[BadInput, ...] = (
     BadInput("empty input_ids", _body(input_ids=[]), ("empty",)),
-    BadInput("negative token id", _body(input_ids=[5, -1, 7]), ("outside the vocabulary",), prefill_only=True),
-    BadInput("token id = vocab size", _body(input_ids=[5, VOCAB_SIZE, 7]), ("outside the vocabulary",), prefill_only=True),
+    BadInput("negative token id", _body(input_ids=[5, -1, 7]), ("outside the vocabulary",), plugin_refusal=True),
+    BadInput("token id = vocab size", _body(input_ids=[5, VOCAB_SIZE, 7]), ("outside the vocabulary",), plugin_refusal=True),
     BadInput("token id 10**12", _body(input_ids=[5, 10**12, 7]), ("input_ids", "outside the vocabulary")),
     BadInput("float input_ids", _body(input_ids=[5.5, 6.0]), ("input_ids", "int")),
     BadInput("nested input_ids (a batch of 2)", _body(input_ids=[PROMPT[:30], PROMPT[30:]]), check=_answers(2, MAX_NEW)),
     BadInput("input_ids nested twice", _body(input_ids=[[PROMPT[:3]]]), ("input_ids", "int")),
-    BadInput("text and input_ids", _body(text="hello"), ("text and input_ids",), prefill_only=True),
+    BadInput("text and input_ids", _body(text="hello"), ("text and input_ids",), plugin_refusal=True),
     BadInput("max_new_tokens -1", _sampling(max_new_tokens=-1), ("max_new_tokens",)),
     BadInput("max_new_tokens 10**9", _sampling(max_new_tokens=10**9), ("context length",)),
     BadInput("max_new_tokens 0", _sampling(max_new_tokens=0), check=_answers(1, 0)),
@@ -109,11 +109,11 @@ CASES: Tuple[BadInput, ...] = (
     BadInput("return_logprob, top_logprobs_num 5", _body(return_logprob=True, top_logprobs_num=5),
              check=_logprobs("output_top_logprobs", MAX_NEW, 5)),  # fmt: skip
     BadInput("return_logprob, top_logprobs_num 10**6", _body(return_logprob=True, top_logprobs_num=10**6),
-             ("top_logprobs_num",), kills_upstream=True, prefill_only=True),  # fmt: skip
+             ("top_logprobs_num",), kills_upstream=True, plugin_refusal=True),  # fmt: skip
     BadInput("return_logprob, logprob_start_len 0", _body(return_logprob=True, logprob_start_len=0),
              check=_logprobs("input_token_logprobs", len(PROMPT))),  # fmt: skip
     BadInput("return_logprob, logprob_start_len -5", _body(return_logprob=True, logprob_start_len=-5),
-             ("logprob_start_len",), kills_upstream=True, prefill_only=True),  # fmt: skip
+             ("logprob_start_len",), kills_upstream=True, plugin_refusal=True),  # fmt: skip
 )
 
 
@@ -156,25 +156,21 @@ def _serves_next(rec: Recorder, router: Router, label: str) -> None:
 
 
 def _through_router(rec: Recorder, router: Router, case: BadInput) -> str:
-    """``case`` via ``router``: its verdict, or for a prefill-only refusal an HTTP error
-    within the decode's PD wait; a note of what came back (the caller counts it)."""
-    bound = PD_WAITING_TIMEOUT_S + ROUTER_MARGIN_S
-    status, text, took = _send(router.url, case.body, timeout_s=bound + ROUTER_MARGIN_S)
-    if case.prefill_only:
-        problem = None if status >= 400 and took <= bound else f"HTTP {status} after {took:.0f} s, want an error within {bound:.0f} s"
-    else:
-        problem = _verdict(case, status, text)
+    """``case`` via ``router``: its verdict (a refusal within :data:`REFUSAL_S`); a note of
+    what came back."""
+    status, text, took = _send(router.url, case.body)
+    problem = _verdict(case, status, text)
+    if problem is None and case.refused and took > REFUSAL_S:
+        problem = f"HTTP {status} after {took:.1f} s, want the refusal within {REFUSAL_S:.0f} s"
     rec.expect(problem is None, f"{case.name} via {router.name}: {problem}")
     return f"router {status} in {took:.1f} s"
 
 
 def _one_case(rec: Recorder, session: ServingSession, case: BadInput, room: int) -> List[str]:
-    """``case`` straight to the sharded prefill (when refused) and to the reference (unless
-    it kills upstream); through the sharded router unless only the prefill refuses it."""
-    sides = []
-    if not case.prefill_only:
-        rec.report.requests += 1
-        sides.append(_through_router(rec, session.sharded_router, case))
+    """``case`` through the sharded router, straight to the sharded prefill (when refused)
+    and through the reference router (unless the plugin refuses it or it kills upstream)."""
+    rec.report.requests += 1
+    sides = [_through_router(rec, session.sharded_router, case)]
     if case.refused:
         rec.report.requests += 1
         direct, text, took = _send(session.sharded.url, _direct(session.sharded, case.body, room))
@@ -183,6 +179,11 @@ def _one_case(rec: Recorder, session: ServingSession, case: BadInput, room: int)
         sides.append(f"prefill {direct} in {took:.1f} s")
     if case.kills_upstream:
         sides.append("reference: not sent (upstream's scheduler dies on it)")
+    elif case.plugin_refusal:
+        sides.append(
+            "reference: not sent (the decode refuses it; the reference's prefill would admit it and "
+            f"wait out its PD bootstrap, {PD_BOOTSTRAP_TIMEOUT_S} s)"
+        )
     else:
         rec.report.requests += 1
         reference, _, _ = _send(session.reference_router.url, case.body)
@@ -193,20 +194,12 @@ def _one_case(rec: Recorder, session: ServingSession, case: BadInput, room: int)
 
 def bad_input(session: ServingSession) -> ScenarioReport:
     """Every :data:`CASES` body through the sharded router (and, for a refused one, straight
-    to the sharded prefill): a 4xx naming its problem or a correct answer; the prefill-only
-    refusals through the router together, each an HTTP error within the decode's PD wait;
-    the sharded router serves the next request after each; both routers one after all."""
+    to the sharded prefill): a 4xx naming its problem within :data:`REFUSAL_S`, or a
+    correct answer; the sharded router serves the next request after each; both routers
+    one after all."""
     rec = Recorder(session, "bad input")
-    notes = {case.name: _one_case(rec, session, case, room) for room, case in enumerate(CASES, start=1)}
-    late = [case for case in CASES if case.prefill_only]
-    rec.report.requests += len(late)
-    with ThreadPoolExecutor(len(late)) as pool:
-        routed = pool.map(lambda case: _through_router(rec, session.sharded_router, case), late)
-        for case, note in zip(late, list(routed)):
-            notes[case.name].insert(0, note)
-    _serves_next(rec, session.sharded_router, "the prefill-only refusals")
-    for case in CASES:
-        rec.note(f"{case.name}: " + ", ".join(notes[case.name]))
+    for room, case in enumerate(CASES, start=1):
+        rec.note(f"{case.name}: " + ", ".join(_one_case(rec, session, case, room)))
     rec.pair("served after every bad input", tokens("bad-input:after", 2 * PAGE_SIZE + 5))
     return rec.finish()
 

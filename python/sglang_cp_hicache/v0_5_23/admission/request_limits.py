@@ -14,10 +14,27 @@ upstream 0.5.23 admits, found through SGLang's own PD cluster (``docs/refusals.m
 * ``text`` and ``input_ids`` together: upstream serves ``input_ids`` and drops the text
   without a word.
 
-The checks run AROUND ``TokenizerManager._validate_one_request``, after upstream's own, for
-a manager built under the flag: the mode is read once, when the manager is built
-(:func:`tokenizer_manager_init_after`), and per request the hook asks only whether the
-manager has limits. Flag off: upstream's validation, unchanged.
+The checks run AROUND ``TokenizerManager._validate_one_request``, after upstream's own, on
+two kinds of server, decided once, when the manager is built
+(:func:`tokenizer_manager_init_after`); per request the hook asks only whether the manager
+has limits:
+
+* a server under the flag (any mode but off);
+* a PD decode server (``--disaggregation-mode decode``), which runs without the flag.
+  sglang-router (0.3.2, the pinned one) sends each request to the prefill and the decode
+  at once, waits for both, and answers with the decode's status when the decode fails: a
+  request only the flag's prefill refuses is admitted by the decode, which waits for KV
+  that never comes until its PD wait ends with HTTP 500. Refusing the same requests on the
+  decode makes the client's answer the 400 and its message, at once, with any router
+  (newer gateways forward the prefill's 4xx themselves). The decode has a reason of its
+  own for one of them: its sampler takes the output tokens' top logprobs with the same
+  ``get_top_logprobs_raw``. A decode paired with an unsharded prefill refuses them as
+  well: that prefill, upstream's, admits the request and frees its room only at its PD
+  bootstrap wait, and the router answers with the decode's 400 then (no forward runs, so
+  upstream's prefill no longer dies on the two that killed it).
+
+Any other server (a prefill without the flag, a server without PD): upstream's validation,
+unchanged.
 """
 
 from __future__ import annotations
@@ -31,14 +48,21 @@ from sglang_cp_hicache.v0_5_23.launch.flag import CLI_FLAG
 
 #: ``logprob_start_len``'s default: no prompt logprobs.
 NO_PROMPT_LOGPROBS = -1
+#: ``--disaggregation-mode`` of a PD decode server.
+DECODE_MODE = "decode"
+#: Why a server refuses, appended to each refusal: under the flag, or the PD decode.
+UNDER_FLAG = f"refused under {CLI_FLAG}"
+ON_PD_DECODE = f"refused by the PD decode as by its {CLI_FLAG} prefills: the router answers with the decode's response"
 
 
 @dataclass(frozen=True)
 class RequestLimits:
     """What one request must satisfy beyond upstream's checks; ``vocab_size`` is the
-    model's (token ids index its embedding and logits)."""
+    model's (token ids index its embedding and logits); ``refused_by`` says why this
+    server refuses (:data:`UNDER_FLAG` or :data:`ON_PD_DECODE`)."""
 
     vocab_size: int
+    refused_by: str
 
     def problem(
         self,
@@ -81,7 +105,7 @@ class RequestLimits:
         return None
 
 
-#: The one lookup from a tokenizer manager built under the flag to its limits (weak). Parked
+#: The one lookup from a refusing server's tokenizer manager to its limits (weak). Parked
 #: here because SGLang gives no seam to carry it: hooks are resolved by path, a field on the
 #: manager would be an attribute set on SGLang's object, and reading the mode per request
 #: would re-decide it (``cache_extension._EXTENSIONS`` is the same lookup for caches).
@@ -89,15 +113,26 @@ _LIMITS: "weakref.WeakKeyDictionary[Any, RequestLimits]" = weakref.WeakKeyDictio
 
 
 def limits_of(manager: Any) -> Optional[RequestLimits]:
-    """``manager``'s limits; None when it was built with the flag off."""
+    """``manager``'s limits; None when its server validates as upstream does."""
     return _LIMITS.get(manager)
 
 
-def tokenizer_manager_init_after(result: Any, manager: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER ``TokenizerManager.__init__``: under the flag (any mode but off), attach the
-    limits of the manager's model; the mode is read here, once per manager."""
+def refusal_reason(server_args: Any) -> Optional[str]:
+    """Why a server built from ``server_args`` refuses: under the flag, or a PD decode;
+    None: upstream's validation. Read once per manager."""
     if cp_mode(server_args) is not CpMode.OFF:
-        _LIMITS[manager] = RequestLimits(int(manager.model_config.vocab_size))
+        return UNDER_FLAG
+    if server_args.disaggregation_mode == DECODE_MODE:
+        return ON_PD_DECODE
+    return None
+
+
+def tokenizer_manager_init_after(result: Any, manager: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER ``TokenizerManager.__init__``: on a refusing server (:func:`refusal_reason`),
+    attach the limits of the manager's model; decided here, once per manager."""
+    reason = refusal_reason(server_args)
+    if reason is not None:
+        _LIMITS[manager] = RequestLimits(int(manager.model_config.vocab_size), reason)
 
 
 def validate_one_request_around(original: Callable, manager: Any, obj: Any, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
@@ -115,7 +150,7 @@ def validate_one_request_around(original: Callable, manager: Any, obj: Any, inpu
         logprob_start_len=int(_or_default(getattr(obj, "logprob_start_len", None))),
     )
     if problem is not None:
-        raise ValueError(f"{problem} (refused under {CLI_FLAG})")
+        raise ValueError(f"{problem} ({limits.refused_by})")
     return result
 
 
@@ -123,4 +158,12 @@ def _or_default(logprob_start_len: Optional[int]) -> int:
     return NO_PROMPT_LOGPROBS if logprob_start_len is None else logprob_start_len
 
 
-__all__ = ["RequestLimits", "limits_of", "tokenizer_manager_init_after", "validate_one_request_around"]
+__all__ = [
+    "ON_PD_DECODE",
+    "RequestLimits",
+    "UNDER_FLAG",
+    "limits_of",
+    "refusal_reason",
+    "tokenizer_manager_init_after",
+    "validate_one_request_around",
+]

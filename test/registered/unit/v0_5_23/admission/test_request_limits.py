@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from sglang_cp_hicache.testing.server.runtime import RUNTIME_ENV
-from sglang_cp_hicache.v0_5_23.admission.request_limits import RequestLimits
+from sglang_cp_hicache.v0_5_23.admission.request_limits import UNDER_FLAG, RequestLimits
 
 VOCAB = 512
 
@@ -42,7 +42,7 @@ VOCAB = 512
     ],
 )
 def test_limits_name_what_they_refuse(ids, fields, refused):
-    problem = RequestLimits(VOCAB).problem(ids, **fields)
+    problem = RequestLimits(VOCAB, UNDER_FLAG).problem(ids, **fields)
     if refused is None:
         assert problem is None
     else:
@@ -61,12 +61,20 @@ from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.runtime_context import publish, restore_context, snapshot_context
 from sglang.srt.server_args import PortArgs, prepare_server_args
-from sglang_cp_hicache.testing.server.launch import Endpoint, PrefillSpec, line_launch, prefill_argv
+from sglang_cp_hicache.testing.server.launch import (
+    Endpoint, PrefillSpec, decode_argv, line_launch, prefill_argv, server_argv,
+)
 from sglang_cp_hicache.testing.server.tiny_model import ensure_checkpoint
 
+line, model, endpoint = line_launch(), ensure_checkpoint(), Endpoint(30000, 30001)
+launches = {
+    "on": prefill_argv(line, model, endpoint, PrefillSpec("p", sharded=True)),
+    "off": prefill_argv(line, model, endpoint, PrefillSpec("p", sharded=False)),
+    "decode": decode_argv(line, model, endpoint),
+    "plain": server_argv(model, endpoint, 1, line.model_args(decode=True)),
+}
 results = {}
-for flag in (True, False):
-    argv = prefill_argv(line_launch(), ensure_checkpoint(), Endpoint(30000, 30001), PrefillSpec("p", sharded=flag))
+for role, argv in launches.items():
     # a second manager in one process would register the same Prometheus series
     argv = [a for a in argv[argv.index("sglang.launch_server") + 1:] if a != "--enable-metrics"]
     before = snapshot_context()
@@ -78,9 +86,9 @@ for flag in (True, False):
         obj.normalize_batch_and_arguments()
         try:
             manager._validate_one_request(obj, list(fields.get("input_ids") or [5, 6, 7]))
-            results[f"{'on' if flag else 'off'}:{name}"] = None
+            results[f"{role}:{name}"] = None
         except ValueError as error:
-            results[f"{'on' if flag else 'off'}:{name}"] = str(error)
+            results[f"{role}:{name}"] = str(error)
     restore_context(before)
 print("RESULT " + json.dumps(results))
 """
@@ -126,5 +134,18 @@ def test_the_flag_refuses_on_the_real_tokenizer_manager(validated, case):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_flag_off_is_upstreams_validation(validated, case):
-    assert validated[f"off:{case}"] is None  # upstream admits every one of them
+def test_the_pd_decode_refuses_what_the_flags_prefill_refuses(validated, case):
+    """The decode runs without the flag; sglang-router answers with its response."""
+    refusal = validated[f"decode:{case}"]
+    if case in REFUSED:
+        assert refusal is not None and REFUSED[case] in refusal
+        assert "PD decode" in refusal and "--enable-nsa-prefill-cp-shared-kv" in refusal
+    else:
+        assert refusal is None
+
+
+@pytest.mark.parametrize("role", ["off", "plain"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_without_flag_or_decode_role_validation_is_upstreams(validated, role, case):
+    """A prefill without the flag, a plain server (no PD): upstream admits every one."""
+    assert validated[f"{role}:{case}"] is None

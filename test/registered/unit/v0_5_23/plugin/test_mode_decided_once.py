@@ -32,7 +32,7 @@ MODE_READERS = {
     ("storage/backend_factory.py", "create_backend_around"): "once per L3 backend built",
     ("storage/runtime_attach.py", "attach_around"): "once per admin attach",
     ("launch/pd_bootstrap.py", "register_topology_row_around"): "startup, once per registration",
-    ("admission/request_limits.py", "tokenizer_manager_init_after"): "startup, once per tokenizer manager",
+    ("admission/request_limits.py", "refusal_reason"): "startup, once per tokenizer manager (its AFTER hook)",
 }
 # Where the record's mode attribute may be named: its one reader and its one writer.
 MODE_ATTR_SITES = {
