@@ -111,7 +111,7 @@ class CpCacheMetrics:
             "by tier and path; logical.", ("tier", "path"),
         )  # fmt: skip
         skipped = self._counter(
-            "backups_skipped_total", "Host room refused for want of host room on a short "
+            "backups_skipped_total", "Host room refused for want of room on a short "
             "owner lane (nothing evicted): a backup (backup, layer_backup) skipped, or an "
             "L3 hit not loaded (storage_hit); logical.", ("path",),
         )  # fmt: skip
