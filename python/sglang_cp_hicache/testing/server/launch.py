@@ -102,6 +102,8 @@ class LineLaunch(Protocol):
     release: str
     supports_storage_under_flag: bool
     lane_decisions_logged: bool
+    #: the flag's prefill publishes the plugin's own ``sglang:cp_hicache_*`` series
+    plugin_metrics: bool
     #: the main cluster's prefills publish KV events (``--kv-events-config``)
     publishes_kv_events: bool
     #: TP size of an extra unsharded reference for the decode tokens, where the line's

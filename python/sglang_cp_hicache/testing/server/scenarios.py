@@ -34,6 +34,7 @@ from sglang_cp_hicache.testing.server.launch import (
     PrefillSpec,
     StorageSpec,
 )
+from sglang_cp_hicache.testing.server.plugin_metrics_check import check_plugin_metrics
 from sglang_cp_hicache.testing.server.recorder import (
     FIRST_TOKEN_ID,
     MAX_NEW,
@@ -114,6 +115,7 @@ def lane_pressure(session: ServingSession) -> ScenarioReport:
     decisions appear in its log), and every answer matches the reference."""
     rec = Recorder(session, "device pressure on owner lanes")
     mark = session.sharded.log_lines()
+    before = session.sharded.metrics() if session.line.plugin_metrics else None
     # enough three-page prompts to fill the logical pool, then a few that must evict
     count = LOGICAL_TOKENS // (3 * PAGE_SIZE) + 3
     prompts = [tokens(f"lanes:{i}", 3 * PAGE_SIZE + 5) for i in range(count)]
@@ -126,6 +128,8 @@ def lane_pressure(session: ServingSession) -> ScenarioReport:
         plans = [line for line in session.sharded.process.log_text().splitlines()[mark:] if LANE_EVICTION_LOG in line]
         rec.expect(bool(plans), "no lane-aware eviction plan in the sharded server's log")
         rec.note(f"{len(plans)} lane-aware eviction plans")
+    if before is not None:
+        check_plugin_metrics(rec, session, before)
     return rec.finish()
 
 

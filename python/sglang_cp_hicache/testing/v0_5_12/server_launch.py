@@ -28,6 +28,7 @@ class Launch0512:
     release: str = "0.5.12.post1"
     supports_storage_under_flag: bool = False
     lane_decisions_logged: bool = False
+    plugin_metrics: bool = False
     publishes_kv_events: bool = False
     decode_reference_tp: Optional[int] = 1
     refuses_unservable_requests: bool = False  # upstream's request validation only

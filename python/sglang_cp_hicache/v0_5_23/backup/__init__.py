@@ -38,4 +38,10 @@ HOOKS: Tuple[HookSpec, ...] = (
     HookSpec(
         "sglang.srt.managers.scheduler:Scheduler.run_batch", f"{_BACKUP}:run_batch_around", "AROUND"
     ),
+    # The plugin's per-layer latency series, from each per-layer ack upstream pops.
+    HookSpec(
+        f"{_URC}._log_write_ack_metrics",
+        "sglang_cp_hicache.v0_5_23.backup.l2_transfer:log_write_ack_metrics_after",
+        "AFTER",
+    ),
 )

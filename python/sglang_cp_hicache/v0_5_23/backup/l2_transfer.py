@@ -36,6 +36,7 @@ import torch
 from sglang.srt.managers.cache_controller import HiCacheAck
 
 from sglang_cp_hicache.core.per_layer_backup import BackupEvent, BatchTimeline
+from sglang_cp_hicache.v0_5_23.cache.cache_extension import extension_of
 
 
 @dataclass
@@ -291,6 +292,15 @@ def backup_events_timed(cache: Any) -> bool:
     return cache.metrics_collector is not None and l2_transfer._timing_events_supported()
 
 
+def log_write_ack_metrics_after(result: Any, cache: Any, ack: Any) -> None:
+    """AFTER ``UnifiedRadixCache._log_write_ack_metrics``: a timed per-layer batch's ack
+    (popped: its events complete) feeds the plugin's per-layer latency series."""
+    if isinstance(ack, LayerBackupAck) and ack.timing_enabled:
+        extension = extension_of(cache)
+        if extension is not None:
+            extension.metrics.observe_layer_backup(ack.timeline)
+
+
 __all__ = [
     "DeviceBackupStreams",
     "L2LayerTransfers",
@@ -299,5 +309,6 @@ __all__ = [
     "ReservedWrite",
     "backup_events_timed",
     "indexer_layer_into_page_first",
+    "log_write_ack_metrics_after",
     "per_layer_problem",
 ]

@@ -3,7 +3,9 @@ state for that cache in one object (``cache_extension``), what the line sets up 
 HiCache exists (``hicache_init``), the event check's all-reduce skipped by every rank
 together while nothing is in flight (``event_sync``), the device tokens in use the
 scheduler reports, counted over every free page (``pool_stats``), and upstream's host-tier
-gauges read logically from the sharded host pool (``host_gauges``). Every other room's
+gauges read logically from the sharded host pool (``host_gauges``), and the plugin's own
+Prometheus series (``plugin_metrics``, with ``--enable-metrics`` only; free pages and L3
+counts read at the stats tick, ``metrics_tick``). Every other room's
 per-call hook asks one question: is an extension attached? Exports its hook specs by path only.
 """
 
@@ -43,10 +45,12 @@ HOOKS: Tuple[HookSpec, ...] = (
         "AFTER",
     ),
     # sglang:hicache_host_used_tokens / _total_tokens: the sharded host pool's logical
-    # tokens, not its admission floor (available_size: the tightest lane x the CP size).
+    # tokens, not its admission floor (available_size: the tightest lane x the CP size);
+    # then the plugin's own series read at the same tick (free pages per owner lane and
+    # tier, the L3 backend's counts; none without --enable-metrics).
     HookSpec(
         "sglang.srt.managers.scheduler_components.metrics_reporter:SchedulerMetricsReporter._log_hicache_stats",
-        "sglang_cp_hicache.v0_5_23.cache.host_gauges:log_hicache_stats_after",
+        "sglang_cp_hicache.v0_5_23.cache.metrics_tick:stats_tick_after",
         "AFTER",
     ),
 )

@@ -10,7 +10,8 @@ hook asks, and the extension carries the mode it was built under. Its HiCache si
 (host lanes, the per-layer backup) is filled in once by ``init_hicache``'s AFTER hook.
 
 It owns: the chains started per rotation base (:class:`ChainStarts`), the device and host
-lane-eviction stats and candidate heaps (``core.leaf_heap.LazyLeafHeap``: persistent
+lane-eviction stats and candidate heaps, the plugin's Prometheus series
+(``plugin_metrics``, with ``--enable-metrics`` only) (``core.leaf_heap.LazyLeafHeap``: persistent
 across plans, over the tree core's own leaf sets), the L3 prefetches' start owners (weakly keyed by operation: an
 entry dies with its operation, whichever way it ends) and the
 prefetches not issued under a pending backup, the L3 KV events between a storage write
@@ -33,6 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from sglang_cp_hicache.core.l3_event_log import L3EventLog
 from sglang_cp_hicache.core.leaf_heap import LazyLeafHeap
+from sglang_cp_hicache.v0_5_23.cache.plugin_metrics import NO_METRICS, cache_metrics
 from sglang_cp_hicache.v0_5_23.launch.cp_mode import CpMode, cp_mode
 
 logger = logging.getLogger(__name__)
@@ -64,13 +66,28 @@ class RoomStats:
 @dataclass
 class LaneEvictionStats:
     """One cache's lane-aware room on one tier, per path (device: :data:`PATHS`, host:
-    :data:`HOST_PATHS`)."""
+    :data:`HOST_PATHS`); plans and refusals also feed the tier's Prometheus series
+    (``plugin_metrics.TierSeries``; none without ``--enable-metrics``)."""
 
     paths: Dict[str, RoomStats] = field(default_factory=lambda: {p: RoomStats() for p in PATHS})
+    series: Any = NO_METRICS.device
 
     @classmethod
-    def of(cls, paths: Sequence[str]) -> "LaneEvictionStats":
-        return cls({path: RoomStats() for path in paths})
+    def of(cls, paths: Sequence[str], series: Any = NO_METRICS.device) -> "LaneEvictionStats":
+        return cls({path: RoomStats() for path in paths}, series)
+
+    def planned(self, path: str, victims: int, evicted_tokens: int) -> None:
+        """A plan of ``victims`` nodes carried out on ``path``, freeing ``evicted_tokens``."""
+        stats = self.paths[path]
+        stats.plans += 1
+        stats.victims += victims
+        stats.evicted_tokens += evicted_tokens
+        self.series.planned(path, evicted_tokens)
+
+    def refused(self, path: str) -> None:
+        """An uncoverable deficit on ``path``: nothing evicted."""
+        self.paths[path].refusals += 1
+        self.series.refused(path)
 
     def total(self, name: str) -> int:
         return sum(getattr(stats, name) for stats in self.paths.values())
@@ -120,8 +137,10 @@ class CpCacheExtension:
         self.cache = cache
         self.allocator = allocator  # PageInterleavePoolAllocator
         self.chain_starts = ChainStarts([0] * allocator.shard_size)
-        self.device_stats = LaneEvictionStats.of(PATHS)
-        self.host_stats = LaneEvictionStats.of(HOST_PATHS)
+        # The plugin's Prometheus series: only where upstream built the cache's collector.
+        self.metrics = cache_metrics(cache, allocator.page_size)
+        self.device_stats = LaneEvictionStats.of(PATHS, self.metrics.device)
+        self.host_stats = LaneEvictionStats.of(HOST_PATHS, self.metrics.host)
         # The lane planners' candidates, in (priority, node id) order: the device tier
         # keys by the tree's strategy, the host tier by FULL's session-ref key.
         self.device_leaves = LazyLeafHeap(keys_only_grow(cache.tree_core, session_refs=False))

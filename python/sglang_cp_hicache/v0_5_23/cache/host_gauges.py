@@ -27,8 +27,8 @@ def logical_host_tokens(host_pool: Any) -> Tuple[int, int]:
 
 
 def log_hicache_stats_after(result: Any, reporter: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER ``SchedulerMetricsReporter._log_hicache_stats``: the KV host gauges read
-    logically where the cache's host pool is the sharded one (decided at ``init_hicache``)."""
+    """After ``SchedulerMetricsReporter._log_hicache_stats`` (through ``metrics_tick``'s
+    hook, the one on that seam): the KV host gauges read logically where the cache's host pool is the sharded one (decided at ``init_hicache``)."""
     cache = reporter.scheduler.tree_cache
     if host_extension_of(cache) is None:
         return

@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Set
 from sglang_cp_hicache.core.field_overlay import FieldOverlay
 from sglang_cp_hicache.core.lane_eviction import lane_deficit
 from sglang_cp_hicache.core.rotation import lane_page_counts, run_lane_counts
-from sglang_cp_hicache.v0_5_23.cache.cache_extension import CpCacheExtension, RoomStats, host_extension_of
+from sglang_cp_hicache.v0_5_23.cache.cache_extension import CpCacheExtension, host_extension_of
 from sglang_cp_hicache.v0_5_23.eviction.lane_tier import (
     Priority,
     full_type,
@@ -140,7 +140,8 @@ class HostLaneEvictor:
         """Evict a plan covering ``demand`` (pages per lane) on every short lane; False
         (nothing evicted, a refusal counted on ``path``) when the short lanes cannot be
         covered."""
-        free, stats = self.free_pages(), self.extension.host_stats.paths[path]
+        free, room = self.free_pages(), self.extension.host_stats
+        stats = room.paths[path]
         stats.short += 1
         deficit = lane_deficit(demand, free)
         if max(deficit) <= 0:
@@ -149,7 +150,7 @@ class HostLaneEvictor:
         priority = self._component().session_ref_eviction_strategy
         victims = plan_tier_victims(self, deficit, priority)
         if victims is None:
-            stats.refusals += 1
+            room.refused(path)
             logger.debug(
                 "cp_hicache backup: host lanes %s cannot cover %s from evictable host "
                 "leaves; evicting nothing", free, list(demand),
@@ -159,10 +160,10 @@ class HostLaneEvictor:
             "cp_hicache backup: host lanes %s, demand %s: victims %s",
             free, list(demand), [n.id for n in victims],
         )  # fmt: skip
-        self._evict(victims, stats)
+        self._evict(victims, path)
         return True
 
-    def _evict(self, victims: List[Any], stats: RoomStats) -> None:
+    def _evict(self, victims: List[Any], path: str) -> None:
         """Evict ``victims`` in plan order as upstream's host walk evicts a leaf."""
         from sglang.srt.mem_cache.unified_cache.unified_tree_core_interface import (
             DriveHostEvictionResult,
@@ -177,9 +178,7 @@ class HostLaneEvictor:
             )  # fmt: skip
         evicted = result.tracker.get(full_type(), 0)
         self.cache._apply_eviction_result(result)
-        stats.plans += 1
-        stats.victims += len(victims)
-        stats.evicted_tokens += evicted
+        self.extension.host_stats.planned(path, len(victims), evicted)
 
 
 def room_for_backup(

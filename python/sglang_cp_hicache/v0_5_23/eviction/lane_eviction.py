@@ -224,11 +224,10 @@ class DeviceLaneEvictor:
         free = self.free_pages()
         if max(lane_deficit(demand, free)) <= 0:
             return []
-        stats = self.extension.device_stats.paths[path]
-        stats.short += 1
+        self.extension.device_stats.paths[path].short += 1
         victims = self.plan(demand)
         if victims is None:
-            stats.refusals += 1
+            self.extension.device_stats.refused(path)
             logger.debug(
                 "cp_hicache %s: device lanes %s cannot cover %s from evictable leaves; "
                 "evicting nothing", path, free, list(demand),
@@ -253,10 +252,7 @@ class DeviceLaneEvictor:
         tokens = sum(len(node.component_data[full].value) for node in victims)
         walk = planned_walk(self.cache, victims)
         evicted = type(self.cache)._evict(walk, EvictParams(num_tokens=tokens)).num_tokens_evicted
-        stats = self.extension.device_stats.paths[path]
-        stats.plans += 1
-        stats.victims += len(victims)
-        stats.evicted_tokens += evicted
+        self.extension.device_stats.planned(path, len(victims), evicted)
         return evicted
 
 
@@ -304,9 +300,12 @@ def alloc_paged_token_slots_extend_around(
         last_loc, extend_num_tokens, req_pool_indices=req_pool_indices, batch=batch,
     )  # fmt: skip
     if new_chains:  # upstream raised if the batch drew nothing: count the chains it started
-        started = zip(resolved, bases, leaders)
+        started = list(zip(resolved, bases, leaders))
         extension.chain_starts.add(
             [base for base, given, leader in started if given is None and leader is None]
+        )
+        extension.metrics.kept_on_run(
+            sum(1 for _, given, leader in started if given is None and leader is not None)
         )
     return out
 

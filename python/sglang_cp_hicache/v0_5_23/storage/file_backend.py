@@ -25,6 +25,7 @@ from sglang.srt.disaggregation.kv_events import StorageMedium
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
 
 from sglang_cp_hicache.core.storage_keys import StorageNamespace, component_of_pool
+from sglang_cp_hicache.v0_5_23.cache.plugin_metrics import L3Health
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,10 @@ class OwnerFreeHiCacheFile(HiCacheFile):
     def rejected_reads(self) -> int:
         """Reads refused for a file of the wrong size (torn, short or foreign)."""
         return self._rejected_reads
+
+    def l3_health(self) -> L3Health:
+        """This backend's counts for the plugin's metrics (``cache/plugin_metrics.py``)."""
+        return L3Health(rejected_reads=self._rejected_reads)
 
     def _get_suffixed_key(self, key: str) -> str:
         # Upstream names a sidecar's object "<hash>.<pool>" (_log_key) before suffixing.

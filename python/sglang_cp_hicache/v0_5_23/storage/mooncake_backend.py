@@ -38,6 +38,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
 
 from sglang_cp_hicache.core.storage_keys import StorageNamespace
+from sglang_cp_hicache.v0_5_23.cache.plugin_metrics import L3Health
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class MasterOutage:
     failed_batches: int = 0  # batches the client answered RPC_FAIL
     skipped_batches: int = 0  # batches answered RPC_FAIL without calling the client
     outages: int = 0
+    reconnects: int = 0  # probes that found the master listening again after an outage
     _next_probe: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -135,6 +137,7 @@ class MasterOutage:
             return False
         with self._lock:
             self.down = False
+            self.reconnects += 1
         logger.warning("cp_hicache L3 mooncake: the master at %s listens again", self.address)
         return True
 
@@ -187,6 +190,14 @@ class OwnerFreeMooncakeStore(MooncakeStore):
         return self.outage.call(
             "batch put", len(key_strs), lambda: parent(key_strs, *args, **kwargs)
         )
+
+    def l3_health(self) -> L3Health:
+        """This store's counts for the plugin's metrics (``cache/plugin_metrics.py``)."""
+        outage = self.outage
+        return L3Health(
+            outages=outage.outages, reconnects=outage.reconnects,
+            failed_batches=outage.failed_batches, skipped_batches=outage.skipped_batches,
+        )  # fmt: skip
 
     def _tag_keys(self, keys: List[str]) -> List[str]:
         prefix = self.namespace.namespace_id

@@ -7,7 +7,10 @@ plugin's flag, ``--enable-metrics``) beside its unsharded reference, the same tw
 * tokens per host pool are logical: each sharded rank counts what the reference counts;
 * bytes are physical: each rank counts its own shard, the ranks together the reference's;
 * each per-layer batch is one timed backup (one histogram sample per merged write op, as
-  upstream's: here the reference's two inserts are one merged op too).
+  upstream's: here the reference's two inserts are one merged op too);
+* the plugin's per-layer latency series (``sglang:cp_hicache_layer_backup_*``): one sample
+  per batch on each sharded rank, layer 0 on host before the forward's last stores; none
+  on the reference (no extension).
 """
 
 from __future__ import annotations
@@ -42,6 +45,12 @@ def _backup_metrics() -> Dict[str, object]:
         "bytes": metrics.total("sglang:hicache_backup_bytes_total"),
         "timed_ops": metrics.total("sglang:hicache_backup_duration_seconds_count"),
         "seconds": metrics.total("sglang:hicache_backup_duration_seconds_sum"),
+        "first_layer": metrics.total("sglang:cp_hicache_layer_backup_first_layer_seconds_count"),
+        "tail": metrics.total("sglang:cp_hicache_layer_backup_tail_seconds_count"),
+        "overlapped": metrics.total(
+            "sglang:cp_hicache_layer_backup_batches_total", first_layer_on_host="before_forward_end"
+        ),
+        "batches": metrics.total("sglang:cp_hicache_layer_backup_batches_total"),
     }
 
 
@@ -124,3 +133,10 @@ def test_each_per_layer_batch_is_one_timed_backup(sharded, reference) -> None:
     for rank, report in enumerate(sharded):
         assert report["timed_ops"] == 1, f"rank {rank}: one forward, one ack: {report}"
         assert report["seconds"] > 0, f"rank {rank}: layer 0's stores to the last copy"
+
+
+def test_each_per_layer_batch_lands_in_the_plugin_s_latency_series(sharded, reference) -> None:
+    for rank, report in enumerate(sharded):
+        assert report["first_layer"] == report["tail"] == report["batches"] == 1, f"rank {rank}: {report}"
+        assert report["overlapped"] == 1, f"rank {rank}: layer 0 was on host before layer 1's stores"
+    assert reference["first_layer"] == reference["batches"] == 0, "no plugin series without an extension"

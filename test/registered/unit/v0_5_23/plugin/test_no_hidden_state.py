@@ -48,6 +48,7 @@ EXTENSION_FIELDS = {
     "device_stats": "device lane-eviction counts, since the cache was built",
     "host_stats": "host room counts, since the cache was built",
     "device_leaves": "the device tier's candidate heap, kept across plans",
+    "metrics": "the plugin's Prometheus series (decided once: --enable-metrics), since the cache was built",
     "host_leaves": "the host tier's candidate heap, kept across plans",
     "host_lanes": "whether the host pool is the sharded one (decided once at init_hicache)",
     "layer_backup": "the per-layer backup (attached once at init_hicache)",

@@ -107,3 +107,4 @@ def test_the_client_is_called_again_once_the_master_listens(monkeypatch):
         assert outage.down
         assert outage.call("batch get", 1, lambda: [64]) == [64]
     assert not outage.down and outage.outages == 1 and outage.skipped_batches == 0
+    assert outage.reconnects == 1
