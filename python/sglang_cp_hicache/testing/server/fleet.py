@@ -34,7 +34,7 @@ from sglang_cp_hicache.testing.server.store_view import (
     byte_twins,
     logged_puts,
     owner_problems,
-    stored_by_rank,
+    put_by_rank,
 )
 
 logger = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ class Marks:
 
     def puts(self, fleet: Fleet, name: str) -> Dict[int, List[str]]:
         server = fleet.servers[name]
-        return stored_by_rank(logged_puts(server.process.log_text(), self.lines[name]))
+        return put_by_rank(logged_puts(server.process.log_text(), self.lines[name]))
 
 
 def _owned(tp: int, pages: int) -> Dict[int, int]:
@@ -148,17 +148,19 @@ def _owned(tp: int, pages: int) -> Dict[int, int]:
 def _written_by_a(rec: Recorder, fleet: Fleet, prefix: List[int]) -> Set[str]:
     """The prefix cold on A (and on the reference): A's ranks store its full pages, each rank
     its own, each object once; nothing on B. The keys A stored."""
-    before, marks = fleet.store.keys(), Marks.now(fleet)
+    before, counts, marks = fleet.store.keys(), fleet.store.counts(), Marks.now(fleet)
     fleet.send(rec, A, "prefix, cold, on A", prefix, pair=True)
     pages = full_pages(len(prefix)) // PAGE_SIZE
     keys = fleet.wait_writes(before, pages)
+    written_now = fleet.store.counts().written - counts.written
+    rec.expect(written_now == len(keys), f"the master wrote {written_now} objects for A's {len(keys)} new keys")
     rec.expect(len(by_page(keys)) == pages, f"A stored {len(by_page(keys))} pages of the prefix, want {pages}")
     for problem in owner_problems(marks.puts(fleet, A), keys, _owned(fleet.session.tp, pages)):
         rec.expect(False, f"A's writes: {problem}")
-    rec.expect(not marks.puts(fleet, B), "B stored objects while A served the prefix")
+    rec.expect(not marks.puts(fleet, B), "B put objects while A served the prefix")
     per_rank = {rank: len(rank_keys) for rank, rank_keys in marks.puts(fleet, A).items()}
     components = len(keys) // max(1, len(by_page(keys)))
-    rec.note(f"A stored {len(keys)} objects ({pages} pages x {components} components), objects per rank {per_rank}")
+    rec.note(f"A stored {len(keys)} objects ({pages} pages x {components} components), objects put per rank {per_rank}")
     return keys
 
 
@@ -187,15 +189,16 @@ def _hit_on_b(rec: Recorder, fleet: Fleet, prefix: List[int], written: Dict[str,
     if answer is not None:
         rec.expect(answer.tier("storage") == want, f"B's storage hit {answer.cached_by_tier}, want A's {want} tokens")
     new = fleet.wait_writes(before, 1)
-    stored = marks.puts(fleet, B)
+    put = marks.puts(fleet, B)
     rec.expect(len(by_page(new)) == 1, f"B's request added {len(by_page(new))} pages to the store, want 1 (the new page)")
-    rec.expect(not set(written) & {k for keys in stored.values() for k in keys}, "B stored again a page A had stored")
-    for problem in owner_problems(stored, new):
+    rec.expect(not set(written) & {k for keys in put.values() for k in keys}, "B put again a page A had stored")
+    for problem in owner_problems(put, new):
         rec.expect(False, f"B's writes: {problem}")
     after = fleet.store.counts()
-    rec.expect(after.puts - counts.puts == len(new), f"the master ended {after.puts - counts.puts} puts, want {len(new)}")
+    written_now, refused = after.written - counts.written, after.refused - counts.refused
+    rec.expect((written_now, refused) == (len(new), 0), f"the master wrote {written_now} objects and refused {refused}, want {len(new)} and 0")
     storage = fleet.servers[B].metrics().total("sglang:cached_tokens_total", cache_source="storage") - storage_before
-    rec.note(f"B: storage hit {answer and answer.tier('storage')} tokens ({storage:.0f} in B's /metrics), {len(new)} objects stored, {after.puts - counts.puts} puts ended")
+    rec.note(f"B: storage hit {answer and answer.tier('storage')} tokens ({storage:.0f} in B's /metrics); the master wrote {written_now} objects (the new page's), refused {refused}")
     rec.expect(fleet.store.read(written) == written, "A's objects changed after B's read")
 
 
@@ -215,15 +218,16 @@ def _reader(rec: Recorder, fleet: Fleet, prefix: List[int], written: Set[str]) -
         rec.expect(hit.output_ids == own.output_ids, f"reader: ids over A's pages {hit.output_ids} != over its own {own.output_ids}")
         diff = max((abs(x - y) for x, y in zip(hit.logprobs, own.logprobs)), default=0.0)
         rec.note(f"reader: storage hit {hit.tier('storage')} tokens; over A's pages vs its own: logprobs differ by up to {diff:.3g}")
-    reread = marks.puts(fleet, READER)
-    rec.expect(not set(written) & {k for keys in reread.values() for k in keys}, "the reader stored again a page A had stored")
+    again = marks.puts(fleet, READER)
+    rec.expect(not set(written) & {k for keys in again.values() for k in keys}, "the reader put again a page A had stored")
 
 
 def _race(rec: Recorder, fleet: Fleet) -> None:
-    """One new prompt on A and B at once: both answers the reference's; one object per key,
-    each stored once, byte for byte a single writer's (its twin under an extra_key)."""
+    """One new prompt on A and B at once: both answers the reference's; each instance's ranks
+    put their own pages; the master writes one object per key, byte for byte a single
+    writer's (its twin under an extra_key)."""
     prompt = tokens("fleet:race", 6 * PAGE_SIZE + 5)
-    before, marks = fleet.store.keys(), Marks.now(fleet)
+    before, counts, marks = fleet.store.keys(), fleet.store.counts(), Marks.now(fleet)
     fleet.turn_to(rec, A)
     with ThreadPoolExecutor(2) as pool:
         answers = list(pool.map(lambda side: rec.ask(fleet.router, f"race on {side}", prompt), (A, B)))
@@ -235,11 +239,17 @@ def _race(rec: Recorder, fleet: Fleet) -> None:
     pages = full_pages(len(prompt)) // PAGE_SIZE
     keys = fleet.wait_writes(before, pages)
     rec.expect(len(by_page(keys)) == pages, f"the race left {len(by_page(keys))} pages, want {pages}")
-    stored = {f"{name} rank {rank}": rank_keys for name in (A, B) for rank, rank_keys in marks.puts(fleet, name).items()}
-    for problem in owner_problems(dict(enumerate(stored.values())), keys, whole_pages=False):
-        rec.expect(False, f"race writes: {problem}")
-    refused = sum(put.refused for name in (A, B) for put in logged_puts(fleet.servers[name].process.log_text(), marks.lines[name]))
-    rec.note(f"race: {len(keys)} objects, stored by {', '.join(f'{n} {len(k)}' for n, k in stored.items())}; {refused} puts refused")
+    put = {name: marks.puts(fleet, name) for name in (A, B)}
+    for name in (A, B):  # within each instance, each rank its own pages; together every key
+        for problem in owner_problems(put[name], {k for keys in put[name].values() for k in keys}):
+            rec.expect(False, f"race, {name}'s writes: {problem}")
+    attempted = {k for name in (A, B) for keys in put[name].values() for k in keys}
+    rec.expect(attempted == keys, f"race: {len(attempted)} keys put, the store gained {len(keys)}")
+    after = fleet.store.counts()
+    written_now, refused = after.written - counts.written, after.refused - counts.refused
+    rec.expect(written_now == len(keys), f"race: the master wrote {written_now} objects for {len(keys)} keys (one per key)")
+    per_rank = ", ".join(f"{name} rank {rank} {len(k)}" for name in (A, B) for rank, k in put[name].items())
+    rec.note(f"race: {len(keys)} objects; puts {per_rank}; the master wrote {written_now}, refused {refused} (a key already held or being put)")
     _byte_twin(rec, fleet, B, prompt, fleet.store.read(keys), "race")
 
 
@@ -281,7 +291,7 @@ def fleet_shared_l3(session: ServingSession) -> ScenarioReport:
         _cache_aware(rec, fleet, prefix)
         counts = fleet.store.counts()
         rec.note(f"the prefix's {len(written)} objects: {sum(map(len, written.values()))} bytes")
-        rec.note(f"store: {counts.objects} objects, {counts.bytes} bytes allocated, {counts.puts} puts ended")
+        rec.note(f"store: {counts.objects} objects, {counts.bytes} bytes allocated, {counts.written} written, {counts.refused} puts refused")
         return rec.finish()
     finally:
         fleet.retire()

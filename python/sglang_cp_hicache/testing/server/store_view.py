@@ -19,9 +19,9 @@ from typing import Dict, Iterable, List, Mapping, Optional, Set, Tuple
 from sglang_cp_hicache.testing.server.cluster import MooncakeMaster
 from sglang_cp_hicache.testing.server.metrics import Metrics
 
-PAGE_HASH = re.compile(r"[0-9a-f]{64}")
-#: What the 0.5.23 runtime's put lines start with, then ``tp rank R stored N refused M: keys``.
-PUT_LINE = re.compile(r"cp_hicache L3 puts \(CPU runtime step\): tp rank (\d+) stored (\d+) refused (\d+):(.*)$")
+PAGE_HASH = re.compile(r"(?<![0-9a-f])[0-9a-f]{64}(?![0-9a-f])")
+#: What the 0.5.23 runtime's put lines start with, then ``tp rank R put N failed F: keys``.
+PUT_LINE = re.compile(r"cp_hicache L3 puts \(CPU runtime step\): tp rank (\d+) put (\d+) failed (\d+):(.*)$")
 READER_BUFFER_BYTES = 64 << 20  # the reading client's local buffer: above any one object
 HTTP_TIMEOUT_S = 10.0
 
@@ -48,11 +48,12 @@ def by_page(keys: Iterable[str]) -> Dict[str, Set[str]]:
 
 @dataclass(frozen=True)
 class Put:
-    """One logged put batch of one rank: the keys the store accepted, how many it refused."""
+    """One logged put batch of one rank: every key it put, how many the client failed (a
+    key the master already held is no failure: the master's counters tell those apart)."""
 
     rank: int
-    stored: Tuple[str, ...]
-    refused: int
+    keys: Tuple[str, ...]
+    failed: int
 
 
 def logged_puts(log_text: str, since_line: int = 0) -> List[Put]:
@@ -68,36 +69,35 @@ def logged_puts(log_text: str, since_line: int = 0) -> List[Put]:
     return puts
 
 
-def stored_by_rank(puts: Iterable[Put]) -> Dict[int, List[str]]:
-    """Every key each rank stored, in order (a key twice in one list: stored twice)."""
+def put_by_rank(puts: Iterable[Put]) -> Dict[int, List[str]]:
+    """Every key each rank put, in order (a key twice in one list: put twice)."""
     ranks: Dict[int, List[str]] = defaultdict(list)
     for put in puts:
-        ranks[put.rank].extend(put.stored)
+        ranks[put.rank].extend(put.keys)
     return dict(ranks)
 
 
 def owner_problems(
-    stored: Mapping[int, List[str]], keys: Set[str], want_pages: Optional[Mapping[int, int]] = None, whole_pages: bool = True
+    put: Mapping[int, List[str]], keys: Set[str], want_pages: Optional[Mapping[int, int]] = None
 ) -> List[str]:
-    """What is wrong with ``stored`` (keys by writer rank) as the writes of ``keys``: every
-    key stored once, by one rank; with ``whole_pages`` each page's components by one rank
-    (not so for writers racing: each component object goes to whoever put it first); rank
-    ``r`` the writer of ``want_pages[r]`` pages when given. Empty when nothing is."""
+    """What is wrong with ``put`` (one instance's keys by rank) as the writes of ``keys``:
+    every key put once, by one rank; each page's components by one rank; rank ``r`` the
+    writer of ``want_pages[r]`` pages when given. Empty when nothing is."""
     problems = []
-    counts = Counter(key for rank_keys in stored.values() for key in rank_keys)
+    counts = Counter(key for rank_keys in put.values() for key in rank_keys)
     twice = sorted(key for key, n in counts.items() if n > 1)
     if twice:
-        problems.append(f"{len(twice)} keys stored more than once, e.g. {twice[0]}")
+        problems.append(f"{len(twice)} keys put more than once, e.g. {twice[0]}")
     if set(counts) != keys:
-        problems.append(f"stored {len(counts)} keys, the store gained {len(keys)} ({len(set(counts) ^ keys)} differ)")
+        problems.append(f"put {len(counts)} keys, the store gained {len(keys)} ({len(set(counts) ^ keys)} differ)")
     writers: Dict[str, Set[int]] = defaultdict(set)
-    for rank, rank_keys in stored.items():
+    for rank, rank_keys in put.items():
         for key in rank_keys:
             writers[page_of(key)].add(rank)
     shared = [page for page, ranks in writers.items() if len(ranks) > 1]
-    if whole_pages and shared:
+    if shared:
         problems.append(f"{len(shared)} pages written by more than one rank")
-    pages = {rank: len({page_of(key) for key in rank_keys}) for rank, rank_keys in stored.items()}
+    pages = {rank: len({page_of(key) for key in rank_keys}) for rank, rank_keys in put.items()}
     if want_pages is not None and {r: n for r, n in pages.items() if n} != {r: n for r, n in want_pages.items() if n}:
         problems.append(f"pages written per rank {pages}, owned per rank {dict(want_pages)}")
     return problems
@@ -117,16 +117,23 @@ def byte_twins(first: Mapping[str, bytes], second: Mapping[str, bytes]) -> Optio
 
 @dataclass(frozen=True)
 class StoreCounts:
-    """The master's counters: objects, bytes allocated to them, objects put (ended puts)."""
+    """The master's counters: objects, bytes allocated to them, objects written (puts the
+    master ended) and puts it refused at their start (a key it already held, or one
+    another client was putting)."""
 
     objects: int
     bytes: int
-    puts: int
+    written: int
+    refused: int
 
     @classmethod
     def of(cls, metrics: Metrics) -> "StoreCounts":
-        puts = metrics.total("master_put_end_requests_total") + metrics.total("master_batch_put_end_items_total")
-        return cls(int(metrics.total("master_key_count")), int(metrics.total("master_allocated_bytes")), int(puts))
+        def count(single: str, batch: str) -> int:
+            return int(metrics.total(single) + metrics.total(batch))
+
+        written = count("master_put_end_requests_total", "master_batch_put_end_items_total")
+        refused = count("master_put_start_failures_total", "master_batch_put_start_failed_items_total")
+        return cls(int(metrics.total("master_key_count")), int(metrics.total("master_allocated_bytes")), written, refused)
 
 
 class StoreView:
@@ -180,5 +187,5 @@ __all__ = [
     "logged_puts",
     "owner_problems",
     "page_of",
-    "stored_by_rank",
+    "put_by_rank",
 ]

@@ -16,7 +16,7 @@ from sglang_cp_hicache.testing.server.store_view import (
     logged_puts,
     owner_problems,
     page_of,
-    stored_by_rank,
+    put_by_rank,
 )
 from sglang_cp_hicache.testing.v0_5_23 import server_runtime
 
@@ -47,14 +47,19 @@ def test_keys_name_their_page_and_component():
     assert by_page(_keys(1) + _keys(2)) == {_hash(1): set(_keys(1)), _hash(2): set(_keys(2))}
 
 
-def test_the_runtime_step_logs_stored_keys_and_refusals_the_store_view_reads(caplog):
+def test_the_runtime_step_logs_every_key_put_and_the_failures_the_store_view_reads(caplog):
     first = _logged_put(caplog, _keys(0) + _keys(2), [0, 0, 0, 0])
-    second = _logged_put(caplog, _keys(4) + _keys(2), [0, 0, -706, -706])  # page 2 already there
+    second = _logged_put(caplog, _keys(4) + _keys(2), [0, 0, -900, -900])
     log = f"[TP0] {first}\nunrelated line\n[TP0] {second}\n"
     puts = logged_puts(log)
-    assert [(p.rank, len(p.stored), p.refused) for p in puts] == [(0, 4, 0), (0, 2, 2)]
-    assert stored_by_rank(puts) == {0: _keys(0) + _keys(2) + _keys(4)}
-    assert logged_puts(log, since_line=2)[0].stored == tuple(_keys(4))
+    assert [(p.rank, len(p.keys), p.failed) for p in puts] == [(0, 4, 0), (0, 4, 2)]
+    assert put_by_rank(puts) == {0: _keys(0) + _keys(2) + _keys(4) + _keys(2)}
+    assert logged_puts(log, since_line=2)[0].keys == tuple(_keys(4) + _keys(2))
+
+
+def _two_puts_of_page_2() -> str:
+    line = "cp_hicache L3 puts (CPU runtime step): tp rank {} put 2 failed 0: {}"
+    return "\n".join(line.format(rank, " ".join(_keys(page))) for rank, page in ((0, 0), (1, 1), (0, 2), (1, 3), (1, 2)))
 
 
 def test_owner_problems_pass_each_rank_writing_its_own_pages_once():
@@ -72,6 +77,7 @@ def test_owner_problems_name_a_single_writer_a_shared_page_a_double_write_and_a_
     assert any("more than one rank" in p for p in owner_problems(shared, keys))
     twice = {0: _keys(0) + _keys(2), 1: _keys(1) + _keys(3) + _keys(3)[:1]}
     assert any("more than once" in p for p in owner_problems(twice, keys))
+    assert any("more than once" in p for p in owner_problems(put_by_rank(logged_puts(_two_puts_of_page_2())), keys))
     assert any("the store gained" in p for p in owner_problems({0: _keys(0)}, keys))
 
 
