@@ -85,25 +85,31 @@ class Fleet:
         self.session.retire(self.router, self.reader_router, *self.servers.values(), self.master.process)
 
     # ---------------------------------------------------------------- routing
-    def _seen(self) -> Dict[str, float]:
+    def seen(self) -> Dict[str, float]:
         """Requests and prompt tokens each of A and B counted (either grows with a request)."""
         metrics = {name: self.servers[name].metrics() for name in (A, B)}
         return {name: sum(m.total(counter) for counter in SEEN) for name, m in metrics.items()}
 
-    def _served(self, before: Dict[str, float]) -> Optional[str]:
+    def served(self, before: Dict[str, float], count: int = 1) -> List[str]:
+        """The prefills whose counters grew since ``before``, once ``count`` did (at most
+        :data:`SERVED_S` later)."""
         deadline = time.monotonic() + SERVED_S
         while True:
-            grown = [name for name, seen in self._seen().items() if seen > before[name]]
-            if grown or time.monotonic() > deadline:
-                return grown[0] if len(grown) == 1 else None
+            grown = [name for name, seen in self.seen().items() if seen > before[name]]
+            if len(grown) >= count or time.monotonic() > deadline:
+                return grown
             time.sleep(0.2)
+
+    def _served(self, before: Dict[str, float]) -> Optional[str]:
+        grown = self.served(before)
+        return grown[0] if len(grown) == 1 else None
 
     def turn_to(self, rec: Recorder, target: str) -> None:
         """Warm-ups through the round-robin router until ``target`` is next."""
         for _ in range(3):
             if self.last is not None and self.last != target:
                 return
-            before = self._seen()
+            before = self.seen()
             rec.ask(self.router, "warm-up (turn)", WARM_UP_IDS, 2)
             self.last = self._served(before)
         rec.expect(False, f"the round-robin router never turned to {target} (last: {self.last})")
@@ -112,7 +118,7 @@ class Fleet:
         """``ids`` to ``target`` through the round-robin router (``pair``: and to the reference,
         compared: :meth:`Recorder.pair`); a problem when another prefill served it."""
         self.turn_to(rec, target)
-        before = self._seen()
+        before = self.seen()
         answer = rec.pair(label, ids)[0] if pair else rec.ask(self.router, label, ids, **extra)
         self.last = self._served(before)
         rec.expect(self.last == target, f"{label}: served by {self.last}, want {target}")
@@ -229,9 +235,12 @@ def _race(rec: Recorder, fleet: Fleet) -> None:
     prompt = tokens("fleet:race", 6 * PAGE_SIZE + 5)
     before, counts, marks = fleet.store.keys(), fleet.store.counts(), Marks.now(fleet)
     fleet.turn_to(rec, A)
+    seen = fleet.seen()
     with ThreadPoolExecutor(2) as pool:
         answers = list(pool.map(lambda side: rec.ask(fleet.router, f"race on {side}", prompt), (A, B)))
     fleet.last = None  # two at once: the next turn is learned again
+    served = fleet.served(seen, count=2)
+    rec.expect(served == [A, B], f"race: served by {served}, want both {A} and {B}")
     reference = rec.ask(rec.reference, "race: reference", prompt)
     for answer in answers:
         if answer is not None and reference is not None:
