@@ -16,7 +16,9 @@ the wanted prefill served the last one. The scenario (``fleet_shared_l3``) is ru
 from __future__ import annotations
 
 import logging
+import re
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set
@@ -262,6 +264,24 @@ def _race(rec: Recorder, fleet: Fleet) -> None:
     _byte_twin(rec, fleet, B, prompt, fleet.store.read(keys), "race")
 
 
+ENGINE_LISTENS = re.compile(r"listening on (127\.0\.0\.1:\d+)")
+
+
+def _placement(rec: Recorder, fleet: Fleet, keys: Set[str]) -> None:
+    """Which prefill's segments hold A's objects (each endpoint named from the Mooncake
+    lines of the servers' logs): reported, for what a prefill that leaves takes along."""
+    owners = {port: name for name, server in fleet.servers.items() for port in ENGINE_LISTENS.findall(server.process.log_text())}
+    try:
+        placed = fleet.store.placement(keys)
+    except (OSError, ValueError) as error:
+        rec.note(f"placement of A's objects not read: {error!r}")
+        return
+    by_owner = Counter()
+    for endpoint, count in placed.items():
+        by_owner[owners.get(endpoint, endpoint)] += count
+    rec.note(f"A's prefix objects are held in the segments of: {dict(by_owner)}")
+
+
 def _cache_aware(rec: Recorder, fleet: Fleet, prefix: List[int]) -> None:
     """A second router over A and B, ``cache_aware``: the prefix + a new suffix through it;
     whichever prefill it picks, every full page of the prefix is a hit (B's device, or the
@@ -293,6 +313,7 @@ def fleet_shared_l3(session: ServingSession) -> ScenarioReport:
         prefix = tokens("fleet:prefix", PREFIX_PAGES * PAGE_SIZE + 10)
         written_keys = _written_by_a(rec, fleet, prefix)
         written = fleet.store.read(written_keys)
+        _placement(rec, fleet, written_keys)
         _byte_twin(rec, fleet, B, prefix, written, "prefix")
         _hit_on_b(rec, fleet, prefix, written)
         _reader(rec, fleet, prefix, written_keys)

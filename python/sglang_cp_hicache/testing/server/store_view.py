@@ -10,7 +10,9 @@ and components are read from keys that way, nothing else is assumed of their spe
 
 from __future__ import annotations
 
+import json
 import re
+import urllib.parse
 import urllib.request
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -150,6 +152,17 @@ class StoreView:
     def keys(self) -> Set[str]:
         with urllib.request.urlopen(f"{self.http}/get_all_keys", timeout=HTTP_TIMEOUT_S) as response:
             return {line.strip() for line in response.read().decode().splitlines() if line.strip()}
+
+    def placement(self, keys: Iterable[str]) -> Counter:
+        """How many of ``keys``' replicas each segment holds, by the segment's transport
+        endpoint (``/query_key``): Mooncake places an object in any mounted segment, and a
+        client that leaves takes what its segments hold with it."""
+        found: Counter = Counter()
+        for key in keys:
+            with urllib.request.urlopen(f"{self.http}/query_key?key={urllib.parse.quote(key, safe='')}", timeout=HTTP_TIMEOUT_S) as response:
+                for replica in json.loads(response.read().decode()).get("data") or []:
+                    found[replica.get("transport_endpoint_", "?")] += 1
+        return found
 
     def counts(self) -> StoreCounts:
         return StoreCounts.of(Metrics.fetch(self.http))
