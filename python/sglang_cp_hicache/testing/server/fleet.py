@@ -167,8 +167,8 @@ def _written_by_a(rec: Recorder, fleet: Fleet, prefix: List[int]) -> Set[str]:
         rec.expect(False, f"A's writes: {problem}")
     rec.expect(not marks.puts(fleet, B), "B put objects while A served the prefix")
     per_rank = {rank: len(rank_keys) for rank, rank_keys in marks.puts(fleet, A).items()}
-    components = len(keys) // max(1, len(by_page(keys)))
-    rec.note(f"A stored {len(keys)} objects ({pages} pages x {components} components), objects put per rank {per_rank}")
+    stored_pages = len(by_page(keys))
+    rec.note(f"A stored {len(keys)} objects ({stored_pages} pages x {len(keys) // max(1, stored_pages)} components), objects put per rank {per_rank}")
     return keys
 
 
@@ -179,8 +179,8 @@ def _byte_twin(rec: Recorder, fleet: Fleet, target: str, ids: List[int], first: 
     fleet.send(rec, target, f"{label}: twin under an extra_key on {target}", ids, extra_key=f"fleet-twin:{label}")
     twin = fleet.wait_writes(before, len(first))
     problem = byte_twins(first, fleet.store.read(twin))
-    rec.expect(problem is None, f"{label}: {target}'s twin objects vs the first writes: {problem}")
-    rec.note(f"{label}: {len(twin)} twin objects on {target}, byte for byte the first writes' ({sum(map(len, first.values()))} bytes)")
+    if rec.expect(problem is None, f"{label}: {target}'s twin objects vs the first writes: {problem}"):
+        rec.note(f"{label}: {len(twin)} twin objects on {target}, byte for byte the first writes' ({sum(map(len, first.values()))} bytes)")
 
 
 def _hit_on_b(rec: Recorder, fleet: Fleet, prefix: List[int], written: Dict[str, bytes]) -> None:
