@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence
 from sglang_cp_hicache.testing.server.client import TIERS
 from sglang_cp_hicache.testing.server.keep import keep
 from sglang_cp_hicache.testing.server.launch import line_launch
-from sglang_cp_hicache.testing.server.scenarios import BY_NAME, Scenario, ScenarioReport, scenarios_for, trace_replay
+from sglang_cp_hicache.testing.server.scenarios import BY_HAND, BY_NAME, Scenario, ScenarioReport, scenarios_for, trace_replay
 from sglang_cp_hicache.testing.server.session import REFERENCE, SHARDED, ServingSession
 from sglang_cp_hicache.testing.server.soak import SoakConfig, run_soak
 from sglang_cp_hicache.testing.server.tiny_model import TinyDsaSpec, ensure_checkpoint
@@ -32,7 +32,9 @@ logger = logging.getLogger(__name__)
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="serve_cpu", description=__doc__.split("\n\n")[0])
     names = [s.name for s in scenarios_for(line_launch())]
-    parser.add_argument("--scenarios", default=",".join(names), help=f"comma-separated, from: {', '.join(names)}")
+    by_hand = [s.name for s in BY_HAND if s.applies_to(line_launch())]
+    parser.add_argument("--scenarios", default=",".join(names),
+                        help=f"comma-separated, from: {', '.join(names)}; only when named: {', '.join(by_hand) or '-'}")  # fmt: skip
     parser.add_argument("--trace", type=Path, help="replay a simulator JSONL trace (prompts scaled to the context)")
     parser.add_argument("--trace-limit", type=int, default=None, help="first N requests of the trace")
     parser.add_argument("--trace-seed", type=int, default=0)

@@ -13,7 +13,7 @@ import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from sglang_cp_hicache.testing.mooncake_master import master_argv
 from sglang_cp_hicache.testing.server import launch
@@ -94,6 +94,8 @@ class Router:
     prefill: Server
     decode: Server
     metrics_port: int
+    also: Tuple[Server, ...] = ()  # its other prefill workers (a fleet router)
+    policy: Optional[str] = None  # its --policy (None: the router's default)
 
     @property
     def url(self) -> str:
@@ -168,14 +170,17 @@ class ServingCluster:
         env = self.env.for_tp(1)
         return Server(name, endpoint, self._managed(name, argv, env, healthy(endpoint.url), SERVER_READY_S))
 
-    def router(self, name: str, prefill: Server, decode: Server) -> Router:
+    def router(
+        self, name: str, prefill: Server, decode: Server, also: Sequence[Server] = (), policy: Optional[str] = None
+    ) -> Router:
+        """A PD router over ``prefill`` (and the prefills ``also``) and ``decode``."""
         port, prometheus = free_ports(2)
         endpoint = Endpoint(port)
-        argv = launch.router_argv(endpoint, prometheus, prefill.endpoint, decode.endpoint)
-        process = self._managed(
-            name, argv, self.env.plain(), router_ready(endpoint.url, 2), ROUTER_READY_S
-        )
-        return Router(name, endpoint, process, prefill, decode, prometheus)
+        prefills = [prefill.endpoint, *(server.endpoint for server in also)]
+        argv = launch.router_argv(endpoint, prometheus, prefills, decode.endpoint, policy)
+        ready = router_ready(endpoint.url, len(prefills) + 1)
+        process = self._managed(name, argv, self.env.plain(), ready, ROUTER_READY_S)
+        return Router(name, endpoint, process, prefill, decode, prometheus, tuple(also), policy)
 
     def mooncake_master(self, name: str = "mooncake-master") -> "MooncakeMaster":
         """Start a Mooncake master on loopback (a ``mooncake`` L3 tier's store)."""

@@ -15,7 +15,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Protocol, Tuple
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 from sglang_cp_hicache.testing.server.runtime import RUNTIME_ENV
 
@@ -32,6 +32,9 @@ ROUTER_REQUEST_TIMEOUT_S = 180
 #: CP rank write its own pages (``testing/v0_5_23/server_runtime.py``; upstream keys L3 pages
 #: by CP rank but lets only TP rank 0 of an MLA model write, so they never read back).
 UNSHARDED_CP_L3_WRITERS_ENV = "SGLANG_CP_HICACHE_UNSHARDED_CP_L3_WRITERS"
+#: Set to "1" for a prefill whose Mooncake L3 puts the harness reads from its log: the 0.5.23
+#: runtime then logs every batch of objects each rank puts, by key (the fleet scenario).
+L3_PUTS_LOGGED_ENV = "SGLANG_CP_HICACHE_L3_PUTS_LOGGED"
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class PrefillSpec:
     logical_tokens: int = LOGICAL_TOKENS
     extra_args: Tuple[str, ...] = ()
     kv_events: bool = False  # a KV event publisher (--kv-events-config) on a port of its own
+    l3_puts_logged: bool = False  # its ranks log each L3 put by key (:data:`L3_PUTS_LOGGED_ENV`)
 
     @property
     def cp(self) -> int:
@@ -70,12 +74,13 @@ class PrefillSpec:
         return self.logical_tokens // self.cp if self.sharded and self.cp > 1 else self.logical_tokens
 
     def env(self) -> Dict[str, str]:
-        """What this prefill's environment adds: its L3 tier's, and for an unsharded CP
-        prefill with one, :data:`UNSHARDED_CP_L3_WRITERS_ENV`."""
+        """What this prefill's environment adds: its L3 tier's, for an unsharded CP prefill
+        with one :data:`UNSHARDED_CP_L3_WRITERS_ENV`, and :data:`L3_PUTS_LOGGED_ENV` if asked."""
         if self.storage is None:
             return {}
         writers = {UNSHARDED_CP_L3_WRITERS_ENV: "1"} if not self.sharded and self.cp > 1 else {}
-        return {**self.storage.env(), **writers}
+        puts = {L3_PUTS_LOGGED_ENV: "1"} if self.l3_puts_logged else {}
+        return {**self.storage.env(), **writers, **puts}
 
 
 @dataclass(frozen=True)
@@ -231,10 +236,15 @@ def decode_argv(line: LineLaunch, model: Path, endpoint: Endpoint) -> List[str]:
     return server_argv(model, endpoint, 1, args)
 
 
-def router_argv(endpoint: Endpoint, prometheus_port: int, prefill: Endpoint, decode: Endpoint) -> List[str]:
+def router_argv(
+    endpoint: Endpoint, prometheus_port: int, prefills: Sequence[Endpoint], decode: Endpoint, policy: Optional[str] = None
+) -> List[str]:
+    """sglang-router in PD mode over ``prefills`` (each a ``--prefill URL BOOTSTRAP_PORT``) and
+    one decode; ``policy``: its ``--policy`` (None: the router's default)."""
+    workers = [arg for prefill in prefills for arg in ("--prefill", prefill.url, str(prefill.bootstrap_port))]
     return [
         sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-        "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url,
+        *workers, "--decode", decode.url, *(["--policy", policy] if policy else []),
         "--host", "127.0.0.1", "--port", str(endpoint.port),
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port),
         # workers are checked every second at start (30 s by default), requests bounded
@@ -249,6 +259,7 @@ __all__ = [
     "CHUNKED_PREFILL_SIZE",
     "CONTEXT_LENGTH",
     "Endpoint",
+    "L3_PUTS_LOGGED_ENV",
     "LOGICAL_TOKENS",
     "LineLaunch",
     "PAGE_SIZE",

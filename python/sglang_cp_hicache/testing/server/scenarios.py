@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from sglang_cp_hicache.testing.server import bench_scenario
 from sglang_cp_hicache.testing.server.client import Completion, RequestFailed, generate, post
+from sglang_cp_hicache.testing.server.fleet import fleet_shared_l3
 from sglang_cp_hicache.testing.server.cluster import Router, Server
 from sglang_cp_hicache.testing.server.input_scenarios import bad_input, batch_of_300, flush_after_warm_up
 from sglang_cp_hicache.testing.server.kv_events_check import check_kv_events
@@ -444,7 +445,9 @@ SCENARIOS: Tuple[Scenario, ...] = (
     Scenario("soak_short", soak_short, needs_storage=True),
     Scenario("kv_events", kv_events, needs_storage=True, needs_kv_events=True),
 )
-BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
+#: Run only when named (``--scenarios``): too long for the serving module (docs/serving_on_cpu.md).
+BY_HAND: Tuple[Scenario, ...] = (Scenario("fleet_shared_l3", fleet_shared_l3, needs_storage=True, releases=("0.5.23",)),)
+BY_NAME = {scenario.name: scenario for scenario in SCENARIOS + BY_HAND}
 
 
 # ------------------------------------------------------------------- trace replay
@@ -485,6 +488,7 @@ def scenarios_for(line: LineLaunch) -> Tuple[Scenario, ...]:
     return tuple(scenario for scenario in SCENARIOS if scenario.applies_to(line))
 
 __all__ = [
+    "BY_HAND",
     "BY_NAME",
     "Recorder",
     "SCENARIOS",

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Tuple
 
 from sglang_cp_hicache.core.import_watcher import process_watcher
 from sglang_cp_hicache.testing.server import common_steps, dsa_kernels
-from sglang_cp_hicache.testing.server.launch import UNSHARDED_CP_L3_WRITERS_ENV
+from sglang_cp_hicache.testing.server.launch import L3_PUTS_LOGGED_ENV, UNSHARDED_CP_L3_WRITERS_ENV
 from sglang_cp_hicache.testing.server.runtime import RuntimeStep
 
 logger = logging.getLogger(__name__)
@@ -276,17 +276,51 @@ def _unsharded_cp_l3_writers() -> None:
     process_watcher().when_imported(CACHE_CONTROLLER, patch)
 
 
+# ---------------------------------------------------------------- Mooncake L3 puts
+MOONCAKE_STORE = "sglang.srt.mem_cache.storage.mooncake_store.mooncake_store"
+#: What each logged put line starts with (``testing/server/store_view.py`` parses it).
+L3_PUTS_LOG = "cp_hicache L3 puts (CPU runtime step):"
+
+
+def puts_logged(original: Callable) -> Callable:
+    """``MooncakeStore._put_batch_zero_copy_impl`` logging, per call, this process's TP rank,
+    every key it puts and how many the client answered with an error (the plugin's
+    owner-free store calls upstream's method for every batch it puts, so each rank's writes
+    are named by key). The client answers 0 for a key the master already holds, too: which
+    put the master kept is its own counters' to say (``master_batch_put_end_items_total``)."""
+
+    def put(store: Any, key_strs: Any, *args: Any, **kwargs: Any) -> Any:
+        import torch.distributed as dist
+
+        results = original(store, key_strs, *args, **kwargs)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        failed = sum(1 for result in results if result != 0)
+        logger.info("%s tp rank %d put %d failed %d: %s", L3_PUTS_LOG, rank, len(key_strs), failed, " ".join(key_strs))
+        return results
+
+    return put
+
+
+def _l3_puts_logged() -> None:
+    def patch(module: Any) -> None:
+        store = module.MooncakeStore
+        store._put_batch_zero_copy_impl = puts_logged(store._put_batch_zero_copy_impl)
+
+    process_watcher().when_imported(MOONCAKE_STORE, patch)
+
+
 def _for_this_server() -> Tuple[RuntimeStep, ...]:
     """Steps only some of the harness's servers get, as their environment says."""
-    if os.environ.get(UNSHARDED_CP_L3_WRITERS_ENV) != "1":
-        return ()
-    return (
-        RuntimeStep(
+    found = []
+    if os.environ.get(UNSHARDED_CP_L3_WRITERS_ENV) == "1":
+        found.append(RuntimeStep(
             "unsharded CP prefill's L3: every CP rank writes the pages it keys by its CP rank "
             "(upstream 0.5.23 lets only TP rank 0 write them: no storage hit ever)",
             _unsharded_cp_l3_writers,
-        ),
-    )
+        ))  # fmt: skip
+    if os.environ.get(L3_PUTS_LOGGED_ENV) == "1":
+        found.append(RuntimeStep("Mooncake L3 puts logged by key and TP rank for the harness", _l3_puts_logged))
+    return tuple(found)
 
 
 def steps() -> Tuple[RuntimeStep, ...]:
@@ -318,4 +352,4 @@ def steps() -> Tuple[RuntimeStep, ...]:
     )
 
 
-__all__ = ["indexer_forward_native", "steps", "writers_within_attention_tp"]
+__all__ = ["L3_PUTS_LOG", "indexer_forward_native", "puts_logged", "steps", "writers_within_attention_tp"]
