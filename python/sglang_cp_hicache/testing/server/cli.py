@@ -21,7 +21,8 @@ from typing import List, Optional, Sequence
 from sglang_cp_hicache.testing.server.client import TIERS
 from sglang_cp_hicache.testing.server.keep import keep
 from sglang_cp_hicache.testing.server.launch import line_launch
-from sglang_cp_hicache.testing.server.scenarios import BY_HAND, BY_NAME, Scenario, ScenarioReport, scenarios_for, trace_replay
+from sglang_cp_hicache.testing.server.scenarios import BY_HAND, BY_NAME, Scenario, ScenarioReport, scenarios_for
+from sglang_cp_hicache.testing.server.trace_replay import trace_replay
 from sglang_cp_hicache.testing.server.session import REFERENCE, SHARDED, ServingSession
 from sglang_cp_hicache.testing.server.soak import SoakConfig, run_soak
 from sglang_cp_hicache.testing.server.tiny_model import TinyDsaSpec, ensure_checkpoint

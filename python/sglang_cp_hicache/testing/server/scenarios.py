@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from sglang_cp_hicache.testing.server import bench_scenario
 from sglang_cp_hicache.testing.server.client import Completion, RequestFailed, generate, post
@@ -450,42 +450,10 @@ BY_HAND: Tuple[Scenario, ...] = (Scenario("fleet_shared_l3", fleet_shared_l3, ne
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS + BY_HAND}
 
 
-# ------------------------------------------------------------------- trace replay
-def scaled_prompt(token_ids: Sequence[int], factor: float) -> List[int]:
-    """``token_ids`` thinned to about ``factor`` of its length by a rule of the position alone
-    (position ``i`` kept when ``floor((i + 1) * factor)`` steps up), so a shared prefix stays a
-    shared prefix; ids folded into the tiny vocabulary past its special tokens."""
-    span = VOCAB_SIZE - FIRST_TOKEN_ID
-    kept = [t for i, t in enumerate(token_ids) if int((i + 1) * factor) > int(i * factor)]
-    return [FIRST_TOKEN_ID + t % span for t in kept]
-
-
-def trace_prompts(path: Path, seed: int = 0, limit: Optional[int] = None) -> List[List[int]]:
-    """The simulator's JSONL trace (``sim/workload.py``: exact ids or lengths synthesised from
-    seeded labels), prompts scaled so the longest fits the tiny model's context."""
-    from sglang_cp_hicache.sim.workload import load_trace
-
-    requests = load_trace(str(path), seed=seed)[:limit]
-    longest = max(len(r.token_ids) for r in requests)
-    factor = min(1.0, (CONTEXT_LENGTH - MAX_NEW - 1) / longest)
-    return [scaled_prompt(r.token_ids, factor) for r in requests]
-
-
-def trace_replay(path: Path, seed: int = 0, limit: Optional[int] = None) -> Scenario:
-    """A scenario replaying ``path`` against the sharded server and its reference."""
-
-    def run(session: ServingSession) -> ScenarioReport:
-        rec = Recorder(session, f"trace {path.name}")
-        for i, prompt in enumerate(trace_prompts(path, seed, limit)):
-            rec.pair(f"request {i}", prompt, cold=i == 0)
-        return rec.finish()
-
-    return Scenario(f"trace:{path.name}", run)
-
-
 def scenarios_for(line: LineLaunch) -> Tuple[Scenario, ...]:
     """The scenarios ``line`` serves (a line that refuses L3 under the flag runs none of it)."""
     return tuple(scenario for scenario in SCENARIOS if scenario.applies_to(line))
+
 
 __all__ = [
     "BY_HAND",
@@ -494,9 +462,6 @@ __all__ = [
     "SCENARIOS",
     "Scenario",
     "ScenarioReport",
-    "scaled_prompt",
     "scenarios_for",
     "tokens",
-    "trace_prompts",
-    "trace_replay",
 ]

@@ -25,7 +25,8 @@ from sglang_cp_hicache.testing.server.launch import SERVER_KEEP_ALIVE_S, Endpoin
 from sglang_cp_hicache.testing.server.metrics import Metrics
 from sglang_cp_hicache.testing.server.processes import ManagedProcess, NotReady, ProcessDied
 from sglang_cp_hicache.testing.server.runtime import RuntimeStep, ServerRuntime, write_site_folder
-from sglang_cp_hicache.testing.server.scenarios import Recorder, ScenarioReport, scaled_prompt, scenarios_for, trace_prompts
+from sglang_cp_hicache.testing.server.scenarios import Recorder, ScenarioReport, scenarios_for
+from sglang_cp_hicache.testing.server.trace_replay import scaled_prompt, trace_prompts
 from sglang_cp_hicache.testing.server.tiny_model import TinyDsaSpec, build_checkpoint, ensure_checkpoint
 from sglang_cp_hicache.testing.v0_5_12.server_launch import LAUNCH as LAUNCH_0512
 from sglang_cp_hicache.testing.v0_5_23.server_launch import LAUNCH as LAUNCH_0523
