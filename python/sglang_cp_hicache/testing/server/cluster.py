@@ -13,7 +13,7 @@ import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from sglang_cp_hicache.testing.mooncake_master import master_argv
 from sglang_cp_hicache.testing.server import launch
@@ -162,9 +162,9 @@ class ServingCluster:
         )
         return Server(spec.name, endpoint, process, spec)
 
-    def decode(self, name: str = "decode") -> Server:
+    def decode(self, name: str = "decode", extra_args: Sequence[str] = ()) -> Server:
         endpoint = Endpoint(free_ports(1)[0])
-        argv = launch.decode_argv(self.line, self.model, endpoint)
+        argv = launch.decode_argv(self.line, self.model, endpoint, extra_args)
         env = self.env.for_tp(1)
         return Server(name, endpoint, self._managed(name, argv, env, healthy(endpoint.url), SERVER_READY_S))
 

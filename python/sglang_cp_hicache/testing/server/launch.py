@@ -15,7 +15,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Protocol, Tuple
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 from sglang_cp_hicache.testing.server.runtime import RUNTIME_ENV
 
@@ -220,13 +220,13 @@ def kv_events_config(endpoint: Endpoint) -> str:
     return json.dumps({"publisher": "zmq", "endpoint": endpoint.kv_events_url, "bind": True})
 
 
-def decode_argv(line: LineLaunch, model: Path, endpoint: Endpoint) -> List[str]:
+def decode_argv(line: LineLaunch, model: Path, endpoint: Endpoint, extra_args: Sequence[str] = ()) -> List[str]:
     args = [
         *line.model_args(decode=True),
         "--disaggregation-mode", "decode",
         "--max-total-tokens", str(DECODE_TOKENS),
     ]  # fmt: skip
-    return server_argv(model, endpoint, 1, args)
+    return server_argv(model, endpoint, 1, args + list(extra_args))
 
 
 def router_argv(endpoint: Endpoint, prometheus_port: int, prefill: Endpoint, decode: Endpoint) -> List[str]:

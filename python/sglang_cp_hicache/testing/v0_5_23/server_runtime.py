@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 DSA_INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer"
 DSA_BACKEND = "sglang.srt.layers.attention.dsa_backend"
 DSA_MTP_PRECOMPUTE = "sglang.srt.layers.attention.dsa.dsa_backend_mtp_precompute"
+ALLOCATION = "sglang.srt.mem_cache.allocation"
 KV_SHARD_GATE = "sglang.srt.arg_groups.kv_shard_hook"
 
 ENVIRONMENT = {
@@ -215,6 +216,13 @@ def _eagle_dsa_metadata() -> None:
     watcher.when_imported(DSA_MTP_PRECOMPUTE, patch)
 
 
+def _spec_decode_allocation() -> None:
+    def patch(module: Any) -> None:
+        module.get_last_loc_triton = module.get_last_loc_torch
+
+    process_watcher().when_imported(ALLOCATION, patch)
+
+
 def _indexer() -> None:
     def patch(module: Any) -> None:
         module.Indexer.forward_native = indexer_forward_native
@@ -343,6 +351,10 @@ def steps() -> Tuple[RuntimeStep, ...]:
         RuntimeStep(
             "EAGLE's DSA metadata in torch (seqlens_expand: each verify/draft-extend query's key count)",
             _eagle_dsa_metadata,
+        ),
+        RuntimeStep(
+            "EAGLE decode allocation: get_last_loc by upstream's own torch body (get_last_loc_torch)",
+            _spec_decode_allocation,
         ),
         RuntimeStep("DeepseekScalingRotaryEmbedding.forward_native fixed for 1-D positions (upstream CPU bug)", common_steps.fixed_rope),
         RuntimeStep("the KV-sharding gate's CUDA-device rule answered for CPU", _gate),

@@ -34,6 +34,7 @@ print(json.dumps({
     "hadamard": dsa_indexer.rotate_activation is dsa_kernels.hadamard_rotate,
     "decode_transform": dsa_backend.transform_index_page_table_decode is dsa_kernels.transform_index_page_table_decode,
     "seqlens_expand": dsa_backend.seqlens_expand_triton is dsa_kernels.seqlens_expand,
+    "last_loc": __import__("sglang.srt.mem_cache.allocation", fromlist=["x"]).get_last_loc_triton.__name__,
     "flash_mla": sys.modules["sglang.kernels.ops.attention.flash_mla_interface"].flash_mla_sparse_fwd.__name__,
     "rope": rope_variant.DeepseekScalingRotaryEmbedding.forward_native.__qualname__,
     "sm": list(torch.cuda.get_device_capability()),
@@ -65,6 +66,7 @@ def test_every_step_reaches_the_module_that_looks_it_up(installed):
     assert seen["flash_mla"] == "flash_mla_sparse_fwd_reference"
     assert seen["sm"] == [9, 0] and seen["event_timing"] is True
     assert seen["gate_device"] == "<lambda>"
+    assert seen["last_loc"] == "get_last_loc_torch"
     assert seen["sgl_kernel_body"] == "sglang_cp_hicache.testing.server.sgl_kernel_stand_in"
     assert seen["eagle_bodies"] == ["sglang_cp_hicache.testing.server.spec_kernels"] * 6
     assert seen["still_raising"] == "copy_all_layer_kv_cache_cpu"
