@@ -136,3 +136,17 @@ def test_cache_location_copies_are_slices_of_req_to_token():
         torch.tensor([1, 3]), table, torch.tensor([2, 0]), torch.tensor([4, 3]), packed, 10
     )
     assert packed.tolist() == [12, 13, 30, 31, 32]
+
+
+def test_the_prefill_page_table_transform_reads_an_expanded_table_per_query():
+    """EAGLE's target verify and draft extend hand ``transform_index_page_table_prefill`` a
+    page table with one row per query (``page_table_is_expanded``): each query maps its
+    selected positions through its own row, not its request's first."""
+    from sglang_cp_hicache.testing.v0_5_23.read_path.kernels import transform_index_page_table_prefill_reference
+
+    per_query = torch.arange(16, dtype=torch.int32).view(4, 4) + 100  # rows differ per query
+    topk = torch.tensor([[0, 2, -1], [1, 3, 0], [3, -1, -1], [2, 1, 0]], dtype=torch.int32)
+    got = transform_index_page_table_prefill_reference(per_query, topk, [2, 2], output_num_tokens=5, page_table_is_expanded=True)
+    assert got.tolist() == [[100, 102, -1], [105, 107, 104], [111, -1, -1], [114, 113, 112], [-1, -1, -1]]
+    by_request = transform_index_page_table_prefill_reference(per_query[[0, 2]], topk, [2, 2])
+    assert by_request.tolist() == [[100, 102, -1], [101, 103, 100], [111, -1, -1], [110, 109, 108]]
