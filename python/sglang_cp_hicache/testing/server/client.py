@@ -15,7 +15,7 @@ import json
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 REQUEST_TIMEOUT_S = 180.0
@@ -42,6 +42,9 @@ class Completion:
     cached_by_tier: Dict[str, int]
     ttft_s: float
     e2e_s: float
+    #: speculative decoding's per-request figures (``meta_info``'s ``spec_*`` fields:
+    #: ``spec_verify_ct``, ``spec_accept_length``, ...); empty without speculative decoding
+    spec: Dict[str, float] = field(default_factory=dict)
 
     def tier(self, name: str) -> int:
         return self.cached_by_tier.get(name, 0)
@@ -109,6 +112,7 @@ def generate(
         cached_by_tier=_cached_by_tier(meta),
         ttft_s=(first or time.monotonic()) - start,
         e2e_s=time.monotonic() - start,
+        spec={key: float(value) for key, value in meta.items() if key.startswith("spec_") and isinstance(value, (int, float))},
     )
 
 

@@ -164,9 +164,9 @@ class ServingCluster:
         )
         return Server(spec.name, endpoint, process, spec)
 
-    def decode(self, name: str = "decode") -> Server:
+    def decode(self, name: str = "decode", extra_args: Sequence[str] = ()) -> Server:
         endpoint = Endpoint(free_ports(1)[0])
-        argv = launch.decode_argv(self.line, self.model, endpoint)
+        argv = launch.decode_argv(self.line, self.model, endpoint, extra_args)
         env = self.env.for_tp(1)
         return Server(name, endpoint, self._managed(name, argv, env, healthy(endpoint.url), SERVER_READY_S))
 

@@ -15,6 +15,9 @@ release:
   (decode): the keys of request ``b`` read from the index-K pages of its block table, in the
   page layout ``SetKAndS`` writes (``page_size`` fp8 keys of 128 bytes, then ``page_size``
   fp32 scales);
+* :func:`seqlens_expand`: ``pad.seqlens_expand_triton`` (Triton): each query's key count
+  in a request extended by ``qo_len`` tokens over ``kv_len`` keys, ``kv_len - qo_len + 1 + j``
+  for its ``j``-th query, floored at 0 (EAGLE's target verify and draft extend);
 * :func:`transform_index_page_table_decode`: the decode page-table transform (Triton):
   row ``q``'s selected positions ``p >= 0`` become ``page_table[q, p]``, ``-1`` stays;
 * :func:`topk_local`, :func:`topk_transform_paged`, :func:`topk_transform_ragged`: 0.5.12's
@@ -138,6 +141,22 @@ def paged_mqa_logits(
     return logits
 
 
+def seqlens_expand(
+    extend_seq_lens: torch.Tensor, seq_lens: torch.Tensor, total_len: int, max_q_len: int
+) -> torch.Tensor:
+    """``seqlens_expand_triton``: ``[total_len]`` int32, request ``b``'s queries
+    ``max(seq_lens[b] - extend_seq_lens[b] + 1 + j, 0)`` for ``j < extend_seq_lens[b]``
+    (``max_q_len`` sizes the Triton block only)."""
+    rows = [
+        max(kv_len - qo_len + 1 + j, 0)
+        for qo_len, kv_len in zip(extend_seq_lens.tolist(), seq_lens.tolist())
+        for j in range(qo_len)
+    ]
+    if len(rows) != total_len:
+        raise ValueError(f"seqlens_expand (CPU port): {len(rows)} queries, total_len {total_len}")
+    return torch.tensor(rows, dtype=torch.int32, device=seq_lens.device)
+
+
 def transform_index_page_table_decode(
     page_table: torch.Tensor,
     topk_indices: torch.Tensor,
@@ -217,6 +236,7 @@ __all__ = [
     "index_k_pages",
     "mqa_logits",
     "paged_mqa_logits",
+    "seqlens_expand",
     "topk_local",
     "topk_transform_paged",
     "topk_transform_ragged",

@@ -227,13 +227,13 @@ def kv_events_config(endpoint: Endpoint) -> str:
     return json.dumps({"publisher": "zmq", "endpoint": endpoint.kv_events_url, "bind": True})
 
 
-def decode_argv(line: LineLaunch, model: Path, endpoint: Endpoint) -> List[str]:
+def decode_argv(line: LineLaunch, model: Path, endpoint: Endpoint, extra_args: Sequence[str] = ()) -> List[str]:
     args = [
         *line.model_args(decode=True),
         "--disaggregation-mode", "decode",
         "--max-total-tokens", str(DECODE_TOKENS),
     ]  # fmt: skip
-    return server_argv(model, endpoint, 1, args)
+    return server_argv(model, endpoint, 1, args + list(extra_args))
 
 
 def router_argv(

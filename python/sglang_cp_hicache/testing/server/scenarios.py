@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from sglang_cp_hicache.testing.server import bench_scenario
 from sglang_cp_hicache.testing.server.client import Completion, RequestFailed, generate, post
+from sglang_cp_hicache.testing.server.eagle_scenario import eagle
 from sglang_cp_hicache.testing.server.fleet import fleet_shared_l3
 from sglang_cp_hicache.testing.server.cluster import Router, Server
 from sglang_cp_hicache.testing.server.input_scenarios import bad_input, batch_of_300, flush_after_warm_up
@@ -444,6 +445,7 @@ SCENARIOS: Tuple[Scenario, ...] = (
     Scenario("batch_of_300", batch_of_300),
     Scenario("soak_short", soak_short, needs_storage=True),
     Scenario("kv_events", kv_events, needs_storage=True, needs_kv_events=True),
+    Scenario("eagle", eagle, releases=("0.5.23",)),
 )
 #: Run only when named (``--scenarios``): too long for the serving module (docs/serving_on_cpu.md).
 BY_HAND: Tuple[Scenario, ...] = (Scenario("fleet_shared_l3", fleet_shared_l3, needs_storage=True, releases=("0.5.23",)),)

@@ -99,4 +99,15 @@ def install(imported: Iterable[str]) -> types.ModuleType:
     return module
 
 
-__all__ = ["StandInOpNotImplemented", "TORCH_BODIES", "install", "stand_in_module"]
+def add_bodies(bodies: Dict[str, Callable]) -> types.ModuleType:
+    """Give the installed stand-in a torch body for each name of ``bodies`` (a line's own
+    ops beyond :data:`TORCH_BODIES`, e.g. EAGLE's); raises unless the stand-in is installed."""
+    module = sys.modules.get("sgl_kernel")
+    if module is None or not getattr(module, STAND_IN_MARK, False):
+        raise RuntimeError("the sgl_kernel stand-in is not installed: no module to give bodies to")
+    for name, body in bodies.items():
+        setattr(module, name, body)
+    return module
+
+
+__all__ = ["StandInOpNotImplemented", "TORCH_BODIES", "add_bodies", "install", "stand_in_module"]

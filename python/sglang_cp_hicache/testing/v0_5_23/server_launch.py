@@ -36,6 +36,14 @@ class Launch0523:
             args += ["--dsa-decode-backend", "flashmla_sparse"]
         return args
 
+    def eagle_args(self) -> List[str]:
+        """EAGLE with the checkpoint's NextN layer as the draft: a chain of one draft token.
+        The draft worker reads its own top-k backend flag (``DSATopKBackend.resolve``: the
+        default ``sgl-kernel`` builds a JIT CUDA plan), so it names upstream's torch one too."""
+        return ["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "1",
+                "--speculative-num-steps", "1", "--speculative-num-draft-tokens", "2",
+                "--speculative-dsa-topk-backend", "torch"]  # fmt: skip
+
     def prefill_cp_args(self, spec: PrefillSpec) -> List[str]:
         # The flag needs prefill CP even on one rank (its one-rank L3 mode, CP size 1).
         if spec.cp == 1 and not spec.sharded:

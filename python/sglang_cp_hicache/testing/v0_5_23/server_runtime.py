@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 DSA_INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer"
 DSA_BACKEND = "sglang.srt.layers.attention.dsa_backend"
+DSA_MTP_PRECOMPUTE = "sglang.srt.layers.attention.dsa.dsa_backend_mtp_precompute"
+ALLOCATION = "sglang.srt.mem_cache.allocation"
 KV_SHARD_GATE = "sglang.srt.arg_groups.kv_shard_hook"
 
 ENVIRONMENT = {
@@ -37,7 +39,8 @@ ENVIRONMENT = {
     "SGLANG_CUDA_COREDUMP_BEFORE_CRASH_WAIT_SECS": "0",
 }
 
-#: ``sgl_kernel`` names 0.5.23's CPU engine imports at module level but never calls here.
+#: ``sgl_kernel`` names 0.5.23's CPU engine imports at module level (EAGLE's get torch
+#: bodies from :mod:`~sglang_cp_hicache.testing.server.spec_kernels`; the others raise).
 SGL_KERNEL_IMPORTED: Tuple[str, ...] = (
     "assign_draft_cache_locs_contiguous_cpu",
     "assign_extend_cache_locs_cpu",
@@ -53,6 +56,12 @@ def _sgl_kernel() -> None:
     from sglang_cp_hicache.testing.server import sgl_kernel_stand_in
 
     sgl_kernel_stand_in.install(SGL_KERNEL_IMPORTED)
+
+
+def _eagle_kernels() -> None:
+    from sglang_cp_hicache.testing.server import sgl_kernel_stand_in, spec_kernels
+
+    sgl_kernel_stand_in.add_bodies(spec_kernels.EAGLE_BODIES)
 
 
 def _project_runtime() -> None:
@@ -133,8 +142,9 @@ def indexer_forward_native(
     mode = forward_batch.forward_mode
     if forward_batch.seq_lens.numel() > 0:  # an empty (padded) batch selects nothing
         pool = m.get_token_to_kv_pool()
-        if mode.is_decode_or_idle() or mode.is_target_verify() or mode.is_draft_extend_v2():
-            _paged_topk(self, pool, layer_id, q_fp8, weights, metadata, topk)
+        per_query = mode.is_target_verify() or mode.is_draft_extend_v2()
+        if mode.is_decode_or_idle() or per_query:
+            _paged_topk(self, pool, layer_id, q_fp8, weights, metadata, topk, per_query)
         else:
             _ragged_topk(self, pool, layer_id, q_fp8, weights, metadata, topk)
     return m.maybe_capture_indexer_topk(layer_id, m._broadcast_indexer_topk_from_rank0(topk))
@@ -167,17 +177,23 @@ def _ragged_topk(indexer: Any, pool: Any, layer_id: int, q_fp8: Any, weights: An
     out[:rows] = metadata.topk_transform(logits, indexer.index_topk, ks=ks)
 
 
-def _paged_topk(indexer: Any, pool: Any, layer_id: int, q_fp8: Any, weights: Any, metadata: Any, out: Any) -> None:
-    """``_get_topk_paged`` with one query per request: keys read from the index-K pages of
-    each request's 64-token block table, upstream's masks and top-k transform."""
-    seqlens = metadata.get_seqlens_int32()
+def _paged_topk(
+    indexer: Any, pool: Any, layer_id: int, q_fp8: Any, weights: Any, metadata: Any, out: Any, per_query: bool
+) -> None:
+    """``_get_topk_paged``: keys read from the index-K pages of each query's 64-token block
+    table, upstream's masks and top-k transform. A decode has one query per request; an
+    EAGLE target verify or draft extend (``per_query``) several, each scored as upstream's
+    split path does: its own row of the (repeated) block table and its own key count
+    (``seqlens_expanded``: the request's keys up to and including that query)."""
+    seqlens = metadata.get_seqlens_expanded() if per_query else metadata.get_seqlens_int32()
     rows = sum(metadata.get_dsa_extend_len_cpu())
-    if rows != seqlens.shape[0]:
+    block_table = metadata.get_page_table_64()
+    if rows != seqlens.shape[0] or rows > block_table.shape[0]:
         raise NotImplementedError(
-            f"CPU indexer: {rows} queries for {seqlens.shape[0]} requests (next_n > 1 has no torch port)"
+            f"CPU indexer: {rows} queries for {seqlens.shape[0]} key counts and "
+            f"{block_table.shape[0]} block-table rows"
         )
     page_size = pool.index_page_size
-    block_table = metadata.get_page_table_64()
     logits = dsa_kernels.paged_mqa_logits(
         q_fp8[:rows],
         indexer._get_index_k_read_buffer(pool, layer_id),
@@ -189,6 +205,22 @@ def _paged_topk(indexer: Any, pool: Any, layer_id: int, q_fp8: Any, weights: Any
     )
     indexer._mask_init_and_local_tokens(logits, seqlens)
     out[:rows] = metadata.topk_transform(logits, indexer.index_topk)
+
+
+def _eagle_dsa_metadata() -> None:
+    def patch(module: Any) -> None:
+        module.seqlens_expand_triton = dsa_kernels.seqlens_expand
+
+    watcher = process_watcher()
+    watcher.when_imported(DSA_BACKEND, patch)
+    watcher.when_imported(DSA_MTP_PRECOMPUTE, patch)
+
+
+def _spec_decode_allocation() -> None:
+    def patch(module: Any) -> None:
+        module.get_last_loc_triton = module.get_last_loc_torch
+
+    process_watcher().when_imported(ALLOCATION, patch)
 
 
 def _indexer() -> None:
@@ -332,6 +364,11 @@ def steps() -> Tuple[RuntimeStep, ...]:
         ),
         RuntimeStep("sgl_kernel stand-in (torch bodies; any other op raises naming it)", _sgl_kernel),
         RuntimeStep(
+            "EAGLE's sgl_kernel CPU ops in torch (tree build, greedy tree verify, bonus tokens, "
+            "draft and accepted cache locations)",
+            _eagle_kernels,
+        ),
+        RuntimeStep(
             "the project's CPU cache runtime (kvcacheio reference ops, pageable host pools, "
             "CPU stream/event module, gloo shard gather, SetKAndS and MLA row-read stand-ins)",
             _project_runtime,
@@ -345,6 +382,14 @@ def steps() -> Tuple[RuntimeStep, ...]:
             _read_path,
         ),
         RuntimeStep("torch DSA indexer (Indexer.forward_native: act_quant, Hadamard, fp8 MQA logits)", _indexer),
+        RuntimeStep(
+            "EAGLE's DSA metadata in torch (seqlens_expand: each verify/draft-extend query's key count)",
+            _eagle_dsa_metadata,
+        ),
+        RuntimeStep(
+            "EAGLE decode allocation: get_last_loc by upstream's own torch body (get_last_loc_torch)",
+            _spec_decode_allocation,
+        ),
         RuntimeStep("DeepseekScalingRotaryEmbedding.forward_native fixed for 1-D positions (upstream CPU bug)", common_steps.fixed_rope),
         RuntimeStep("the KV-sharding gate's CUDA-device rule answered for CPU", _gate),
         RuntimeStep("the plugin's device lane-eviction plans logged (DEBUG) for the harness", _lane_decisions_logged),

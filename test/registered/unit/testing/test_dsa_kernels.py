@@ -115,3 +115,12 @@ def test_decode_page_table_transform_maps_selected_positions_and_keeps_minus_one
     assert out.tolist() == [[13, 10, -1], [-1, 22, 21]]
     with pytest.raises(ValueError, match="page_size"):
         dsa_kernels.transform_index_page_table_decode(table, topk, page_size=64)
+
+
+def test_seqlens_expand_gives_each_query_the_keys_up_to_itself():
+    # request 0: 3 new tokens over 10 keys (queries see 8, 9, 10); request 1: 2 over 5; a
+    # padded row with fewer keys than queries floors at 0, as the Triton kernel does
+    got = dsa_kernels.seqlens_expand(torch.tensor([3, 2, 2]), torch.tensor([10, 5, 0]), 7, 3)
+    assert got.dtype == torch.int32 and got.tolist() == [8, 9, 10, 4, 5, 0, 0]
+    with pytest.raises(ValueError, match="total_len"):
+        dsa_kernels.seqlens_expand(torch.tensor([3]), torch.tensor([10]), 4, 3)

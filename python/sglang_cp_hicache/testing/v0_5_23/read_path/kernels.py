@@ -61,9 +61,11 @@ def transform_index_page_table_prefill_reference(
 ) -> torch.Tensor:
     """Torch ``transform_index_page_table_prefill`` (``kernels/ops/attention/dsa/
     transform_index.py``): query ``q`` of request row ``i`` maps each selected position
-    ``p >= 0`` to ``page_table[i, p]``; -1 stays -1, and so do padded query rows."""
-    if page_size != 1 or page_table_is_expanded:
-        raise NotImplementedError("transform stand-in: page_size 1, unexpanded table only")
+    ``p >= 0`` to ``page_table[i, p]`` (``page_table[q, p]`` for an expanded table, one row
+    per query: EAGLE's target verify and draft extend); -1 stays -1, and so do padded query
+    rows."""
+    if page_size != 1:
+        raise NotImplementedError("transform stand-in: page_size 1 only")
     rows = output_num_tokens if output_num_tokens is not None else topk_indices.shape[0]
     result = torch.full((rows, topk_indices.shape[1]), -1, dtype=torch.int32)
     starts = (
@@ -73,7 +75,11 @@ def transform_index_page_table_prefill_reference(
     )
     for i in range(len(starts) - 1):
         selected = topk_indices[starts[i] : starts[i + 1]].long()
-        mapped = page_table[i][selected.clamp(min=0)].to(torch.int32)
+        if page_table_is_expanded:
+            table = page_table[starts[i] : starts[i + 1]].long()
+        else:
+            table = page_table[i].long().expand(selected.shape[0], -1)
+        mapped = torch.gather(table, 1, selected.clamp(min=0)).to(torch.int32)
         result[starts[i] : starts[i + 1]] = torch.where(selected >= 0, mapped, -1)
     return result
 

@@ -33,12 +33,18 @@ print(json.dumps({
     "indexer": dsa_indexer.Indexer.forward_native is rt.indexer_forward_native,
     "hadamard": dsa_indexer.rotate_activation is dsa_kernels.hadamard_rotate,
     "decode_transform": dsa_backend.transform_index_page_table_decode is dsa_kernels.transform_index_page_table_decode,
+    "seqlens_expand": dsa_backend.seqlens_expand_triton is dsa_kernels.seqlens_expand,
+    "last_loc": __import__("sglang.srt.mem_cache.allocation", fromlist=["x"]).get_last_loc_triton.__name__,
     "flash_mla": sys.modules["sglang.kernels.ops.attention.flash_mla_interface"].flash_mla_sparse_fwd.__name__,
     "rope": rope_variant.DeepseekScalingRotaryEmbedding.forward_native.__qualname__,
     "sm": list(torch.cuda.get_device_capability()),
     "event_timing": torch.cuda.Event(enable_timing=True)._timing,
     "gate_device": kv_shard_hook.resolving_view.__name__,
     "sgl_kernel_body": sys.modules["sgl_kernel"].assign_req_to_token_pool_cpu.__module__,
+    "eagle_bodies": [getattr(sys.modules["sgl_kernel"], name).__module__ for name in (
+        "build_tree_kernel_efficient_cpu", "verify_tree_greedy_cpu", "fill_bonus_tokens_cpu",
+        "fill_accept_out_cache_loc_cpu", "assign_draft_cache_locs_contiguous_cpu", "assign_extend_cache_locs_cpu")],
+    "still_raising": sys.modules["sgl_kernel"].copy_all_layer_kv_cache_cpu.__name__,
 }))
 """
 
@@ -55,12 +61,15 @@ def installed():
 def test_every_step_reaches_the_module_that_looks_it_up(installed):
     seen, _ = installed
     assert seen["cpu_engine"] == "1" and seen["fuse_topk"] == "0"
-    assert seen["indexer"] and seen["hadamard"] and seen["decode_transform"]
+    assert seen["indexer"] and seen["hadamard"] and seen["decode_transform"] and seen["seqlens_expand"]
     assert seen["rope"] == "deepseek_rope_forward_native.<locals>.forward_native"
     assert seen["flash_mla"] == "flash_mla_sparse_fwd_reference"
     assert seen["sm"] == [9, 0] and seen["event_timing"] is True
     assert seen["gate_device"] == "<lambda>"
+    assert seen["last_loc"] == "get_last_loc_torch"
     assert seen["sgl_kernel_body"] == "sglang_cp_hicache.testing.server.sgl_kernel_stand_in"
+    assert seen["eagle_bodies"] == ["sglang_cp_hicache.testing.server.spec_kernels"] * 6
+    assert seen["still_raising"] == "copy_all_layer_kv_cache_cpu"
 
 
 def test_the_runtime_says_it_is_a_cpu_run_once_naming_every_step(installed):
