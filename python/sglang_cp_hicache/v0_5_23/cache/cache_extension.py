@@ -10,9 +10,9 @@ hook asks, and the extension carries the mode it was built under. Its HiCache si
 (host lanes, the per-layer backup) is filled in once by ``init_hicache``'s AFTER hook.
 
 It owns: the chains started per rotation base (:class:`ChainStarts`), the device and host
-lane-eviction stats and candidate heaps, the plugin's Prometheus series
-(``plugin_metrics``, with ``--enable-metrics`` only) (``core.leaf_heap.LazyLeafHeap``: persistent
-across plans, over the tree core's own leaf sets), the L3 prefetches' start owners (weakly keyed by operation: an
+lane-eviction stats and candidate heaps (``core.leaf_heap.LazyLeafHeap``: persistent
+across plans, over the tree core's own leaf sets), the plugin's Prometheus series
+(``plugin_metrics``, with ``--enable-metrics`` only), the L3 prefetches' start owners (weakly keyed by operation: an
 entry dies with its operation, whichever way it ends) and the
 prefetches not issued under a pending backup, the L3 KV events between a storage write
 and its ack (``core.l3_event_log``), and the per-layer backup and which pool feeds which of
