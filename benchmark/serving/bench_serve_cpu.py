@@ -45,7 +45,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from serving_report import PROBE_TOKENS, ConfigRun, Report, write_png
 
 from sglang_cp_hicache.testing.server.bench_run import BenchTarget, Workload, run_bench
-from sglang_cp_hicache.testing.server.bench_workloads import Conversations, shared_prefix
+from sglang_cp_hicache.testing.server.bench_workloads import Conversations, shared_prefix, warm_up_prompts
 from sglang_cp_hicache.testing.server.client import TIERS, RequestFailed, generate, post
 from sglang_cp_hicache.testing.server.cluster import Router, Server
 from sglang_cp_hicache.testing.server.launch import LOGICAL_TOKENS, PrefillSpec
@@ -148,9 +148,8 @@ class Cells:
         extension, seconds on this box; its first batches of a shape), not measured."""
         for target in self.targets.values():
             flush_and_probe(target)
-            prefix = list(range(3, 3 + 8 * 64))
-            for i in range(3):
-                generate(target.router.url, prefix + list(range(100 + i, 164 + i)), 2, extra={"extra_key": "warm-up"})
+            for prompt in warm_up_prompts(pages=8, count=3):
+                generate(target.router.url, prompt, 2, extra={"extra_key": "warm-up"})
 
     def config(self, label: str, workload: Workload, concurrency: int, repeat: int) -> ConfigRun:
         """One configuration's run: flushed and probed, its prefill's hit counters read

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import List
 
 from sglang_cp_hicache.testing.server.bench_run import Workload
+from sglang_cp_hicache.testing.server.recorder import tokens
 
 #: Tokens of one Mooncake ``hash_id`` block with the tiny tokenizer (``"<id>" + "hi" * 128``,
 #: as ``bench_serving`` spells it; measured: 258).
@@ -88,4 +89,11 @@ class Conversations:
         return Workload("conversations", args, len(records), self.output_tokens, working_set_tokens=working_set)
 
 
-__all__ = ["Conversations", "MOONCAKE_BLOCK_TOKENS", "shared_prefix"]
+def warm_up_prompts(pages: int, count: int, page_size: int = 64) -> List[List[int]]:
+    """``count`` prompts sharing ``pages`` full pages, each a page of its own after them; every
+    id in the tiny model's vocabulary (the PD decode refuses any other, see docs/refusals.md)."""
+    prefix = tokens("bench warm-up", pages * page_size)
+    return [prefix + tokens(f"bench warm-up {i}", page_size) for i in range(count)]
+
+
+__all__ = ["Conversations", "MOONCAKE_BLOCK_TOKENS", "shared_prefix", "warm_up_prompts"]

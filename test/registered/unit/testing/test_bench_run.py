@@ -23,7 +23,8 @@ from sglang_cp_hicache.testing.server.bench_run import (
     run_bounded,
     tolerance,
 )
-from sglang_cp_hicache.testing.server.bench_workloads import MOONCAKE_BLOCK_TOKENS, Conversations, shared_prefix
+from sglang_cp_hicache.testing.server.bench_workloads import MOONCAKE_BLOCK_TOKENS, Conversations, shared_prefix, warm_up_prompts
+from sglang_cp_hicache.testing.server.recorder import FIRST_TOKEN_ID, VOCAB_SIZE
 
 
 def _run(label, texts, errors=None, lens=None):
@@ -94,6 +95,16 @@ def test_criterion_is_the_references_own_spread_plus_a_tolerance_of_its_sampling
     assert tolerance(Agreement(48, 0, 0), Agreement(48, 0, 0)) == 0.05  # no noise: the floor
     assert "mismatch rate" in agrees_like_reference(Agreement(48, 15, 0), Agreement(48, 0, 0))
     assert "1 failed" in agrees_like_reference(Agreement(20, 0, 0), Agreement(20, 0, 1))
+
+
+def test_warm_up_prompts_stay_in_the_vocabulary_and_share_full_pages():
+    """The benchmark's warm-up once sent ids 3..514 to a 512-id model: the PD decode (and the
+    flag's prefill) refuse such ids, upstream's unsharded prefills serve them wrongly."""
+    prompts = warm_up_prompts(pages=8, count=3)
+    assert len(prompts) == 3
+    assert all(FIRST_TOKEN_ID <= t < VOCAB_SIZE for prompt in prompts for t in prompt)
+    assert prompts[0][: 8 * 64] == prompts[1][: 8 * 64] == prompts[2][: 8 * 64]
+    assert len({tuple(p) for p in prompts}) == 3  # each goes past the shared pages
 
 
 def test_conversations_extend_each_turn_and_go_turn_by_turn(tmp_path):
