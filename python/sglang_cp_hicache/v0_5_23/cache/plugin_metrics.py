@@ -22,7 +22,6 @@ import weakref
 from dataclasses import astuple, dataclass, fields
 from typing import Any, Dict, Optional, Sequence
 
-TIERS = ("device", "host")
 #: The per-layer backup's histogram buckets (seconds): upstream's backup-duration set up
 #: to 10 s (a forward's layers take milliseconds to seconds).
 LAYER_BACKUP_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -258,7 +257,6 @@ __all__ = [
     "LAYER_BACKUP_BUCKETS",
     "NO_METRICS",
     "NoCacheMetrics",
-    "TIERS",
     "TierSeries",
     "cache_metrics",
 ]
