@@ -118,9 +118,14 @@ class MooncakeMaster:
     def address(self) -> str:
         return f"127.0.0.1:{self.rpc_port}"
 
+    @property
+    def http(self) -> str:
+        """The master's HTTP server (``/metrics``, ``/get_all_keys``, ``/query_key``)."""
+        return f"http://127.0.0.1:{self.metrics_port}"
+
     def key_count(self) -> int:
         """Objects the store holds (its ``master_key_count``)."""
-        return int(Metrics.fetch(f"http://127.0.0.1:{self.metrics_port}").total("master_key_count"))
+        return int(Metrics.fetch(self.http).total("master_key_count"))
 
 
 @dataclass

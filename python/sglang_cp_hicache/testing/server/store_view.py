@@ -147,7 +147,7 @@ class StoreView:
 
     @property
     def http(self) -> str:
-        return f"http://127.0.0.1:{self.master.metrics_port}"
+        return self.master.http
 
     def keys(self) -> Set[str]:
         with urllib.request.urlopen(f"{self.http}/get_all_keys", timeout=HTTP_TIMEOUT_S) as response:
