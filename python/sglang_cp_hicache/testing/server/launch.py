@@ -109,6 +109,9 @@ class LineLaunch(Protocol):
     lane_decisions_logged: bool
     #: the flag's prefill publishes the plugin's own ``sglang:cp_hicache_*`` series
     plugin_metrics: bool
+    #: upstream's cache series of the flag's prefill checked against the reference's
+    #: (``testing/server/cache_metrics_check.py``)
+    upstream_cache_metrics_compared: bool
     #: the main cluster's prefills publish KV events (``--kv-events-config``)
     publishes_kv_events: bool
     #: TP size of an extra unsharded reference for the decode tokens, where the line's

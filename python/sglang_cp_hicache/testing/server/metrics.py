@@ -38,12 +38,15 @@ class Metrics:
         """The sum of ``name`` over every sample whose labels include ``labels``."""
         return sum(value for n, l, value in self.samples if n == name and labels.items() <= dict(l).items())
 
-    def per_rank(self, name: str) -> Dict[int, float]:
-        """``name`` summed per ``tp_rank`` label."""
+    def per_rank(self, name: str, rank_label: str = "tp_rank", **labels: str) -> Dict[int, float]:
+        """``name`` summed per ``rank_label`` (``tp_rank``; upstream's storage series carry
+        ``attn_cp_rank`` with ``tp_rank`` 0 on every CP rank) over the samples whose labels
+        include ``labels``."""
         ranks: Dict[int, float] = {}
-        for n, labels, value in self.samples:
-            rank = dict(labels).get("tp_rank")
-            if n == name and rank is not None:
+        for n, sample_labels, value in self.samples:
+            found = dict(sample_labels)
+            rank = found.get(rank_label)
+            if n == name and rank is not None and labels.items() <= found.items():
                 ranks[int(rank)] = ranks.get(int(rank), 0.0) + value
         return ranks
 

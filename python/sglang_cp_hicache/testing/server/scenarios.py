@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from sglang_cp_hicache.testing.server import bench_scenario
+from sglang_cp_hicache.testing.server.cache_metrics_check import L2_SERIES, CacheMetricsWindow, storage_hit_on_both
 from sglang_cp_hicache.testing.server.client import Completion, RequestFailed, generate, post
 from sglang_cp_hicache.testing.server.eagle_scenario import eagle
 from sglang_cp_hicache.testing.server.fleet import fleet_shared_l3
@@ -79,6 +80,8 @@ def host_load_back(session: ServingSession) -> ScenarioReport:
     """A prompt, fillers past the logical device capacity, then the prompt again: its pages
     come back from host memory (HiCache load-back)."""
     rec = Recorder(session, "host load-back")
+    compared = session.line.upstream_cache_metrics_compared  # both flushed first: trees alike
+    window = CacheMetricsWindow(rec, session.sharded, session.reference, L2_SERIES).open(True) if compared else None
     prompt = tokens("host", 12 * PAGE_SIZE)
     rec.pair("cold", prompt, cold=True)
     filler_tokens = 25 * PAGE_SIZE  # three fill the logical pool past its capacity
@@ -87,6 +90,8 @@ def host_load_back(session: ServingSession) -> ScenarioReport:
     a, _ = rec.pair("revisit", prompt + tokens("host:more", 30))
     if a is not None:
         rec.expect(a.tier("host") > 0, f"no host hit on the revisit: {a.cached_by_tier}")
+    if window is not None:
+        window.close(host_gauges=True)
     return rec.finish()
 
 
@@ -175,6 +180,8 @@ def l3_file(session: ServingSession) -> ScenarioReport:
     files = _settle_file_tier(storage, 1)
     rec.expect(files > 0, f"no L3 files under {storage.directory}")
     _storage_hit_like_reference(rec, session.sharded, prompt, "l3file")
+    if session.line.upstream_cache_metrics_compared:
+        storage_hit_on_both(rec, session.sharded, prompt, "l3file")
     return rec.finish()
 
 
@@ -264,6 +271,8 @@ def l3_mooncake(session: ServingSession) -> ScenarioReport:
         rec.expect(keys > 0, "the Mooncake master holds no keys")
         rec.note(f"{keys} store objects")
         _storage_hit_like_reference(rec, server, prompt, "mooncake")
+        if session.line.upstream_cache_metrics_compared:
+            storage_hit_on_both(rec, server, prompt, "mooncake")
         return rec.finish()
     finally:
         session.retire(*routers, *servers, master.process)

@@ -29,6 +29,7 @@ class Launch0512:
     supports_storage_under_flag: bool = False
     lane_decisions_logged: bool = False
     plugin_metrics: bool = False
+    upstream_cache_metrics_compared: bool = False  # 0.5.12's cache series: not checked against the reference
     publishes_kv_events: bool = False
     decode_reference_tp: Optional[int] = 1
     refuses_unservable_requests: bool = False  # upstream's request validation only

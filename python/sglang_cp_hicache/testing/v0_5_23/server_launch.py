@@ -24,6 +24,7 @@ class Launch0523:
     supports_storage_under_flag: bool = True
     lane_decisions_logged: bool = True  # the CPU server runtime logs the lane planner's plans
     plugin_metrics: bool = True  # the cache room's sglang:cp_hicache_* series (--enable-metrics)
+    upstream_cache_metrics_compared: bool = True  # testing/server/cache_metrics_check.py
     publishes_kv_events: bool = True
     decode_reference_tp: Optional[int] = None  # the unsharded reference is exact for every token
     refuses_unservable_requests: bool = True  # the admission room's refusals under the flag
