@@ -9,6 +9,7 @@ group is gone (:class:`~sglang_cp_hicache.testing.server.processes.ProcessLeak` 
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 from dataclasses import dataclass, field
@@ -148,6 +149,14 @@ class ServingCluster:
             if self.line.lazy_page_hash_extension
             else None
         )
+
+    def serving(self, model: Path) -> "ServingCluster":
+        """This cluster's servers of another checkpoint: the same run folder, environment and
+        native build; the processes it starts are this cluster's too (:meth:`close` of
+        either ends them)."""
+        twin = copy.copy(self)
+        twin.model = model
+        return twin
 
     # ------------------------------------------------------------------ components
     def _managed(

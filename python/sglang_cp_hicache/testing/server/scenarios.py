@@ -24,6 +24,7 @@ from sglang_cp_hicache.testing.server import bench_scenario
 from sglang_cp_hicache.testing.server.cache_metrics_check import L2_SERIES, CacheMetricsWindow, storage_hit_on_both
 from sglang_cp_hicache.testing.server.client import Completion, RequestFailed, generate, post
 from sglang_cp_hicache.testing.server.eagle_scenario import eagle
+from sglang_cp_hicache.testing.server.eagle_tiers import eagle_tiers
 from sglang_cp_hicache.testing.server.fleet import fleet_shared_l3
 from sglang_cp_hicache.testing.server.cluster import Router, Server
 from sglang_cp_hicache.testing.server.input_scenarios import bad_input, batch_of_300, flush_after_warm_up
@@ -460,6 +461,7 @@ SCENARIOS: Tuple[Scenario, ...] = (
 BY_HAND: Tuple[Scenario, ...] = (
     Scenario("fleet_shared_l3", fleet_shared_l3, needs_storage=True, releases=("0.5.23",)),
     Scenario("eagle", eagle, releases=("0.5.23",)),  # three EAGLE servers: ~4 min, over CI's budget
+    Scenario("eagle_tiers", eagle_tiers, needs_storage=True, releases=("0.5.23",)),  # four EAGLE servers
 )
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS + BY_HAND}
 

@@ -9,6 +9,15 @@ them). Weights are random, std :data:`WEIGHT_STD`: with ``--load-format dummy`` 
 are near uniform and a sharded-vs-unsharded comparison says little, while these give
 informative logprobs. Norm weights are ones and biases zeros, as a trained model starts.
 
+``draft_mirrors_target``: a variant whose EAGLE drafts get accepted (the random NextN layer
+of the default accepts none). Every layer is MoE; the NextN layer is a copy of layer 0 and
+reads only the next token's embedding (``eh_proj`` = [``EMBED_RMS`` I, 0], embedding rows of
+RMS ``EMBED_RMS``, so ``eh_proj(enorm(e))`` is ``e``), its head the target's; the target's
+later layers write to the residual through output projections scaled by ``TAIL_SCALE``. The
+draft at position t over tokens 1..t+1 then computes what the target's layer 0 computes at
+position t+1 over tokens 0..t+1 (RoPE is relative), so its guess is mostly the target's next
+token, and it reads its own KV to make it: a wrong draft KV shows as fewer accepted drafts.
+
 The byte-level BPE tokenizer is trained on a fixed text, so the same seed always gives the
 same files. Nothing is downloaded: the config and the tensor names are written here (the
 DeepSeek/GLM checkpoint naming SGLang's loader reads, per-expert MoE tensors), not derived
@@ -39,6 +48,8 @@ WEIGHT_STD = 0.08
 DEFAULT_CACHE = Path(__file__).resolve().parents[4] / ".models"
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")  # ids 0, 1, 2
 FORMAT_VERSION = 1  # bump when the files written for one spec change
+EMBED_RMS = 0.0625  # a power of two: exact in bf16 (draft_mirrors_target)
+TAIL_SCALE = 0.1  # the target's layers past 0 write this much to the residual (draft_mirrors_target)
 
 
 @dataclass(frozen=True)
@@ -66,10 +77,18 @@ class TinyDsaSpec:
     first_k_dense_replace: int = 1
     num_nextn_predict_layers: int = 1
     max_position_embeddings: int = 4096
+    draft_mirrors_target: bool = False
+
+    def __post_init__(self) -> None:
+        if self.draft_mirrors_target and self.first_k_dense_replace != 0:
+            raise ValueError("draft_mirrors_target copies layer 0 into the (MoE) NextN layer: first_k_dense_replace must be 0")
 
     @property
     def digest(self) -> str:
-        payload = json.dumps({**dataclasses.asdict(self), "format": FORMAT_VERSION}, sort_keys=True)
+        fields = dataclasses.asdict(self)
+        if not self.draft_mirrors_target:
+            del fields["draft_mirrors_target"]  # the default checkpoint keeps its name
+        payload = json.dumps({**fields, "format": FORMAT_VERSION}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
     @property
@@ -199,6 +218,12 @@ class TinyDsaSpec:
 def _tensor(spec: TinyDsaSpec, name: str, shape: Tuple[int, ...]):
     """One tensor: random normal (std :data:`WEIGHT_STD`) for matrices, from a generator
     seeded by the spec's seed and the name (independent of order and of other tensors)."""
+    if spec.draft_mirrors_target:
+        return _mirrored_tensor(spec, name, shape)
+    return _random_tensor(spec, name, shape)
+
+
+def _random_tensor(spec: TinyDsaSpec, name: str, shape: Tuple[int, ...]):
     import torch
 
     if len(shape) >= 2:
@@ -206,6 +231,32 @@ def _tensor(spec: TinyDsaSpec, name: str, shape: Tuple[int, ...]):
         return (torch.randn(shape, generator=generator) * WEIGHT_STD).to(torch.bfloat16)
     fill = 1.0 if name.endswith("norm.weight") or "layernorm" in name else 0.0
     return torch.full(shape, fill, dtype=torch.bfloat16)
+
+
+def _mirrored_tensor(spec: TinyDsaSpec, name: str, shape: Tuple[int, ...]):
+    """``name`` in the ``draft_mirrors_target`` variant (the module docstring says why)."""
+    import torch
+
+    nextn = f"model.layers.{spec.num_hidden_layers}."
+    if name.startswith(nextn):
+        local = name[len(nextn):]
+        if local == "eh_proj.weight":
+            h = spec.hidden_size
+            return torch.cat((torch.eye(h) * EMBED_RMS, torch.zeros(h, h)), dim=1).to(torch.bfloat16)
+        if local == "embed_tokens.weight":
+            return _mirrored_tensor(spec, "model.embed_tokens.weight", shape)
+        if local == "shared_head.head.weight":
+            return _random_tensor(spec, "lm_head.weight", shape)
+        if local in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+            return _random_tensor(spec, name, shape)
+        return _random_tensor(spec, f"model.layers.0.{local}", shape)
+    weight = _random_tensor(spec, name, shape)
+    if name == "model.embed_tokens.weight":
+        rms = weight.float().pow(2).mean(dim=1, keepdim=True).sqrt()
+        return (weight.float() / rms * EMBED_RMS).to(torch.bfloat16)
+    if name.startswith("model.layers.") and not name.startswith("model.layers.0.") and name.endswith(("o_proj.weight", "down_proj.weight")):
+        return (weight.float() * TAIL_SCALE).to(torch.bfloat16)
+    return weight
 
 
 TOKENIZER_TEXT = (
@@ -278,4 +329,7 @@ def ensure_checkpoint(spec: TinyDsaSpec = TinyDsaSpec(), cache: Path = DEFAULT_C
     return folder
 
 
-__all__ = ["DEFAULT_CACHE", "TinyDsaSpec", "WEIGHT_STD", "build_checkpoint", "ensure_checkpoint"]
+#: The checkpoint whose EAGLE drafts get accepted (the ``eagle_tiers`` scenario's).
+MIRRORED_DRAFT = TinyDsaSpec(first_k_dense_replace=0, draft_mirrors_target=True)
+
+__all__ = ["DEFAULT_CACHE", "EMBED_RMS", "MIRRORED_DRAFT", "TAIL_SCALE", "TinyDsaSpec", "WEIGHT_STD", "build_checkpoint", "ensure_checkpoint"]

@@ -31,7 +31,7 @@ Flag off or unsharded: nothing is attached and every hook is upstream's path.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -88,11 +88,15 @@ class CacheLayerBackup:
         self.refused = 0  # reservations refused for want of host slots (upstream backs up at insert)
 
     # ---------------------------------------------------------------- before the forward
-    def reserve(self, rid: str, device_locs: torch.Tensor, start_owner: Optional[int]) -> Optional[int]:
+    def reserve(
+        self, rid: str, device_locs: torch.Tensor, start_owner: Optional[int], stored_now: Optional[int] = None
+    ) -> Optional[int]:
         """Reserve host slots for the leaf over the logical device slots ``device_locs``
         (page-aligned, the request's new pages) and hold its write for the next forward;
         returns the ticket, or None when the host cannot hold it (counted; the node is
-        then backed up by upstream's all-layer write at its insert)."""
+        then backed up by upstream's all-layer write at its insert). ``stored_now``: how
+        many of them the next forward stores (all when None; fewer when an earlier chunk
+        stored the first page: :func:`backup_span`)."""
         self._settle(rid)
         if not len(device_locs):
             return None
@@ -112,7 +116,7 @@ class CacheLayerBackup:
         reservation = self.reservations.reserve(rid, write, self._pages(device_locs), per_layer=True)
         write.node_id = reservation.ticket
         cache.ongoing_write_through[write.node_id] = _ongoing(write.node_id)
-        self._tokens[write.node_id] = len(device_locs)
+        self._tokens[write.node_id] = len(device_locs) if stored_now is None else stored_now
         self.pipeline.hold(write)
         return write.node_id
 
@@ -260,23 +264,37 @@ def notify_forward_end(device_pool: Any, error: Optional[BaseException] = None) 
         listener.end_forward(error)
 
 
+def backup_span(cache_protected_len: int, prefix_len: int, extend_end: int, page: int, bigram_keys: bool) -> Tuple[int, int, int]:
+    """``(start, end, stored_now)``: the logical slots ``[start, end)`` of the leaf a
+    request's insert after this forward creates, and how many of them this forward stores.
+
+    The insert stops at the page floor of its radix key, which under EAGLE is a bigram key,
+    one shorter than the tokens it spans (upstream's ``cache_unfinished_req``). So a chunked
+    request's previous chunk left its last page out of the tree: that page starts this
+    forward's leaf (``start`` below ``prefix_len``) though an earlier forward stored it
+    (its rows are on the device already; the copy at this forward's layer stores reads them)."""
+    end = (extend_end - int(bigram_keys)) // page * page
+    return cache_protected_len, end, max(0, end - max(cache_protected_len, prefix_len))
+
+
 def reserve_batch(cache: Any, reqs: List[Any]) -> Dict[str, int]:
     """Reserve, before an extend forward, host slots for the leaf each request's insert
-    will create: its page-aligned new pages ``[cache_protected_len, extend_end)``."""
+    will create (:func:`backup_span`)."""
     backup = layer_backup_of(cache)
     if backup is None:
         return {}
     page = backup.page_size
+    bigram_keys = bool(cache.tree_core.is_eagle)
     row_of = cache.req_to_token_pool.req_to_token
     tickets: Dict[str, int] = {}
     for req in reqs:
-        start, end = req.kv.cache_protected_len, (req.extend_end // page) * page
+        start, end, stored_now = backup_span(req.kv.cache_protected_len, req.prefix_len, req.extend_end, page, bigram_keys)
         if req.kv.req_pool_idx is None or end <= start:
             continue
         locs = row_of[req.kv.req_pool_idx, start:end].to(torch.int64)
         base = req.kv_rotation_base
         owner = None if base is None else owner_of(base, start // page, backup.lanes)
-        ticket = backup.reserve(req.rid, locs, owner)
+        ticket = backup.reserve(req.rid, locs, owner, stored_now)
         if ticket is not None:
             tickets[req.rid] = ticket
     return tickets
@@ -372,6 +390,7 @@ __all__ = [
     "CacheLayerBackup",
     "PerLayerBackupUnavailable",
     "attach",
+    "backup_span",
     "layer_backup_of",
     "notify_forward_end",
     "notify_layer_stored",
