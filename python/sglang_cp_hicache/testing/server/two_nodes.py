@@ -215,7 +215,8 @@ def _endpoints(rec: Recorder, prefill: TwoNodePrefill) -> None:
 
 
 def _metrics(rec: Recorder, prefill: TwoNodePrefill) -> None:
-    """Each node's ``/metrics`` holds its own ranks' series, and only those."""
+    """Each node's ``/metrics`` holds its own ranks' series, and only those; a rank's L3
+    series carry the ``tp_rank`` its other series do (here tp = cp: its ``attn_cp_rank``)."""
     tp = prefill.session.tp
     for node, server in enumerate(prefill.nodes):
         try:
@@ -226,8 +227,7 @@ def _metrics(rec: Recorder, prefill: TwoNodePrefill) -> None:
         want = {rank for rank in range(tp) if node_of(rank, tp) == node}
         rec.expect(series.ranks == want, f"node {node}'s /metrics speaks for ranks {sorted(series.ranks)}, want {sorted(want)}")
         rec.note(f"node {node} {server.url}/metrics: {series.samples} sglang samples, ranks {sorted(series.ranks)}")
-        if series.relabelled:
-            rec.note(f"node {node}: tp_rank is not attn_cp_rank in {sorted(series.relabelled)}")
+        rec.expect(not series.relabelled, f"node {node}: tp_rank is not attn_cp_rank (tp = cp) in {sorted(series.relabelled)}")
 
 
 def _placement(rec: Recorder, prefill: TwoNodePrefill, keys: Set[str]) -> None:
