@@ -169,13 +169,15 @@ class ServingCluster:
         self.processes[name] = process
         return process
 
-    def prefill(self, spec: PrefillSpec) -> Server:
-        port, bootstrap, events = free_ports(3)
-        endpoint = Endpoint(port, bootstrap, events if spec.kv_events else 0)
+    def prefill(self, spec: PrefillSpec, endpoint: Optional[Endpoint] = None, env: Optional[Dict[str, str]] = None) -> Server:
+        """A prefill server of ``spec`` on ``endpoint`` (None: free loopback ports), its
+        environment with ``env`` over the spec's (one "node"'s addresses: ``two_nodes.py``)."""
+        if endpoint is None:
+            port, bootstrap, events = free_ports(3)
+            endpoint = Endpoint(port, bootstrap, events if spec.kv_events else 0)
         argv = launch.prefill_argv(self.line, self.model, endpoint, spec)
-        process = self._managed(
-            spec.name, argv, self.env.for_tp(spec.tp, spec.env()), healthy(endpoint.url), SERVER_READY_S
-        )
+        environment = self.env.for_tp(spec.tp, {**spec.env(), **(env or {})})
+        process = self._managed(spec.name, argv, environment, healthy(endpoint.url), SERVER_READY_S)
         return Server(spec.name, endpoint, process, spec)
 
     def decode(self, name: str = "decode", extra_args: Sequence[str] = ()) -> Server:

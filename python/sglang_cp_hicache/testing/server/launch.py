@@ -85,15 +85,17 @@ class PrefillSpec:
 
 @dataclass(frozen=True)
 class Endpoint:
-    """A server's loopback ports."""
+    """A server's loopback address and ports (``host``: another loopback address for a
+    second "node", ``two_nodes.py``)."""
 
     port: int
     bootstrap_port: int = 0
     kv_events_port: int = 0  # 0: no KV event publisher
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def kv_events_url(self) -> str:
@@ -196,7 +198,7 @@ class ServerEnv:
 def server_argv(model: Path, endpoint: Endpoint, tp: int, args: List[str]) -> List[str]:
     return [
         sys.executable, "-m", "sglang.launch_server",
-        "--host", "127.0.0.1", "--port", str(endpoint.port),
+        "--host", endpoint.host, "--port", str(endpoint.port),
         "--model-path", str(model), "--device", "cpu", "--dtype", "bfloat16",
         "--page-size", str(PAGE_SIZE), "--context-length", str(CONTEXT_LENGTH),
         "--tp", str(tp), "--enable-metrics", "--enable-cache-report",

@@ -56,6 +56,7 @@ from sglang_cp_hicache.testing.server.recorder import (
 )
 from sglang_cp_hicache.testing.server.session import ServingSession
 from sglang_cp_hicache.testing.server.soak import soak_short
+from sglang_cp_hicache.testing.server.two_nodes import two_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -462,6 +463,7 @@ BY_HAND: Tuple[Scenario, ...] = (
     Scenario("fleet_shared_l3", fleet_shared_l3, needs_storage=True, releases=("0.5.23",)),
     Scenario("eagle", eagle, releases=("0.5.23",)),  # three EAGLE servers: ~4 min, over CI's budget
     Scenario("eagle_tiers", eagle_tiers, needs_storage=True, releases=("0.5.23",)),  # four EAGLE servers
+    Scenario("two_nodes", two_nodes, needs_storage=True, releases=("0.5.23",)),  # issue 45: --nnodes 2 on loopback
 )
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS + BY_HAND}
 

@@ -30,6 +30,12 @@ HOOKS: Tuple[HookSpec, ...] = (
     HookSpec(
         f"{_HCC}._generate_storage_config", f"{_OWNER_IO}:generate_storage_config_around", "AROUND"
     ),
+    # ...and its L3 series keep the rank's own tp_rank label, like its radix series.
+    HookSpec(
+        "sglang.srt.mem_cache.unified_cache.storage_attachment:StorageAttachment._resolve_metrics_collector",
+        f"{_OWNER_IO}:resolve_metrics_collector_around",
+        "AROUND",
+    ),
     # Backup: the owner writes its pages; a rank owning none does no I/O (still acked).
     HookSpec(f"{_HYBRID}._page_backup", f"{_OWNER_IO}:page_backup_around", "AROUND"),
     # Prefetch: each rank reads its owned pages; progress = its first missing owned page.

@@ -8,6 +8,8 @@ pages this rank owns, in their physical host rows, and hand that to upstream's o
 
 * :func:`generate_storage_config_around`: every CP rank is a writer (the attention-TP rank
   0 of each CP coordinate, not only global TP rank 0);
+* :func:`resolve_metrics_collector_around`: the L3 series keep the rank's own ``tp_rank``
+  label (the writer rule's config would label every CP rank 0);
 * :func:`page_backup_around`: the owner of a page writes it (KV, then upstream's KV-derived
   sidecars, i.e. the DSA indexer; the packed MTP draft rides in the KV page); a rank that
   owns nothing of the backup does no I/O and reports the backup complete, and
@@ -130,6 +132,23 @@ def generate_storage_config_around(original: Callable, controller: Any, *args, *
     return dataclasses.replace(
         config, tp_rank=parallel.attn_tp_rank, tp_size=parallel.attn_tp_size
     )
+
+
+def resolve_metrics_collector_around(original: Callable, attachment: Any, *args, **kwargs):
+    """A CP rank's L3 series keep the ``tp_rank`` its radix and scheduler series carry:
+    upstream labels them with the storage config's ``tp_rank``, which the writer rule above
+    sets to the attention-TP rank (0 on every CP rank); upstream keeps the two alike so one
+    rank's L2 and L3 series line up. ``attn_cp_rank`` stays upstream's."""
+    collector = original(attachment, *args, **kwargs)
+    if collector is None or _extension(attachment._cache.cache_controller) is None:
+        return collector
+    from sglang.srt.layers import dp_attention
+    from sglang.srt.observability.metrics_collector import radix_cache_metric_labels
+    from sglang.srt.runtime_context import get_parallel
+
+    radix = radix_cache_metric_labels("", get_parallel(), dp_attention.is_dp_attention_enabled())
+    collector.labels = {**collector.labels, "tp_rank": radix["tp_rank"]}
+    return collector
 
 
 # ------------------------------------------------------------------------ backup
@@ -287,5 +306,6 @@ __all__ = [
     "owned_run",
     "page_backup_around",
     "page_transfer_kv_batch_around",
+    "resolve_metrics_collector_around",
     "root_chain_start",
 ]
