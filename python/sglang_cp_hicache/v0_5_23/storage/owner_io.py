@@ -134,21 +134,23 @@ def generate_storage_config_around(original: Callable, controller: Any, *args, *
     )
 
 
-def resolve_metrics_collector_around(original: Callable, attachment: Any, *args, **kwargs):
-    """A CP rank's L3 series keep the ``tp_rank`` its radix and scheduler series carry:
-    upstream labels them with the storage config's ``tp_rank``, which the writer rule above
-    sets to the attention-TP rank (0 on every CP rank); upstream keeps the two alike so one
-    rank's L2 and L3 series line up. ``attn_cp_rank`` stays upstream's."""
-    collector = original(attachment, *args, **kwargs)
-    if collector is None or _extension(attachment._cache.cache_controller) is None:
-        return collector
+def resolve_metrics_collector_around(
+    original: Callable, attachment: Any, storage_backend: Optional[str], extra_metric_labels: Optional[dict] = None
+):
+    """A CP rank's L3 series keep the ``tp_rank`` its radix and scheduler series carry (and
+    upstream's unsharded CP ranks' L3 series carry): upstream labels them with the storage
+    config's ``tp_rank``, which the writer rule above sets to the attention-TP rank (0 on
+    every CP rank). The label goes in through upstream's own ``extra_metric_labels``, so the
+    collector is built with it (its pre-created per-reason children included), never
+    relabelled after. ``attn_cp_rank`` stays upstream's."""
+    if _extension(attachment._cache.cache_controller) is None:
+        return original(attachment, storage_backend, extra_metric_labels)
     from sglang.srt.layers import dp_attention
     from sglang.srt.observability.metrics_collector import radix_cache_metric_labels
     from sglang.srt.runtime_context import get_parallel
 
     radix = radix_cache_metric_labels("", get_parallel(), dp_attention.is_dp_attention_enabled())
-    collector.labels = {**collector.labels, "tp_rank": radix["tp_rank"]}
-    return collector
+    return original(attachment, storage_backend, {**(extra_metric_labels or {}), "tp_rank": radix["tp_rank"]})
 
 
 # ------------------------------------------------------------------------ backup

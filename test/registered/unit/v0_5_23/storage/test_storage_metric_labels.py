@@ -17,7 +17,7 @@ KEYS = ("storage_backend", "tp_rank", "dp_rank", "pp_rank", "pp_size", "attn_cp_
 CP_RANK_1 = types.SimpleNamespace(tp_rank=1, tp_size=2, attn_tp_rank=0, attn_tp_size=1, attn_dp_rank=0, pp_rank=0, pp_size=1)
 
 
-def _attachment(sharded: bool) -> types.SimpleNamespace:
+def _attachment(sharded: bool, built: bool = True) -> types.SimpleNamespace:
     """What ``_resolve_metrics_collector`` reads: the controller's storage config as the writer
     rule made it (``tp_rank`` 0), its CP rank and size, and a collector already built (upstream
     relabels it in place: no second Prometheus registration)."""
@@ -26,7 +26,7 @@ def _attachment(sharded: bool) -> types.SimpleNamespace:
         storage_config=types.SimpleNamespace(tp_rank=0, dp_rank=0, pp_rank=0, pp_size=1),
         get_attn_cp_rank_and_size=lambda: (1, 2),
     )
-    collector = types.SimpleNamespace(labels=dict.fromkeys(KEYS))
+    collector = types.SimpleNamespace(labels=dict.fromkeys(KEYS)) if built else None
     return types.SimpleNamespace(_cache=types.SimpleNamespace(cache_controller=controller, storage_metrics_collector=collector))
 
 
@@ -41,6 +41,29 @@ def labels(monkeypatch, plugins_loaded):
     monkeypatch.setattr(dp_attention, "is_dp_attention_enabled", lambda: False)
     monkeypatch.setattr(owner_io, "_extension", lambda controller: object() if controller.is_kv_sharded else None)
     return lambda sharded: StorageAttachment._resolve_metrics_collector(_attachment(sharded), "mooncake", None).labels
+
+
+class _BuiltWith:
+    """Stands in for ``StorageMetricsCollector`` (a real one registers process-wide Prometheus
+    series, once per process): records the labels it is built with. Upstream's constructor
+    creates zero-valued children per ``reason`` from them, so relabelling after the build
+    leaves those on ``/metrics`` under the config's ``tp_rank``."""
+
+    built: list = []
+
+    def __init__(self, labels):
+        self.labels = labels
+        _BuiltWith.built.append(dict(labels))
+
+
+def test_a_sharded_cp_ranks_collector_is_built_with_its_tp_rank(labels, monkeypatch):
+    import sglang.srt.mem_cache.unified_cache.storage_attachment as storage_attachment
+
+    _BuiltWith.built = []
+    monkeypatch.setattr(storage_attachment, "resolve_collector_class", lambda role, default: _BuiltWith)
+    collector = storage_attachment.StorageAttachment._resolve_metrics_collector(_attachment(True, built=False), "mooncake", None)
+    assert [b["tp_rank"] for b in _BuiltWith.built] == [1], _BuiltWith.built
+    assert collector.labels["tp_rank"] == 1 and collector.labels["attn_cp_rank"] == 1
 
 
 def test_a_sharded_cp_ranks_l3_series_carry_its_radix_series_tp_rank(labels):
