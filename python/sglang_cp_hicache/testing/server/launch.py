@@ -44,6 +44,9 @@ class StorageSpec:
     backend: str
     directory: Optional[Path] = None
     mooncake_master: Optional[str] = None  # host:port
+    #: the segment each rank of a ``mooncake`` prefill mounts (None: the line's default); 0
+    #: mounts none, so its objects live in other clients' segments (a segment holder's)
+    mooncake_segment_bytes: Optional[int] = None
 
     def env(self) -> Dict[str, str]:
         if self.backend == "file":
@@ -237,10 +240,16 @@ def decode_argv(line: LineLaunch, model: Path, endpoint: Endpoint, extra_args: S
 
 
 def router_argv(
-    endpoint: Endpoint, prometheus_port: int, prefills: Sequence[Endpoint], decode: Endpoint, policy: Optional[str] = None
+    endpoint: Endpoint,
+    prometheus_port: int,
+    prefills: Sequence[Endpoint],
+    decode: Endpoint,
+    policy: Optional[str] = None,
+    extra_args: Sequence[str] = (),
 ) -> List[str]:
     """sglang-router in PD mode over ``prefills`` (each a ``--prefill URL BOOTSTRAP_PORT``) and
-    one decode; ``policy``: its ``--policy`` (None: the router's default)."""
+    one decode; ``policy``: its ``--policy`` (None: the router's default); ``extra_args``
+    last (e.g. a fleet router's health-check knobs)."""
     workers = [arg for prefill in prefills for arg in ("--prefill", prefill.url, str(prefill.bootstrap_port))]
     return [
         sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
@@ -252,6 +261,7 @@ def router_argv(
         # every answer is the servers' own: a retried request would hide a failed one, and
         # the faults the scenarios plant must not open a circuit for the next scenario
         "--disable-retries", "--disable-circuit-breaker", "--shutdown-grace-period-secs", "1",
+        *extra_args,
     ]  # fmt: skip
 
 
