@@ -52,7 +52,7 @@ SEGMENT_BACK_S = 30.0  # the holder mounts its segment on a restarted master wit
 COUNTER_S = 45.0  # the plugin's L3 counters follow at a stats tick (an idle one: 30 s)
 FAULT_REQUEST_S = 60.0  # a request during a fault is answered within this
 OUTAGE_LOG = "failed with RPC_FAIL: the master at"
-RECONNECT_LOG = "listens again"
+RECONNECT_LOG = "L3 mooncake: the master at"  # "... listens again" (the outage line says it too)
 OUTAGES = "sglang:cp_hicache_l3_master_outages_total"
 RECONNECTS = "sglang:cp_hicache_l3_master_reconnects_total"
 
@@ -75,11 +75,13 @@ def router_health(fleet: Fleet) -> Dict[str, bool]:
     return {name: by_url.get(server.url, False) for name, server in fleet.servers.items()}
 
 
-def _router_marks(rec: Recorder, fleet: Fleet, name: str, healthy: bool) -> Optional[float]:
+def _router_marks(rec: Recorder, fleet: Fleet, name: str, healthy: bool, since: float) -> Optional[float]:
+    """Seconds from ``since`` (monotonic) until the router marks ``name`` so (None: not
+    within :data:`ROUTER_MARKS_S`, a problem)."""
     took = _poll(lambda: router_health(fleet)[name], lambda now: now == healthy, ROUTER_MARKS_S)
     state = "healthy" if healthy else "unhealthy"
     rec.expect(took is not None, f"the router did not mark {name} {state} within {ROUTER_MARKS_S:.0f} s")
-    return took
+    return None if took is None else round(time.monotonic() - since, 1)
 
 
 def _timed(rec: Recorder, label: str, send: Callable[[], object]) -> object:
@@ -106,11 +108,11 @@ def _in_the_holder(rec: Recorder, fleet: Fleet, keys: set, label: str) -> None:
 def _prefill_killed(rec: Recorder, fleet: Fleet, prefix: List[int], written: Dict[str, bytes]) -> None:
     """A SIGKILLed (its whole group): the router marks it down; requests go to B, whose
     storage hit is every page A wrote; A's objects unchanged."""
-    a = fleet.servers[A]
+    a, killed = fleet.servers[A], time.monotonic()
     a.process.kill()
     a.process.stop()  # reaps the group; raises naming any member still there
-    took = _router_marks(rec, fleet, A, healthy=False)
-    rec.note(f"{A} SIGKILLed: the router marked it unhealthy after {took if took is None else round(took, 1)} s")
+    took = _router_marks(rec, fleet, A, healthy=False, since=killed)
+    rec.note(f"{A} SIGKILLed: the router marked it unhealthy {took} s after the kill")
     fleet.last = None
     for i in range(3):  # the router's whole rotation goes to B now
         before = fleet.seen()
@@ -131,8 +133,8 @@ def _prefill_back(rec: Recorder, fleet: Fleet) -> None:
     a = fleet.servers[A]
     a.process.start()
     ready = a.process.wait_ready()
-    took = _router_marks(rec, fleet, A, healthy=True)
-    rec.note(f"{A} restarted on port {a.endpoint.port} in {ready:.0f} s; the router marked it healthy {took if took is None else round(took, 1)} s later")
+    took = _router_marks(rec, fleet, A, healthy=True, since=time.monotonic())
+    rec.note(f"{A} restarted on port {a.endpoint.port} in {ready:.0f} s; the router marked it healthy {took} s after its /health answered")
     fleet.last = None
     hit_on(rec, fleet, A, B, prefix, written)
 
@@ -146,6 +148,11 @@ def _a_miss_on_b(rec: Recorder, fleet: Fleet, label: str, prefix: List[int]) -> 
     if answer is not None:
         rec.expect(answer.tier("storage") == 0, f"{label}: storage hit {answer.cached_by_tier}, want 0")
         rec.note(f"{label}: hit by tier {answer.cached_by_tier}")
+
+
+def _logged(fleet: Fleet, name: str, marks: Marks, text: str) -> List[str]:
+    """The lines of ``name``'s log holding ``text`` since ``marks``."""
+    return [line for line in fleet.servers[name].process.log_text().splitlines()[marks.lines[name]:] if text in line]
 
 
 def _counter(server: Server, name: str) -> float:
@@ -165,7 +172,7 @@ def _master_restarted(rec: Recorder, fleet: Fleet) -> None:
     fleet.master.process.kill()
     fleet.master.process.stop()
     _a_miss_on_b(rec, fleet, f"master down: {len(stored)} objects B stored unreachable", prefix)
-    lines = [line for line in b.process.log_text().splitlines()[marks.lines[B]:] if OUTAGE_LOG in line]
+    lines = _logged(fleet, B, marks, OUTAGE_LOG)
     rec.expect(1 <= len(lines) <= fleet.session.tp, f"master down: {len(lines)} outage lines in {B}'s log, want 1 to {fleet.session.tp} (one per rank)")
     took = _poll(lambda: _counter(b, OUTAGES), lambda now: now > outages, COUNTER_S)
     rec.expect(took is not None, f"{OUTAGES} on {B} stayed {outages:.0f}")
@@ -179,10 +186,13 @@ def _master_restarted(rec: Recorder, fleet: Fleet) -> None:
     keys = written_by(rec, fleet, A, prefix, "after the master's restart")
     _in_the_holder(rec, fleet, keys, "after the master's restart")
     hit_on(rec, fleet, B, A, prefix, fleet.store.read(keys))
-    again = [line for line in b.process.log_text().splitlines()[marks.lines[B]:] if RECONNECT_LOG in line]
+    again = _logged(fleet, B, marks, RECONNECT_LOG)
+    rec.expect(1 <= len(again) <= fleet.session.tp, f"master back: {len(again)} reconnect lines in {B}'s log, want 1 to {fleet.session.tp}")
     took = _poll(lambda: _counter(b, RECONNECTS), lambda now: now > reconnects, COUNTER_S)
     rec.expect(took is not None, f"{RECONNECTS} on {B} stayed {reconnects:.0f}")
     rec.note(f"master back: {len(again)} reconnect line(s) in {B}'s log; {RECONNECTS} {reconnects:.0f} -> {_counter(b, RECONNECTS):.0f}")
+    on_a = (len(_logged(fleet, A, marks, OUTAGE_LOG)), len(_logged(fleet, A, marks, RECONNECT_LOG)))
+    rec.note(f"{A} (no L3 call while the master was down): {on_a[0]} outage and {on_a[1]} reconnect line(s) since the kill")
 
 
 def _holder_killed(rec: Recorder, fleet: Fleet) -> None:
