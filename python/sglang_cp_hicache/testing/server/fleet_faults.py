@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Set
 
 from sglang_cp_hicache.testing.server.cluster import Server
 from sglang_cp_hicache.testing.server.fleet import A, B, Fleet, FleetPlan, Marks, hit_on, holders, written_by
@@ -85,6 +85,7 @@ def _router_marks(rec: Recorder, fleet: Fleet, name: str, healthy: bool, since: 
 
 
 def _timed(rec: Recorder, label: str, send: Callable[[], object]) -> object:
+    """``send()``'s answer; a problem when it took over :data:`FAULT_REQUEST_S`."""
     started = time.monotonic()
     answer = send()
     took = time.monotonic() - started
@@ -94,7 +95,7 @@ def _timed(rec: Recorder, label: str, send: Callable[[], object]) -> object:
 
 
 # ----------------------------------------------------------------------- the faults
-def _in_the_holder(rec: Recorder, fleet: Fleet, keys: set, label: str) -> None:
+def _in_the_holder(rec: Recorder, fleet: Fleet, keys: Set[str], label: str) -> None:
     """Every replica of ``keys`` in the holder's segment (none in a prefill's)."""
     try:
         placed = holders(fleet, keys)
@@ -205,19 +206,21 @@ def _holder_killed(rec: Recorder, fleet: Fleet) -> None:
     _a_miss_on_b(rec, fleet, "holder gone: the objects A stored", prefix)
 
 
-def _nothing_leaked(rec: Recorder, fleet: Fleet, decode_mark: int) -> None:
-    """Every live server idle; after a flush device tokens in use 0 and host tokens in use
-    0 on every rank of every live prefill; no ``memory leak detected``."""
-    prefills = [fleet.servers[name] for name in fleet.live()]
+def _nothing_leaked(rec: Recorder, fleet: Fleet, marks: Dict[str, int]) -> None:
+    """The decode, the live fleet prefills and the reference idle; after a flush device
+    tokens in use 0 and host tokens in use 0 on every rank published; no ``memory leak
+    detected`` since ``marks`` (the session's servers) or since their start (the fleet's)."""
+    prefills = [fleet.servers[name] for name in fleet.live()] + [fleet.session.reference]  # it answered every pair
     servers = [fleet.session.decode, *prefills]
     busy = wait_idle(servers)
     rec.expect(not busy, f"still holding requests: {busy}")
     for server in prefills:
         rec.expect(flush(server), f"/flush_cache failed on {server.name}")
+    devices = {}
     for server in servers:
-        device = settled(lambda: live_load(server)["num_used_tokens"], 0, DEVICE_SETTLE_S)
+        device = devices[server.name] = settled(lambda: live_load(server)["num_used_tokens"], 0, DEVICE_SETTLE_S)
         rec.expect(device == 0, f"{server.name}: {device} device tokens in use after a flush")
-        since = decode_mark if server is fleet.session.decode else 0
+        since = marks.get(server.name, 0)
         leaks = [line for line in server.process.log_text().splitlines()[since:] if LEAK_LOG in line]
         rec.expect(not leaks, f"{server.name}: {len(leaks)} leak warnings, e.g. {leaks[:1]}")
     hosts = {}
@@ -225,13 +228,13 @@ def _nothing_leaked(rec: Recorder, fleet: Fleet, decode_mark: int) -> None:
         host = settled(lambda: host_used(server), {rank: 0.0 for rank in host_used(server)})
         hosts[server.name] = host
         rec.expect(host and not any(host.values()), f"{server.name}: host tokens in use after a flush {host}")
-    rec.note(f"after the faults: device tokens in use 0 on {[s.name for s in servers]}, host tokens in use after a flush {hosts}, no leak warning")
+    rec.note(f"after the faults and a flush: device tokens in use {devices}, host tokens in use {hosts} (per rank published)")
 
 
 def fleet_faults(session: ServingSession) -> ScenarioReport:
     """A prefill killed and restarted, the master restarted, the segment holder killed, in
     a fleet whose segments live in a holder; nothing hangs, nothing leaks."""
-    decode_mark = session.decode.log_lines()
+    marks = {server.name: server.log_lines() for server in (session.decode, session.reference)}
     fleet = Fleet.start(session, PLAN)
     try:
         rec = Recorder(session, "fleet faults: prefill, master, holder", sharded=fleet.router)
@@ -243,7 +246,7 @@ def fleet_faults(session: ServingSession) -> ScenarioReport:
         _prefill_back(rec, fleet)
         _master_restarted(rec, fleet)
         _holder_killed(rec, fleet)
-        _nothing_leaked(rec, fleet, decode_mark)
+        _nothing_leaked(rec, fleet, marks)
         return rec.finish()
     finally:
         fleet.retire()
