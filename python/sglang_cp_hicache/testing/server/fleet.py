@@ -47,6 +47,7 @@ SERVED_S = 10.0  # a prefill counts its request by the time the decode's answer 
 PREFIX_PAGES = 8  # even: each of 2 CP ranks owns half, whatever lane the run starts on
 SEEN = ("sglang:num_requests_total", "sglang:prompt_tokens_total")
 HOLDER = "fleet-segment-holder"
+FLUSH_S = 30.0  # a flush refused for pending requests is retried this long
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class FleetPlan:
     holder_bytes: int = 0
     segment_bytes: Optional[int] = None
     router_args: Tuple[str, ...] = ()
+    prefill_env: Tuple[Tuple[str, str], ...] = ()  # more environment for A and B
 
 
 @dataclass
@@ -87,7 +89,10 @@ class Fleet:
             if plan.holder_bytes:
                 holder = cluster.mooncake_holder(HOLDER, master, plan.holder_bytes)
             storage = StorageSpec("mooncake", mooncake_master=master.address, mooncake_segment_bytes=plan.segment_bytes)
-            specs = [PrefillSpec(name, tp=session.tp, mem_layout="page_first", storage=storage, l3_puts_logged=True) for name in PREFILLS]
+            specs = [
+                PrefillSpec(name, tp=session.tp, mem_layout="page_first", storage=storage, l3_puts_logged=True, extra_env=plan.prefill_env)
+                for name in PREFILLS
+            ]
             if plan.reader:
                 specs.append(PrefillSpec(READER, tp=1, mem_layout="page_first", storage=storage, l3_puts_logged=True))
             servers = [cluster.prefill(spec) for spec in specs]
@@ -112,6 +117,16 @@ class Fleet:
     def live(self) -> List[str]:
         """The names of A and B whose processes run."""
         return [name for name in PREFILLS if self.servers[name].process.running()]
+
+    def flush_live(self, rec: Recorder, servers: Sequence[Server] = ()) -> None:
+        """``/flush_cache`` on A and B where live (and on ``servers``), each retried while it
+        answers "pending requests" (a request whose KV the decode is still taking, an L3 call
+        in flight), at most :data:`FLUSH_S`; a problem naming any that never flushed."""
+        for server in [*(self.servers[name] for name in self.live()), *servers]:
+            deadline = time.monotonic() + FLUSH_S
+            while not flush(server) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            rec.expect(time.monotonic() < deadline, f"/flush_cache refused on {server.name} for {FLUSH_S:.0f} s")
 
     # ---------------------------------------------------------------- routing
     def seen(self) -> Dict[str, float]:
@@ -220,8 +235,7 @@ def hit_on(rec: Recorder, fleet: Fleet, reader: str, writer: str, prefix: List[i
     ``reader``: its storage hit is every page ``writer`` wrote, the answer the reference's
     over the same prefix; ``reader`` stores the new page only; the writer's objects
     unchanged byte for byte."""
-    for name in fleet.live():
-        rec.expect(flush(fleet.servers[name]), f"/flush_cache failed on {name}")
+    fleet.flush_live(rec)
     before, counts, marks = fleet.store.keys(), fleet.store.counts(), Marks.now(fleet)
     storage_before = fleet.servers[reader].metrics().total("sglang:cached_tokens_total", cache_source="storage")
     request = prefix + tokens(f"fleet:{writer}:next-page", PAGE_SIZE)

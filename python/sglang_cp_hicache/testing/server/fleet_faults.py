@@ -36,7 +36,7 @@ from typing import Callable, Dict, List, Optional, Set
 from sglang_cp_hicache.testing.server.cluster import Server
 from sglang_cp_hicache.testing.server.fleet import A, B, Fleet, FleetPlan, Marks, hit_on, holders, written_by
 from sglang_cp_hicache.testing.server.launch import PAGE_SIZE
-from sglang_cp_hicache.testing.server.recorder import Recorder, ScenarioReport, flush, tokens
+from sglang_cp_hicache.testing.server.recorder import Recorder, ScenarioReport, tokens
 from sglang_cp_hicache.testing.server.session import ServingSession
 from sglang_cp_hicache.testing.server.soak import DEVICE_SETTLE_S, LEAK_LOG, host_used, live_load, settled, wait_idle
 
@@ -46,7 +46,11 @@ HEALTH_ARGS = (
     "--health-check-interval-secs", "1", "--health-failure-threshold", "2", "--health-success-threshold", "1",
 )  # fmt: skip
 HOLDER_BYTES = 256 << 20  # the store's memory: far above the scenario's objects
-PLAN = FleetPlan(reader=False, holder_bytes=HOLDER_BYTES, segment_bytes=0, router_args=HEALTH_ARGS)
+#: ``/health`` answers from the HTTP server alone (SGLang runs a one-token generation per
+#: ``/health`` otherwise: with checks every second, a prefill is never idle and a flush
+#: races the probes' requests, measured).
+HEALTH_ENV = (("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false"),)
+PLAN = FleetPlan(reader=False, holder_bytes=HOLDER_BYTES, segment_bytes=0, router_args=HEALTH_ARGS, prefill_env=HEALTH_ENV)
 ROUTER_MARKS_S = 30.0  # the router marks a worker's health change within this
 SEGMENT_BACK_S = 30.0  # the holder mounts its segment on a restarted master within this
 COUNTER_S = 45.0  # the plugin's L3 counters follow at a stats tick (an idle one: 30 s)
@@ -143,8 +147,7 @@ def _prefill_back(rec: Recorder, fleet: Fleet) -> None:
 def _a_miss_on_b(rec: Recorder, fleet: Fleet, label: str, prefix: List[int]) -> None:
     """The live prefills flushed; ``prefix`` (stored, now out of reach) on B: answered within
     :data:`FAULT_REQUEST_S`, a storage hit of 0 (served by recompute), the reference's answer."""
-    for name in fleet.live():
-        rec.expect(flush(fleet.servers[name]), f"/flush_cache failed on {name}")
+    fleet.flush_live(rec)
     answer = _timed(rec, label, lambda: fleet.send(rec, B, label, prefix, pair=True))
     if answer is not None:
         rec.expect(answer.tier("storage") == 0, f"{label}: storage hit {answer.cached_by_tier}, want 0")
@@ -214,8 +217,7 @@ def _nothing_leaked(rec: Recorder, fleet: Fleet, marks: Dict[str, int]) -> None:
     servers = [fleet.session.decode, *prefills]
     busy = wait_idle(servers)
     rec.expect(not busy, f"still holding requests: {busy}")
-    for server in prefills:
-        rec.expect(flush(server), f"/flush_cache failed on {server.name}")
+    fleet.flush_live(rec, [fleet.session.reference])
     devices = {}
     for server in servers:
         device = devices[server.name] = settled(lambda: live_load(server)["num_used_tokens"], 0, DEVICE_SETTLE_S)

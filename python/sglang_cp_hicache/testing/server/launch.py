@@ -67,6 +67,7 @@ class PrefillSpec:
     extra_args: Tuple[str, ...] = ()
     kv_events: bool = False  # a KV event publisher (--kv-events-config) on a port of its own
     l3_puts_logged: bool = False  # its ranks log each L3 put by key (:data:`L3_PUTS_LOGGED_ENV`)
+    extra_env: Tuple[Tuple[str, str], ...] = ()  # more environment (e.g. a fleet's health endpoint)
 
     @property
     def cp(self) -> int:
@@ -78,12 +79,13 @@ class PrefillSpec:
 
     def env(self) -> Dict[str, str]:
         """What this prefill's environment adds: its L3 tier's, for an unsharded CP prefill
-        with one :data:`UNSHARDED_CP_L3_WRITERS_ENV`, and :data:`L3_PUTS_LOGGED_ENV` if asked."""
+        with one :data:`UNSHARDED_CP_L3_WRITERS_ENV`, :data:`L3_PUTS_LOGGED_ENV` if asked, and
+        ``extra_env``."""
         if self.storage is None:
-            return {}
+            return dict(self.extra_env)
         writers = {UNSHARDED_CP_L3_WRITERS_ENV: "1"} if not self.sharded and self.cp > 1 else {}
         puts = {L3_PUTS_LOGGED_ENV: "1"} if self.l3_puts_logged else {}
-        return {**self.storage.env(), **writers, **puts}
+        return {**self.storage.env(), **writers, **puts, **dict(self.extra_env)}
 
 
 @dataclass(frozen=True)

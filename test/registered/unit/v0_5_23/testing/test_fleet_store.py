@@ -133,3 +133,10 @@ def test_prefills_of_the_faults_fleet_mount_no_segment_and_the_holder_mounts_the
 
 def _extra_config(args):
     return args[args.index("--hicache-storage-backend-extra-config") + 1]
+
+
+def test_the_faults_fleet_prefills_answer_health_without_a_generation():
+    storage = StorageSpec("mooncake", mooncake_master="127.0.0.1:1", mooncake_segment_bytes=0)
+    env = PrefillSpec("a", storage=storage, l3_puts_logged=True, extra_env=PLAN.prefill_env).env()
+    assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "false" and env["SGLANG_CP_HICACHE_L3_PUTS_LOGGED"] == "1"
+    assert "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION" not in PrefillSpec("b", storage=storage).env()
