@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from sglang_cp_hicache.testing.mooncake_master import master_argv
+from sglang_cp_hicache.testing.mooncake_master import holder_argv, master_argv
 from sglang_cp_hicache.testing.server import launch
 from sglang_cp_hicache.testing.server.jit_prebuild import NativeHashPrebuild
 from sglang_cp_hicache.testing.server.launch import Endpoint, LineLaunch, PrefillSpec, ServerEnv
@@ -97,6 +97,7 @@ class Router:
     metrics_port: int
     also: Tuple[Server, ...] = ()  # its other prefill workers (a fleet router)
     policy: Optional[str] = None  # its --policy (None: the router's default)
+    extra_args: Tuple[str, ...] = ()  # its last flags (a fleet router's health checks)
 
     @property
     def url(self) -> str:
@@ -187,16 +188,22 @@ class ServingCluster:
         return Server(name, endpoint, self._managed(name, argv, env, healthy(endpoint.url), SERVER_READY_S))
 
     def router(
-        self, name: str, prefill: Server, decode: Server, also: Sequence[Server] = (), policy: Optional[str] = None
+        self,
+        name: str,
+        prefill: Server,
+        decode: Server,
+        also: Sequence[Server] = (),
+        policy: Optional[str] = None,
+        extra_args: Sequence[str] = (),
     ) -> Router:
         """A PD router over ``prefill`` (and the prefills ``also``) and ``decode``."""
         port, prometheus = free_ports(2)
         endpoint = Endpoint(port)
         prefills = [prefill.endpoint, *(server.endpoint for server in also)]
-        argv = launch.router_argv(endpoint, prometheus, prefills, decode.endpoint, policy)
+        argv = launch.router_argv(endpoint, prometheus, prefills, decode.endpoint, policy, extra_args)
         ready = router_ready(endpoint.url, len(prefills) + 1)
         process = self._managed(name, argv, self.env.plain(), ready, ROUTER_READY_S)
-        return Router(name, endpoint, process, prefill, decode, prometheus, tuple(also), policy)
+        return Router(name, endpoint, process, prefill, decode, prometheus, tuple(also), policy, tuple(extra_args))
 
     def mooncake_master(self, name: str = "mooncake-master") -> "MooncakeMaster":
         """Start a Mooncake master on loopback (a ``mooncake`` L3 tier's store)."""
@@ -205,6 +212,15 @@ class ServingCluster:
         process = self._managed(name, argv, self.env.plain(), port_listening(rpc), MASTER_READY_S)
         self.start(process)
         return MooncakeMaster(name, rpc, metrics_port, process)
+
+    def mooncake_holder(self, name: str, master: "MooncakeMaster", segment_bytes: int) -> ManagedProcess:
+        """Start a segment holder on ``master`` (``mooncake_client`` mounting
+        ``segment_bytes``): where the objects of prefills that mount no segment live."""
+        port = free_ports(1)[0]
+        argv = holder_argv(master.address, port, segment_bytes)
+        process = self._managed(name, argv, self.env.plain(), port_listening(port), MASTER_READY_S)
+        self.start(process)
+        return process
 
     # ------------------------------------------------------------------- lifecycle
     def start(self, *components) -> Dict[str, float]:

@@ -21,13 +21,13 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from sglang_cp_hicache.core.rotation import run_lane_counts
 from sglang_cp_hicache.testing.server.client import Completion
 from sglang_cp_hicache.testing.server.cluster import MooncakeMaster, Router, Server
 from sglang_cp_hicache.testing.server.launch import PAGE_SIZE, PrefillSpec, StorageSpec
-from sglang_cp_hicache.testing.server.processes import NotReady, ProcessDied
+from sglang_cp_hicache.testing.server.processes import ManagedProcess, NotReady, ProcessDied
 from sglang_cp_hicache.testing.server.recorder import Recorder, ScenarioReport, flush, full_pages, tokens, wait_settled
 from sglang_cp_hicache.testing.server.session import WARM_UP_IDS, ServingSession
 from sglang_cp_hicache.testing.server.store_view import (
@@ -42,9 +42,26 @@ from sglang_cp_hicache.testing.server.store_view import (
 logger = logging.getLogger(__name__)
 
 A, B, READER = "fleet-a", "fleet-b", "fleet-reader-tp1"
+PREFILLS = (A, B)  # behind the fleet's router
 SERVED_S = 10.0  # a prefill counts its request by the time the decode's answer is back
 PREFIX_PAGES = 8  # even: each of 2 CP ranks owns half, whatever lane the run starts on
 SEEN = ("sglang:num_requests_total", "sglang:prompt_tokens_total")
+HOLDER = "fleet-segment-holder"
+FLUSH_S = 30.0  # a flush refused for pending requests is retried this long
+
+
+@dataclass(frozen=True)
+class FleetPlan:
+    """What :meth:`Fleet.start` starts besides the master, A and B: the one-rank reader
+    (``reader``); a segment holder mounting ``holder_bytes`` (0: none); the segment each
+    prefill rank mounts (``segment_bytes``, None: the harness's default); the fleet
+    router's last flags (``router_args``)."""
+
+    reader: bool = True
+    holder_bytes: int = 0
+    segment_bytes: Optional[int] = None
+    router_args: Tuple[str, ...] = ()
+    prefill_env: Tuple[Tuple[str, str], ...] = ()  # more environment for A and B
 
 
 @dataclass
@@ -55,41 +72,67 @@ class Fleet:
     master: MooncakeMaster
     servers: Dict[str, Server]
     router: Router  # round_robin over A and B
-    reader_router: Router
+    reader_router: Optional[Router]
     store: StoreView
+    holder: Optional[ManagedProcess] = None  # the segment holder, if the plan has one
     start_times: Dict[str, float] = field(default_factory=dict)
     last: Optional[str] = None  # the prefill that served the round-robin router's last request
 
     @classmethod
-    def start(cls, session: ServingSession) -> "Fleet":
+    def start(cls, session: ServingSession, plan: FleetPlan = FleetPlan()) -> "Fleet":
         cluster = session.cluster
         master = cluster.mooncake_master("fleet-mooncake-master")
-        storage = StorageSpec("mooncake", mooncake_master=master.address)
-        specs = [PrefillSpec(name, tp=session.tp, mem_layout="page_first", storage=storage, l3_puts_logged=True) for name in (A, B)]
-        specs.append(PrefillSpec(READER, tp=1, mem_layout="page_first", storage=storage, l3_puts_logged=True))
-        servers = [cluster.prefill(spec) for spec in specs]
+        holder: Optional[ManagedProcess] = None
+        servers: List[Server] = []
         routers: List[Router] = []
         try:
-            times = cluster.start(*servers)
-            a, b, reader = servers
-            routers = [
-                cluster.router("router-fleet", a, session.decode, also=(b,), policy="round_robin"),
-                cluster.router(f"router-{READER}", reader, session.decode),
+            if plan.holder_bytes:
+                holder = cluster.mooncake_holder(HOLDER, master, plan.holder_bytes)
+            storage = StorageSpec("mooncake", mooncake_master=master.address, mooncake_segment_bytes=plan.segment_bytes)
+            specs = [
+                PrefillSpec(name, tp=session.tp, mem_layout="page_first", storage=storage, l3_puts_logged=True, extra_env=plan.prefill_env)
+                for name in PREFILLS
             ]
+            if plan.reader:
+                specs.append(PrefillSpec(READER, tp=1, mem_layout="page_first", storage=storage, l3_puts_logged=True))
+            servers = [cluster.prefill(spec) for spec in specs]
+            times = cluster.start(*servers)
+            a, b = servers[:2]
+            routers = [cluster.router("router-fleet", a, session.decode, also=(b,), policy="round_robin", extra_args=plan.router_args)]
+            if plan.reader:
+                routers.append(cluster.router(f"router-{READER}", servers[2], session.decode))
             times.update(cluster.start(*routers))
         except BaseException:
-            cluster.stop(*routers, *servers, master.process)
+            cluster.stop(*routers, *servers, *(p for p in (holder,) if p is not None), master.process)
             raise
-        return cls(session, master, {s.name: s for s in servers}, *routers, StoreView(master), times)
+        reader_router = routers[1] if plan.reader else None
+        return cls(session, master, {s.name: s for s in servers}, routers[0], reader_router, StoreView(master), holder, times)
 
     def retire(self) -> None:
         self.store.close()
-        self.session.retire(self.router, self.reader_router, *self.servers.values(), self.master.process)
+        routers = [r for r in (self.router, self.reader_router) if r is not None]
+        holder = [self.holder] if self.holder is not None else []
+        self.session.retire(*routers, *self.servers.values(), *holder, self.master.process)
+
+    def live(self) -> List[str]:
+        """The names of A and B whose processes run."""
+        return [name for name in PREFILLS if self.servers[name].process.running()]
+
+    def flush_live(self, rec: Recorder, servers: Sequence[Server] = ()) -> None:
+        """``/flush_cache`` on A and B where live (and on ``servers``), each retried while it
+        answers "pending requests" (a request whose KV the decode is still taking, an L3 call
+        in flight), at most :data:`FLUSH_S`; a problem naming any that never flushed."""
+        for server in [*(self.servers[name] for name in self.live()), *servers]:
+            deadline = time.monotonic() + FLUSH_S
+            while not flush(server) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            rec.expect(time.monotonic() < deadline, f"/flush_cache refused on {server.name} for {FLUSH_S:.0f} s")
 
     # ---------------------------------------------------------------- routing
     def seen(self) -> Dict[str, float]:
-        """Requests and prompt tokens each of A and B counted (either grows with a request)."""
-        metrics = {name: self.servers[name].metrics() for name in (A, B)}
+        """Requests and prompt tokens each live one of A and B counted (either grows with a
+        request; a restarted prefill counts from 0)."""
+        metrics = {name: self.servers[name].metrics() for name in self.live()}
         return {name: sum(m.total(counter) for counter in SEEN) for name, m in metrics.items()}
 
     def served(self, before: Dict[str, float], count: int = 1) -> List[str]:
@@ -97,7 +140,7 @@ class Fleet:
         :data:`SERVED_S` later)."""
         deadline = time.monotonic() + SERVED_S
         while True:
-            grown = [name for name, seen in self.seen().items() if seen > before[name]]
+            grown = [name for name, seen in self.seen().items() if seen > before.get(name, 0.0)]
             if len(grown) >= count or time.monotonic() > deadline:
                 return grown
             time.sleep(0.2)
@@ -107,7 +150,10 @@ class Fleet:
         return grown[0] if len(grown) == 1 else None
 
     def turn_to(self, rec: Recorder, target: str) -> None:
-        """Warm-ups through the round-robin router until ``target`` is next."""
+        """Warm-ups through the round-robin router until ``target`` is next (at once when
+        it is the only live prefill)."""
+        if self.live() == [target]:
+            return
         for _ in range(3):
             if self.last is not None and self.last != target:
                 return
@@ -153,22 +199,23 @@ def _owned(tp: int, pages: int) -> Dict[int, int]:
     return dict(enumerate(run_lane_counts(0, pages, tp)))
 
 
-def _written_by_a(rec: Recorder, fleet: Fleet, prefix: List[int]) -> Set[str]:
-    """The prefix cold on A (and on the reference): A's ranks store its full pages, each rank
-    its own, each object once; nothing on B. The keys A stored."""
+def written_by(rec: Recorder, fleet: Fleet, writer: str, prefix: List[int], label: str = "prefix") -> Set[str]:
+    """``prefix`` cold on ``writer`` (and on the reference): its ranks store the full pages,
+    each rank its own, each object once; no other live prefill puts any. The keys stored."""
     before, counts, marks = fleet.store.keys(), fleet.store.counts(), Marks.now(fleet)
-    fleet.send(rec, A, "prefix, cold, on A", prefix, pair=True)
+    fleet.send(rec, writer, f"{label}, cold, on {writer}", prefix, pair=True)
     pages = full_pages(len(prefix)) // PAGE_SIZE
     keys = fleet.wait_writes(before, pages)
     written_now = fleet.store.counts().written - counts.written
-    rec.expect(written_now == len(keys), f"the master wrote {written_now} objects for A's {len(keys)} new keys")
-    rec.expect(len(by_page(keys)) == pages, f"A stored {len(by_page(keys))} pages of the prefix, want {pages}")
-    for problem in owner_problems(marks.puts(fleet, A), keys, _owned(fleet.session.tp, pages)):
-        rec.expect(False, f"A's writes: {problem}")
-    rec.expect(not marks.puts(fleet, B), "B put objects while A served the prefix")
-    per_rank = {rank: len(rank_keys) for rank, rank_keys in marks.puts(fleet, A).items()}
+    rec.expect(written_now == len(keys), f"{label}: the master wrote {written_now} objects for {writer}'s {len(keys)} new keys")
+    rec.expect(len(by_page(keys)) == pages, f"{label}: {writer} stored {len(by_page(keys))} pages, want {pages}")
+    for problem in owner_problems(marks.puts(fleet, writer), keys, _owned(fleet.session.tp, pages)):
+        rec.expect(False, f"{label}, {writer}'s writes: {problem}")
+    for other in fleet.live():
+        rec.expect(other == writer or not marks.puts(fleet, other), f"{label}: {other} put objects while {writer} served it")
+    per_rank = {rank: len(rank_keys) for rank, rank_keys in marks.puts(fleet, writer).items()}
     stored_pages = len(by_page(keys))
-    rec.note(f"A stored {len(keys)} objects ({stored_pages} pages x {len(keys) // max(1, stored_pages)} components), objects put per rank {per_rank}")
+    rec.note(f"{label}: {writer} stored {len(keys)} objects ({stored_pages} pages x {len(keys) // max(1, stored_pages)} components), objects put per rank {per_rank}")
     return keys
 
 
@@ -183,31 +230,31 @@ def _byte_twin(rec: Recorder, fleet: Fleet, target: str, ids: List[int], first: 
         rec.note(f"{label}: {len(twin)} twin objects on {target}, byte for byte the first writes' ({sum(map(len, first.values()))} bytes)")
 
 
-def _hit_on_b(rec: Recorder, fleet: Fleet, prefix: List[int], written: Dict[str, bytes]) -> None:
-    """A's and B's device and host flushed; the prefix and one new page on B: B's storage hit
-    is every page A wrote, the answer the reference's over the same prefix; B stores the new
-    page only; A's objects unchanged byte for byte."""
-    for name in (A, B):
-        rec.expect(flush(fleet.servers[name]), f"/flush_cache failed on {name}")
+def hit_on(rec: Recorder, fleet: Fleet, reader: str, writer: str, prefix: List[int], written: Dict[str, bytes]) -> None:
+    """Every live prefill's device and host flushed; ``prefix`` and one new page on
+    ``reader``: its storage hit is every page ``writer`` wrote, the answer the reference's
+    over the same prefix; ``reader`` stores the new page only; the writer's objects
+    unchanged byte for byte."""
+    fleet.flush_live(rec)
     before, counts, marks = fleet.store.keys(), fleet.store.counts(), Marks.now(fleet)
-    storage_before = fleet.servers[B].metrics().total("sglang:cached_tokens_total", cache_source="storage")
-    request = prefix + tokens("fleet:prefix:next-page", PAGE_SIZE)
-    answer = fleet.send(rec, B, "prefix + a new page on B, after the flush", request, pair=True)
+    storage_before = fleet.servers[reader].metrics().total("sglang:cached_tokens_total", cache_source="storage")
+    request = prefix + tokens(f"fleet:{writer}:next-page", PAGE_SIZE)
+    answer = fleet.send(rec, reader, f"{writer}'s prefix + a new page on {reader}, after the flush", request, pair=True)
     want = len(by_page(written)) * PAGE_SIZE
     if answer is not None:
-        rec.expect(answer.tier("storage") == want, f"B's storage hit {answer.cached_by_tier}, want A's {want} tokens")
+        rec.expect(answer.tier("storage") == want, f"{reader}'s storage hit {answer.cached_by_tier}, want {writer}'s {want} tokens")
     new = fleet.wait_writes(before, 1)
-    put = marks.puts(fleet, B)
-    rec.expect(len(by_page(new)) == 1, f"B's request added {len(by_page(new))} pages to the store, want 1 (the new page)")
-    rec.expect(not set(written) & {k for keys in put.values() for k in keys}, "B put again a page A had stored")
+    put = marks.puts(fleet, reader)
+    rec.expect(len(by_page(new)) == 1, f"{reader}'s request added {len(by_page(new))} pages to the store, want 1 (the new page)")
+    rec.expect(not set(written) & {k for keys in put.values() for k in keys}, f"{reader} put again a page {writer} had stored")
     for problem in owner_problems(put, new):
-        rec.expect(False, f"B's writes: {problem}")
+        rec.expect(False, f"{reader}'s writes: {problem}")
     after = fleet.store.counts()
     written_now, refused = after.written - counts.written, after.refused - counts.refused
     rec.expect((written_now, refused) == (len(new), 0), f"the master wrote {written_now} objects and refused {refused}, want {len(new)} and 0")
-    storage = fleet.servers[B].metrics().total("sglang:cached_tokens_total", cache_source="storage") - storage_before
-    rec.note(f"B: storage hit {answer and answer.tier('storage')} tokens ({storage:.0f} in B's /metrics); the master wrote {written_now} objects (the new page's), refused {refused}")
-    rec.expect(fleet.store.read(written) == written, "A's objects changed after B's read")
+    storage = fleet.servers[reader].metrics().total("sglang:cached_tokens_total", cache_source="storage") - storage_before
+    rec.note(f"{reader}: storage hit {answer and answer.tier('storage')} tokens of {writer}'s pages ({storage:.0f} in its /metrics); the master wrote {written_now} objects (the new page's), refused {refused}")
+    rec.expect(fleet.store.read(written) == written, f"{writer}'s objects changed after {reader}'s read")
 
 
 def _reader(rec: Recorder, fleet: Fleet, prefix: List[int], written: Set[str]) -> None:
@@ -267,19 +314,28 @@ def _race(rec: Recorder, fleet: Fleet) -> None:
 ENGINE_LISTENS = re.compile(r"listening on (127\.0\.0\.1:\d+)")
 
 
+def holders(fleet: Fleet, keys: Set[str]) -> Counter:
+    """How many of ``keys``' replicas each fleet process's segments hold, by name (each
+    transport endpoint named from the Mooncake lines of the prefills' and the holder's
+    logs; an endpoint no log names stays as it is). Raises OSError/ValueError when the
+    master does not answer."""
+    processes = {name: server.process for name, server in fleet.servers.items()}
+    if fleet.holder is not None:
+        processes[fleet.holder.name] = fleet.holder
+    owners = {port: name for name, process in processes.items() for port in ENGINE_LISTENS.findall(process.log_text())}
+    by_owner: Counter = Counter()
+    for endpoint, count in fleet.store.placement(keys).items():
+        by_owner[owners.get(endpoint, endpoint)] += count
+    return by_owner
+
+
 def _placement(rec: Recorder, fleet: Fleet, keys: Set[str]) -> None:
-    """Which prefill's segments hold A's objects (each endpoint named from the Mooncake
-    lines of the servers' logs): reported, for what a prefill that leaves takes along."""
-    owners = {port: name for name, server in fleet.servers.items() for port in ENGINE_LISTENS.findall(server.process.log_text())}
+    """Which prefill's segments hold A's objects: reported, for what a prefill that leaves
+    takes along."""
     try:
-        placed = fleet.store.placement(keys)
+        rec.note(f"A's prefix objects are held in the segments of: {dict(holders(fleet, keys))}")
     except (OSError, ValueError) as error:
         rec.note(f"placement of A's objects not read: {error!r}")
-        return
-    by_owner = Counter()
-    for endpoint, count in placed.items():
-        by_owner[owners.get(endpoint, endpoint)] += count
-    rec.note(f"A's prefix objects are held in the segments of: {dict(by_owner)}")
 
 
 def _cache_aware(rec: Recorder, fleet: Fleet, prefix: List[int]) -> None:
@@ -311,11 +367,11 @@ def fleet_shared_l3(session: ServingSession) -> ScenarioReport:
         rec = Recorder(session, "fleet: shared Mooncake L3 (A, B, reader)", sharded=fleet.router)
         rec.note("fleet started: " + ", ".join(f"{name} {s:.0f} s" for name, s in fleet.start_times.items()))
         prefix = tokens("fleet:prefix", PREFIX_PAGES * PAGE_SIZE + 10)
-        written_keys = _written_by_a(rec, fleet, prefix)
+        written_keys = written_by(rec, fleet, A, prefix)
         written = fleet.store.read(written_keys)
         _placement(rec, fleet, written_keys)
         _byte_twin(rec, fleet, B, prefix, written, "prefix")
-        _hit_on_b(rec, fleet, prefix, written)
+        hit_on(rec, fleet, B, A, prefix, written)
         _reader(rec, fleet, prefix, written_keys)
         _race(rec, fleet)
         _cache_aware(rec, fleet, prefix)
@@ -327,4 +383,4 @@ def fleet_shared_l3(session: ServingSession) -> ScenarioReport:
         fleet.retire()
 
 
-__all__ = ["Fleet", "fleet_shared_l3"]
+__all__ = ["A", "B", "Fleet", "FleetPlan", "Marks", "fleet_shared_l3", "hit_on", "holders", "written_by"]

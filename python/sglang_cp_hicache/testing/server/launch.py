@@ -44,6 +44,9 @@ class StorageSpec:
     backend: str
     directory: Optional[Path] = None
     mooncake_master: Optional[str] = None  # host:port
+    #: the segment each rank of a ``mooncake`` prefill mounts (None: the line's default); 0
+    #: mounts none, so its objects live in other clients' segments (a segment holder's)
+    mooncake_segment_bytes: Optional[int] = None
 
     def env(self) -> Dict[str, str]:
         if self.backend == "file":
@@ -64,6 +67,7 @@ class PrefillSpec:
     extra_args: Tuple[str, ...] = ()
     kv_events: bool = False  # a KV event publisher (--kv-events-config) on a port of its own
     l3_puts_logged: bool = False  # its ranks log each L3 put by key (:data:`L3_PUTS_LOGGED_ENV`)
+    extra_env: Tuple[Tuple[str, str], ...] = ()  # more environment (e.g. a fleet's health endpoint)
 
     @property
     def cp(self) -> int:
@@ -75,12 +79,13 @@ class PrefillSpec:
 
     def env(self) -> Dict[str, str]:
         """What this prefill's environment adds: its L3 tier's, for an unsharded CP prefill
-        with one :data:`UNSHARDED_CP_L3_WRITERS_ENV`, and :data:`L3_PUTS_LOGGED_ENV` if asked."""
+        with one :data:`UNSHARDED_CP_L3_WRITERS_ENV`, :data:`L3_PUTS_LOGGED_ENV` if asked, and
+        ``extra_env``."""
         if self.storage is None:
-            return {}
+            return dict(self.extra_env)
         writers = {UNSHARDED_CP_L3_WRITERS_ENV: "1"} if not self.sharded and self.cp > 1 else {}
         puts = {L3_PUTS_LOGGED_ENV: "1"} if self.l3_puts_logged else {}
-        return {**self.storage.env(), **writers, **puts}
+        return {**self.storage.env(), **writers, **puts, **dict(self.extra_env)}
 
 
 @dataclass(frozen=True)
@@ -242,10 +247,16 @@ def decode_argv(line: LineLaunch, model: Path, endpoint: Endpoint, extra_args: S
 
 
 def router_argv(
-    endpoint: Endpoint, prometheus_port: int, prefills: Sequence[Endpoint], decode: Endpoint, policy: Optional[str] = None
+    endpoint: Endpoint,
+    prometheus_port: int,
+    prefills: Sequence[Endpoint],
+    decode: Endpoint,
+    policy: Optional[str] = None,
+    extra_args: Sequence[str] = (),
 ) -> List[str]:
     """sglang-router in PD mode over ``prefills`` (each a ``--prefill URL BOOTSTRAP_PORT``) and
-    one decode; ``policy``: its ``--policy`` (None: the router's default)."""
+    one decode; ``policy``: its ``--policy`` (None: the router's default); ``extra_args``
+    last (e.g. a fleet router's health-check knobs)."""
     workers = [arg for prefill in prefills for arg in ("--prefill", prefill.url, str(prefill.bootstrap_port))]
     return [
         sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
@@ -257,6 +268,7 @@ def router_argv(
         # every answer is the servers' own: a retried request would hide a failed one, and
         # the faults the scenarios plant must not open a circuit for the next scenario
         "--disable-retries", "--disable-circuit-breaker", "--shutdown-grace-period-secs", "1",
+        *extra_args,
     ]  # fmt: skip
 
 

@@ -26,6 +26,7 @@ from sglang_cp_hicache.testing.server.client import Completion, RequestFailed, g
 from sglang_cp_hicache.testing.server.eagle_scenario import eagle
 from sglang_cp_hicache.testing.server.eagle_tiers import eagle_tiers
 from sglang_cp_hicache.testing.server.fleet import fleet_shared_l3
+from sglang_cp_hicache.testing.server.fleet_faults import fleet_faults
 from sglang_cp_hicache.testing.server.cluster import Router, Server
 from sglang_cp_hicache.testing.server.input_scenarios import bad_input, batch_of_300, flush_after_warm_up
 from sglang_cp_hicache.testing.server.kv_events_check import check_kv_events
@@ -461,6 +462,7 @@ SCENARIOS: Tuple[Scenario, ...] = (
 #: the serving module's share of CI (docs/serving_on_cpu.md).
 BY_HAND: Tuple[Scenario, ...] = (
     Scenario("fleet_shared_l3", fleet_shared_l3, needs_storage=True, releases=("0.5.23",)),
+    Scenario("fleet_faults", fleet_faults, needs_storage=True, releases=("0.5.23",)),  # 5 servers started, 2 restarts
     Scenario("eagle", eagle, releases=("0.5.23",)),  # three EAGLE servers: ~4 min, over CI's budget
     Scenario("eagle_tiers", eagle_tiers, needs_storage=True, releases=("0.5.23",)),  # four EAGLE servers
     Scenario("two_nodes", two_nodes, needs_storage=True, releases=("0.5.23",)),  # issue 45: --nnodes 2 on loopback

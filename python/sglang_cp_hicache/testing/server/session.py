@@ -107,7 +107,7 @@ class ServingSession:
         self.cluster.stop(*old, self.decode)
         self.decode = self.cluster.decode(self.decode.name)
         times = self.cluster.start(self.decode)
-        fresh = [self.cluster.router(r.name, r.prefill, self.decode, r.also, r.policy) for r in old]
+        fresh = [self.cluster.router(r.name, r.prefill, self.decode, r.also, r.policy, r.extra_args) for r in old]
         times.update(self.cluster.start(*fresh))
         self.sharded_router, self.reference_router = fresh[:2]
         if self.decode_reference_router is not None:

@@ -153,6 +153,15 @@ class StoreView:
         with urllib.request.urlopen(f"{self.http}/get_all_keys", timeout=HTTP_TIMEOUT_S) as response:
             return {line.strip() for line in response.read().decode().splitlines() if line.strip()}
 
+    def segments(self) -> List[str]:
+        """The segments mounted on the master (``/get_all_segments``: one name a line);
+        empty while it does not answer."""
+        try:
+            with urllib.request.urlopen(f"{self.http}/get_all_segments", timeout=HTTP_TIMEOUT_S) as response:
+                return [line.strip() for line in response.read().decode().splitlines() if line.strip()]
+        except OSError:
+            return []
+
     def placement(self, keys: Iterable[str]) -> Counter:
         """How many of ``keys``' replicas each segment holds, by the segment's transport
         endpoint (``/query_key``): Mooncake places an object in any mounted segment, and a

@@ -57,12 +57,13 @@ class Launch0523:
                 # every hit waits for its whole prefetch: hit lengths are deterministic
                 "--hicache-storage-prefetch-policy", "wait_complete"]  # fmt: skip
         if storage.backend == "mooncake":
+            segment = storage.mooncake_segment_bytes
             config = {
                 "master_server_address": storage.mooncake_master,
                 "protocol": "tcp",
                 "metadata_server": "P2PHANDSHAKE",
                 "local_hostname": "127.0.0.1",
-                "global_segment_size": MOONCAKE_SEGMENT_BYTES,
+                "global_segment_size": MOONCAKE_SEGMENT_BYTES if segment is None else segment,
             }
             args += ["--hicache-storage-backend-extra-config", json.dumps(config)]
         return args

@@ -1,13 +1,18 @@
 """The fleet scenario's reading of the Mooncake store and of the prefills' logged puts
 (``testing/server/store_view.py``), the 0.5.23 runtime step that logs them
-(``testing/v0_5_23/server_runtime.puts_logged``) and the fleet router's command line. No
-server: lines are made by the real logging wrapper around a stand-in put."""
+(``testing/v0_5_23/server_runtime.puts_logged``) and the fleet routers' command lines (the faults
+fleet's health checks), the segment holder's and the prefills' segments. No server: lines
+are made by the real logging wrapper around a stand-in put."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+from pathlib import Path
 
+from sglang_cp_hicache.testing.mooncake_master import holder_argv
+from sglang_cp_hicache.testing.server.fleet_faults import HEALTH_ARGS, PLAN
 from sglang_cp_hicache.testing.server.launch import Endpoint, PrefillSpec, StorageSpec, router_argv
 from sglang_cp_hicache.testing.server.store_view import (
     by_page,
@@ -19,6 +24,7 @@ from sglang_cp_hicache.testing.server.store_view import (
     put_by_rank,
 )
 from sglang_cp_hicache.testing.v0_5_23 import server_runtime
+from sglang_cp_hicache.testing.v0_5_23.server_launch import LAUNCH, MOONCAKE_SEGMENT_BYTES
 
 NAMESPACE = "0123456789abcdef"
 COMPONENTS = ("_mla_k", "_indexer_mla_k")
@@ -105,3 +111,32 @@ def test_only_a_prefill_that_asks_logs_its_puts():
     storage = StorageSpec("mooncake", mooncake_master="127.0.0.1:1")
     assert PrefillSpec("a", storage=storage, l3_puts_logged=True).env()["SGLANG_CP_HICACHE_L3_PUTS_LOGGED"] == "1"
     assert "SGLANG_CP_HICACHE_L3_PUTS_LOGGED" not in PrefillSpec("b", storage=storage).env()
+
+
+def test_a_fleet_router_takes_its_health_checks_last():
+    argv = router_argv(Endpoint(23000), 23001, [Endpoint(21000, 21001)], Endpoint(24000), "round_robin", HEALTH_ARGS)
+    assert argv[-len(HEALTH_ARGS):] == list(HEALTH_ARGS)
+    assert argv[argv.index("--health-check-interval-secs") + 1] == "1"
+    assert "--health-check-interval-secs" not in router_argv(Endpoint(23000), 23001, [Endpoint(21000, 21001)], Endpoint(24000))
+
+
+def test_prefills_of_the_faults_fleet_mount_no_segment_and_the_holder_mounts_the_store():
+    segment = lambda spec: json.loads(_extra_config(LAUNCH.storage_args(spec)))["global_segment_size"]  # noqa: E731
+    assert segment(StorageSpec("mooncake", mooncake_master="127.0.0.1:1", mooncake_segment_bytes=0)) == 0
+    assert segment(StorageSpec("mooncake", mooncake_master="127.0.0.1:1")) == MOONCAKE_SEGMENT_BYTES
+    argv = holder_argv("127.0.0.1:5", 7, PLAN.holder_bytes)
+    assert Path(argv[0]).name == "mooncake_client"
+    assert {"--port=7", f"--global_segment_size={PLAN.holder_bytes}", "--master_server_address=127.0.0.1:5",
+            "--metadata_server=P2PHANDSHAKE", "--protocol=tcp"} <= set(argv)  # fmt: skip
+    assert PLAN.segment_bytes == 0 and not PLAN.reader
+
+
+def _extra_config(args):
+    return args[args.index("--hicache-storage-backend-extra-config") + 1]
+
+
+def test_the_faults_fleet_prefills_answer_health_without_a_generation():
+    storage = StorageSpec("mooncake", mooncake_master="127.0.0.1:1", mooncake_segment_bytes=0)
+    env = PrefillSpec("a", storage=storage, l3_puts_logged=True, extra_env=PLAN.prefill_env).env()
+    assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "false" and env["SGLANG_CP_HICACHE_L3_PUTS_LOGGED"] == "1"
+    assert "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION" not in PrefillSpec("b", storage=storage).env()
