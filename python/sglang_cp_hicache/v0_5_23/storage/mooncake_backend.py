@@ -107,7 +107,7 @@ class MasterOutage:
     failed_batches: int = 0  # batches the client answered RPC_FAIL
     skipped_batches: int = 0  # batches answered RPC_FAIL without calling the client
     outages: int = 0
-    reconnects: int = 0  # probes that found the master listening again after an outage
+    reconnects: int = 0  # probes that found the master listening again (after an outage or a stale link)
     _next_probe: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -117,8 +117,35 @@ class MasterOutage:
             return [RPC_FAIL] * key_count
         results = client_call()
         if key_count and all(result == RPC_FAIL for result in results):
+            if self._listens_though_failed():  # a stale link to a restarted master
+                results = client_call()
+                if not all(result == RPC_FAIL for result in results):
+                    self._reconnected(operation)
+                    return results
             self._record_failure(operation)
         return results
+
+    def _listens_though_failed(self) -> bool:
+        """A batch answered RPC_FAIL while the master was thought up: whether it listens
+        (restarted since this rank's last batch, whose client link went stale; the next
+        batch reconnects), so the batch goes out once more instead of a second of L3 lost."""
+        with self._lock:
+            self.failed_batches += 1
+            if self.down:
+                return False
+        try:
+            probe_master(self.address or "", timeout_s=OUTAGE_PROBE_TIMEOUT_S)
+        except MooncakeMasterUnreachable:
+            return False
+        return True
+
+    def _reconnected(self, operation: str) -> None:
+        with self._lock:
+            self.reconnects += 1
+        logger.warning(
+            "cp_hicache L3 mooncake: %s failed with RPC_FAIL while the master at %s listens "
+            "(restarted): sent once more, served", operation, self.address,
+        )
 
     def _may_call(self) -> bool:
         with self._lock:
@@ -143,7 +170,6 @@ class MasterOutage:
 
     def _record_failure(self, operation: str) -> None:
         with self._lock:
-            self.failed_batches += 1
             if self.down:
                 return
             self.down = True

@@ -108,3 +108,19 @@ def test_the_client_is_called_again_once_the_master_listens(monkeypatch):
         assert outage.call("batch get", 1, lambda: [64]) == [64]
     assert not outage.down and outage.outages == 1 and outage.skipped_batches == 0
     assert outage.reconnects == 1
+
+
+def test_a_restarted_master_answering_a_stale_link_gets_the_batch_again():
+    """A master restarted while this rank sent nothing: the client's first batch over its
+    old link answers RPC_FAIL though the master listens (fleet_faults run 3: A's next
+    second of backups was then answered failed unsent and its prefix never stored)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        outage = ours.MasterOutage("127.0.0.1:%d" % listener.getsockname()[1])
+        answers = [[ours.RPC_FAIL] * 2, [0, 0]]
+        assert outage.call("batch put", 2, lambda: answers.pop(0)) == [0, 0]
+        assert not answers  # sent twice
+        assert outage.call("batch put", 1, lambda: [0]) == [0]  # and the next goes out too
+    assert not outage.down and outage.outages == 0 and outage.failed_batches == 1
+    assert outage.reconnects == 1 and outage.skipped_batches == 0
