@@ -117,7 +117,10 @@ class MasterOutage:
             return [RPC_FAIL] * key_count
         results = client_call()
         if key_count and all(result == RPC_FAIL for result in results):
-            if self._listens_though_failed():  # a stale link to a restarted master
+            with self._lock:
+                self.failed_batches += 1
+                known_down = self.down
+            if not known_down and self._listens():  # a stale link to a restarted master
                 results = client_call()
                 if not all(result == RPC_FAIL for result in results):
                     self._reconnected(operation)
@@ -125,14 +128,11 @@ class MasterOutage:
             self._record_failure(operation)
         return results
 
-    def _listens_though_failed(self) -> bool:
-        """A batch answered RPC_FAIL while the master was thought up: whether it listens
-        (restarted since this rank's last batch, whose client link went stale; the next
-        batch reconnects), so the batch goes out once more instead of a second of L3 lost."""
-        with self._lock:
-            self.failed_batches += 1
-            if self.down:
-                return False
+    def _listens(self) -> bool:
+        """Whether the master takes connections. Asked when a batch failed while it was
+        thought up: a master restarted since this rank's last batch leaves the client's
+        link stale (its next batch reconnects), so the batch goes out once more instead
+        of a second of L3 being lost to a spurious outage."""
         try:
             probe_master(self.address or "", timeout_s=OUTAGE_PROBE_TIMEOUT_S)
         except MooncakeMasterUnreachable:
