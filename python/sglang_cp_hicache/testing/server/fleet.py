@@ -16,7 +16,6 @@ the wanted prefill served the last one. The scenario (``fleet_shared_l3``) is ru
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -311,22 +310,14 @@ def _race(rec: Recorder, fleet: Fleet) -> None:
     _byte_twin(rec, fleet, B, prompt, fleet.store.read(keys), "race")
 
 
-ENGINE_LISTENS = re.compile(r"listening on (127\.0\.0\.1:\d+)")
-
-
 def holders(fleet: Fleet, keys: Set[str]) -> Counter:
-    """How many of ``keys``' replicas each fleet process's segments hold, by name (each
-    transport endpoint named from the Mooncake lines of the prefills' and the holder's
-    logs; an endpoint no log names stays as it is). Raises OSError/ValueError when the
-    master does not answer."""
+    """How many of ``keys``' replicas each fleet process's segments hold, by name (the
+    prefills' and the holder's logs name their endpoints). Raises OSError/ValueError when
+    the master does not answer."""
     processes = {name: server.process for name, server in fleet.servers.items()}
     if fleet.holder is not None:
         processes[fleet.holder.name] = fleet.holder
-    owners = {port: name for name, process in processes.items() for port in ENGINE_LISTENS.findall(process.log_text())}
-    by_owner: Counter = Counter()
-    for endpoint, count in fleet.store.placement(keys).items():
-        by_owner[owners.get(endpoint, endpoint)] += count
-    return by_owner
+    return fleet.store.held_by(keys, {name: process.log_text() for name, process in processes.items()})
 
 
 def _placement(rec: Recorder, fleet: Fleet, keys: Set[str]) -> None:

@@ -21,6 +21,9 @@ from typing import Dict, Iterable, List, Mapping, Optional, Set, Tuple
 from sglang_cp_hicache.testing.server.cluster import MooncakeMaster
 from sglang_cp_hicache.testing.server.metrics import Metrics
 
+#: A Mooncake transfer engine's or store client's endpoint, as its process logs it.
+MOONCAKE_LISTENS = re.compile(r"listening on (127\.\d+\.\d+\.\d+:\d+)")
+
 PAGE_HASH = re.compile(r"(?<![0-9a-f])[0-9a-f]{64}(?![0-9a-f])")
 #: What the 0.5.23 runtime's put lines start with, then ``tp rank R put N failed F: keys``.
 PUT_LINE = re.compile(r"cp_hicache L3 puts \(CPU runtime step\): tp rank (\d+) put (\d+) failed (\d+):(.*)$")
@@ -173,6 +176,16 @@ class StoreView:
                     found[replica.get("transport_endpoint_", "?")] += 1
         return found
 
+    def held_by(self, keys: Iterable[str], logs: Mapping[str, str]) -> Counter:
+        """:meth:`placement` by process name: each transport endpoint named from the
+        ``listening on HOST:PORT`` lines of that process's Mooncake log (``logs``: name ->
+        log text); an endpoint no log names stays as it is."""
+        owners = {endpoint: name for name, text in logs.items() for endpoint in MOONCAKE_LISTENS.findall(text)}
+        by_owner: Counter = Counter()
+        for endpoint, count in self.placement(keys).items():
+            by_owner[owners.get(endpoint, endpoint)] += count
+        return by_owner
+
     def counts(self) -> StoreCounts:
         return StoreCounts.of(Metrics.fetch(self.http))
 
@@ -200,6 +213,7 @@ class StoreView:
 
 
 __all__ = [
+    "MOONCAKE_LISTENS",
     "Put",
     "StoreCounts",
     "StoreView",

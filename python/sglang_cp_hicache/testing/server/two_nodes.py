@@ -24,7 +24,6 @@ import os
 import re
 import socket
 import urllib.request
-from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -232,15 +231,12 @@ def _metrics(rec: Recorder, prefill: TwoNodePrefill) -> None:
 
 def _placement(rec: Recorder, prefill: TwoNodePrefill, keys: Set[str]) -> None:
     """Whose segments (by node) hold the prefix's objects: reported."""
-    owners = {f"{h}:{p}": NAMES[n] for n, s in enumerate(prefill.nodes) for h, p in MOONCAKE_LISTENS.findall(s.process.log_text())}
+    logs = {NAMES[n]: server.process.log_text() for n, server in enumerate(prefill.nodes)}
     try:
-        placed = prefill.store.placement(keys)
+        by_node = prefill.store.held_by(keys, logs)
     except (OSError, ValueError) as error:
         rec.note(f"placement not read: {error!r}")
         return
-    by_node = Counter()
-    for endpoint, count in placed.items():
-        by_node[owners.get(endpoint, endpoint)] += count
     rec.note(f"the prefix's objects are held in the segments of: {dict(by_node)}")
 
 
